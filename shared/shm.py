@@ -1,0 +1,149 @@
+"""Named POSIX shared-memory segments: the only module that creates and unlinks them.
+
+Segments live in /dev/shm as ``rlpipe-<run_id>-<service><i>-<purpose>``. The owner creates
+(removing a stale segment of the same name that a crash left), peers attach by name, the
+owner unlinks on exit. We use the files in /dev/shm directly rather than
+``multiprocessing.shared_memory``: its resource tracker unlinks segments that a *peer*
+merely attached to when that peer exits (Python < 3.13), which breaks named sharing
+between unrelated processes.
+
+A segment that holds a namedarraytuple is described by a *descriptor*
+``{"name", "nonce", "spec"}``: plain data that travels in messages. The nonce changes every
+time the owner (re)creates the segment, so a peer can tell a restarted owner's segment from
+the one it attached to before.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+from shared.namedarraytuple import from_spec, spec_nbytes, validate_spec
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "rlpipe-"
+_NAME_RE = re.compile(r"^rlpipe-[A-Za-z0-9_.]+-[A-Za-z0-9_.-]+$")
+# No '-' in a run id: it ends the run id in a segment name, so clean("a") cannot take run "a-b"'s.
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+
+log = logging.getLogger(__name__)
+_owned: dict[str, "Segment"] = {}
+
+
+def segment_name(run_id: str, service: str, instance: int, purpose: str) -> str:
+    _check_run_id(run_id)
+    return f"{PREFIX}{run_id}-{service}{instance}-{purpose}"
+
+
+class Segment:
+    """One mapped segment. ``owner`` segments are unlinked by ``unlink()`` or at exit."""
+
+    def __init__(self, name: str, fd: int, size: int, owner: bool):
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self.mmap = mmap.mmap(fd, size)
+        os.close(fd)
+
+    @classmethod
+    def create(cls, name: str, size: int) -> "Segment":
+        _check_name(name)
+        path = SHM_DIR / name
+        if path.exists():
+            log.warning("removing stale shared-memory segment %s left by an earlier run", name)
+            path.unlink()
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            os.close(fd)
+            path.unlink()
+            raise
+        seg = cls(name, fd, size, owner=True)
+        _owned[name] = seg
+        return seg
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        _check_name(name)
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"shared-memory segment {name} does not exist (owner gone?)") from None
+        size = os.fstat(fd).st_size
+        return cls(name, fd, size, owner=False)
+
+    def unlink(self) -> None:
+        if self.owner:
+            _owned.pop(self.name, None)
+            try:
+                (SHM_DIR / self.name).unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Unmap. Arrays that still view the segment keep the mapping alive until freed."""
+        try:
+            self.mmap.close()
+        except BufferError:
+            pass  # numpy views still exist; the mapping goes when they do
+
+
+def allocate(name: str, spec) -> tuple[Segment, object, dict]:
+    """Create segment ``name`` holding ``spec``; return (segment, arrays, descriptor)."""
+    seg = Segment.create(name, spec_nbytes(spec))
+    tree = from_spec(spec, seg.mmap, fill=True)
+    return seg, tree, {"name": name, "nonce": secrets.randbits(48), "spec": spec}
+
+
+def attach(descriptor: dict) -> tuple[Segment, object]:
+    """Attach to the segment a descriptor names; check that its size fits the spec."""
+    if not isinstance(descriptor, dict) or not isinstance(descriptor.get("name"), str):
+        raise ValueError("descriptor: needs a 'name' (str)")
+    validate_spec(descriptor.get("spec"), "descriptor.spec")
+    seg = Segment.attach(descriptor["name"])
+    need = spec_nbytes(descriptor["spec"])
+    if seg.size < need:
+        seg.close()
+        raise ValueError(f"segment {seg.name} has {seg.size} bytes, its spec needs {need}")
+    return seg, from_spec(descriptor["spec"], seg.mmap, fill=False)
+
+
+def run_segments(run_id: str) -> list[Path]:
+    _check_run_id(run_id)
+    return sorted(SHM_DIR.glob(f"{PREFIX}{run_id}-*"))
+
+
+def clean(run_id: str) -> list[str]:
+    """Remove every segment of ``run_id`` (what a killed run left). Returns their names."""
+    removed = []
+    for path in run_segments(run_id):
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def unlink_all_owned() -> None:
+    for seg in list(_owned.values()):
+        seg.unlink()
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_RE.match(name) or len(name) > 250:
+        raise ValueError(f"bad shared-memory segment name {name!r}: want rlpipe-<run>-<service><i>-<purpose>")
+
+
+def _check_run_id(run_id: str) -> None:
+    if not _RUN_ID_RE.match(run_id):
+        raise ValueError(f"bad run id {run_id!r}: use letters, digits, '_' and '.' only")
+
+
+atexit.register(unlink_all_owned)

@@ -1,0 +1,157 @@
+"""The wire envelope: the only module that packs and unpacks socket messages.
+
+A message is a list of ZeroMQ frames: frame 0 is a msgpack map (the header), frames 1..k
+carry raw array bytes when arrays travel between hosts (on one host they stay in shared
+memory and only descriptors travel). Nothing from a socket is ever unpickled.
+
+Header::
+
+    {"v": PROTOCOL_VERSION, "type": str, "from": str, "seq": int, "body": {...},
+     "arrays": [{"dtype": str, "shape": [int, ...]}, ...]}     # one per extra frame
+
+Each message type declares its required body fields and their types in ``SCHEMAS``;
+``unpack`` rejects anything else with a ``WireError`` whose text names what was wrong, so a
+service can log it and carry on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_FRAME_BYTES = 1 << 30
+
+_INT = (int,)
+_NUM = (int, float)
+_STR = (str,)
+_LIST = (list,)
+_DICT = (dict,)
+_BOOL = (bool,)
+
+# type -> {field: allowed python types}. Optional fields are not listed; receivers use
+# body.get() for those.
+SCHEMAS: dict[str, dict[str, tuple]] = {
+    # sampler <-> action-server
+    "hello_actor": {"instance": _INT, "slots": _LIST},  # slots: shm descriptors
+    "obs": {"slot": _INT, "step": _INT},
+    "act": {"slot": _INT, "step": _INT, "version": _INT},
+    # sampler <-> replay
+    "hello_writer": {"instance": _INT, "ring": _DICT, "incarnation": _INT},
+    "segment": {"index": _INT, "serial": _INT, "steps": _INT, "episodes": _LIST, "version_min": _INT, "version_max": _INT},
+    "release": {"index": _INT},
+    # learner <-> replay
+    "hello_reader": {"slots": _LIST},
+    "sample": {"slot": _INT, "n": _INT, "min_version": _INT},
+    "sampled": {"slot": _INT, "n": _INT, "env_steps": _INT, "episodes": _LIST, "dropped": _INT},
+    "priorities": {"keys": _LIST, "priorities": _LIST},
+    # learner -> action-servers (PUB)
+    "params": {"version": _INT, "segment": _DICT},
+    # any -> any
+    "welcome": {"peer": _STR},
+    "error": {"reason": _STR},
+}
+
+
+class WireError(ValueError):
+    """A message that does not follow the protocol; the text says what was wrong."""
+
+
+@dataclass
+class Message:
+    type: str
+    body: dict
+    sender: str = ""
+    seq: int = 0
+    arrays: list = field(default_factory=list)
+
+
+def pack(type: str, body: dict, sender: str, seq: int, arrays: list | None = None) -> list:
+    """Frames for one message; ``arrays`` (numpy) travel as zero-copy extra frames."""
+    _check_body(type, body)
+    arrays = arrays or []
+    header = {
+        "v": PROTOCOL_VERSION,
+        "type": type,
+        "from": sender,
+        "seq": seq,
+        "body": body,
+        "arrays": [{"dtype": a.dtype.str, "shape": list(a.shape)} for a in arrays],
+    }
+    return [msgpack.packb(header, use_bin_type=True)] + [np.ascontiguousarray(a) for a in arrays]
+
+
+def unpack(frames: list) -> Message:
+    """Parse and validate frames (bytes or zmq.Frame). Raises WireError naming the fault."""
+    if not frames:
+        raise WireError("empty message (no frames)")
+    raw = _bytes(frames[0])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise WireError(f"header is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise WireError(f"header must be a map, got {type(header).__name__}")
+    version = header.get("v")
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1.0 == 1 in python
+        raise WireError(f"protocol version {version!r}, this service speaks {PROTOCOL_VERSION}")
+    mtype, body, seq, sender = header.get("type"), header.get("body"), header.get("seq"), header.get("from")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(sender, str):
+        raise WireError("header needs 'seq' (int) and 'from' (str)")
+    if not isinstance(mtype, str):
+        raise WireError(f"header 'type' must be a str, got {type(mtype).__name__}")
+    if not isinstance(body, dict):
+        raise WireError(f"{mtype!r} message: body must be a map")
+    _check_body(mtype, body)
+    specs = header.get("arrays", [])
+    if not isinstance(specs, list) or len(specs) != len(frames) - 1:
+        raise WireError(f"{mtype!r} message: header lists {len(specs) if isinstance(specs, list) else '?'} "
+                        f"arrays but {len(frames) - 1} extra frames came")
+    arrays = [_array(spec, frame, mtype) for spec, frame in zip(specs, frames[1:])]
+    return Message(type=mtype, body=body, sender=sender, seq=seq, arrays=arrays)
+
+
+def _check_body(mtype, body: dict) -> None:
+    schema = SCHEMAS.get(mtype)
+    if schema is None:
+        raise WireError(f"unknown message type {mtype!r} (known: {', '.join(sorted(SCHEMAS))})")
+    for name, types in schema.items():
+        if name not in body:
+            raise WireError(f"{mtype!r} message: missing field {name!r}")
+        value = body[name]
+        if not isinstance(value, types) or (types is not _BOOL and isinstance(value, bool)):
+            want = "/".join(t.__name__ for t in types)
+            raise WireError(f"{mtype!r} message: field {name!r} must be {want}, got {type(value).__name__}")
+
+
+def _bytes(frame) -> bytes | memoryview:
+    """The frame's bytes, zero-copy: bytes, zmq.Frame, or any buffer (e.g. a frame ``pack`` made)."""
+    if isinstance(frame, bytes):
+        return frame
+    view = memoryview(getattr(frame, "buffer", frame))
+    # cast("B"): len() must count bytes, also for a multi-dimensional numpy frame (an empty one cannot be cast).
+    return view.cast("B") if view.nbytes else b""
+
+
+def _array(spec, frame, mtype) -> np.ndarray:
+    try:
+        dtype = np.dtype(spec["dtype"])
+        shape = tuple(spec["shape"])
+        if dtype.hasobject or dtype.itemsize == 0:
+            raise TypeError("object or zero-size dtype")
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise TypeError("shape must be non-negative ints")
+    except Exception as e:
+        raise WireError(f"{mtype!r} message: bad array spec {spec!r} ({e})") from None
+    buf = _bytes(frame)
+    need = dtype.itemsize * math.prod(shape)  # python ints: a huge shape cannot wrap around
+    if len(buf) != need or need > MAX_FRAME_BYTES:
+        raise WireError(f"{mtype!r} message: array frame has {len(buf)} bytes, spec {spec} needs {need}")
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
