@@ -1,0 +1,122 @@
+"""Small gymnasium envs for tests/test_envs.py, loaded through EnvConfig.id = "module:callable"."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+
+class EchoEnv(gym.Env):
+    """Dict observation, Tuple action; each observation echoes the action it followed:
+    pos = the Box action as received, inner.bits = the Discrete action in binary,
+    inner.img = the Discrete action everywhere, count = steps so far. Reward = the
+    Discrete action; the episode terminates after ``episode_len`` steps."""
+
+    def __init__(self, episode_len: int = 1000):
+        self.episode_len = episode_len
+        # Keys deliberately out of order: the adapter must sort them.
+        self.observation_space = spaces.Dict(
+            {
+                "pos": spaces.Box(-1.0, 1.0, (2,), np.float64),
+                "count": spaces.Discrete(10_000),
+                "inner": spaces.Dict({"img": spaces.Box(0, 255, (2, 2), np.uint8), "bits": spaces.MultiBinary(3)}),
+            }
+        )
+        self.action_space = spaces.Tuple((spaces.Discrete(8), spaces.Box(-1.0, 1.0, (2,), np.float32)))
+        self.count = 0
+
+    def _obs(self, k: int, pos: np.ndarray) -> dict:
+        bits = np.array([(k >> b) & 1 for b in range(3)], dtype=np.int8)
+        img = np.full((2, 2), k, dtype=np.uint8)
+        return {"pos": pos.astype(np.float64), "count": self.count, "inner": {"img": img, "bits": bits}}
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.count = 0
+        return self._obs(0, np.zeros(2)), {}
+
+    def step(self, action):
+        k, pos = action
+        assert self.action_space.contains(action), action
+        self.count += 1
+        return self._obs(int(k), np.asarray(pos)), float(k), self.count >= self.episode_len, False, {}
+
+
+def make_dict_env(episode_len: int = 1000) -> gym.Env:
+    return EchoEnv(episode_len)
+
+
+class FaultyEnv(gym.Env):
+    """obs {"x": float32 [3] = (steps, seed, 0), "img": uint8 [2, 2]}; reward 1 a step.
+    If reset with seed ``fail_seed``, its step number ``fail_at`` misbehaves as ``mode``
+    says: "raise", "nan" (x has a NaN), "shape" (x has 4 values), "dtype" (img is
+    float64), "nan_reward"."""
+
+    def __init__(self, fail_seed: int, fail_at: int, mode: str):
+        self.fail_seed, self.fail_at, self.mode = fail_seed, fail_at, mode
+        self.observation_space = spaces.Dict(
+            {"x": spaces.Box(-np.inf, np.inf, (3,), np.float32), "img": spaces.Box(0, 255, (2, 2), np.uint8)}
+        )
+        self.action_space = spaces.Discrete(2)
+        self.seed_used = -1
+        self.count = 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.seed_used = seed
+        self.count = 0
+        return self._obs(False), {}
+
+    def _obs(self, failing: bool) -> dict:
+        x = np.array([self.count, self.seed_used, 0.0], dtype=np.float32)
+        img = np.zeros((2, 2), dtype=np.uint8)
+        if failing and self.mode == "nan":
+            x[2] = np.nan
+        if failing and self.mode == "shape":
+            x = np.zeros(4, dtype=np.float32)
+        if failing and self.mode == "dtype":
+            img = img.astype(np.float64)
+        return {"x": x, "img": img}
+
+    def step(self, action):
+        self.count += 1
+        failing = self.seed_used == self.fail_seed and self.count == self.fail_at
+        if failing and self.mode == "raise":
+            raise RuntimeError("simulated emulator crash")
+        reward = float("nan") if failing and self.mode == "nan_reward" else 1.0
+        return self._obs(failing), reward, False, False, {}
+
+
+def make_faulty_env(fail_seed: int, fail_at: int, mode: str) -> gym.Env:
+    return FaultyEnv(fail_seed, fail_at, mode)
+
+
+class LivesEnv(gym.Env):
+    """A game with ``lives`` lives that loses one every ``steps_per_life`` steps and pays
+    ``reward`` every step; exposes lives the way ALE does (``unwrapped.ale.lives()``)."""
+
+    def __init__(self, lives: int = 3, steps_per_life: int = 5, reward: float = 3.0):
+        self.start_lives, self.steps_per_life, self.reward = lives, steps_per_life, reward
+        self.observation_space = spaces.Box(0.0, np.inf, (1,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.ale = self
+        self.count = 0
+
+    def lives(self) -> int:
+        return self.start_lives - self.count // self.steps_per_life
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.count = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.count += 1
+        obs = np.array([self.count], np.float32)
+        return obs, self.reward, self.lives() == 0, False, {}
+
+
+def make_lives_env(lives: int = 3, steps_per_life: int = 5, reward: float = 3.0) -> gym.Env:
+    return LivesEnv(lives, steps_per_life, reward)
