@@ -1,0 +1,27 @@
+"""Replay tables, numpy only: ``Table(storage, selector, rate_limiter)`` (after Reverb).
+
+Modules: ``sumtree`` (sums/min/max over priorities), ``selectors`` (Fifo, Uniform,
+Prioritized), ``rate_limiter`` (samples-per-insert band), ``nstep`` (n-step targets),
+``tables`` (storages and the Table). This file declares the batch types the tables write
+into a caller's destination (the learner's shared-memory batch slot); allocate one with
+``from_spec(storage.batch_spec(n), buffer)``.
+"""
+
+from shared.namedarraytuple import namedarraytuple
+
+Transition = namedarraytuple(
+    "Transition",
+    [
+        "observation",  # [n, ...] observation at t (same structure as Samples.observation)
+        "action",  # [n, ...] action at t
+        "return_",  # [n] f32: sum_{k<m} gamma^k r_{t+k}
+        "bootstrap_observation",  # [n, ...] observation to bootstrap from (see nstep.py)
+        "bootstrap_discount",  # [n] f32: gamma^m, 0 after a termination
+        "is_weight",  # [n] f32: importance-sampling weight in (0, 1]
+        "policy_version",  # [n]: version of the policy that chose action t
+    ],
+)
+"""One n-step transition per row: target = return_ + bootstrap_discount * V(bootstrap_observation)."""
+
+OnPolicyBatch = namedarraytuple("OnPolicyBatch", ["samples", "bootstrap_value"])
+"""n whole segments side by side: samples [T, n * B] (the Samples structure), bootstrap_value [n * B] f32."""

@@ -1,0 +1,585 @@
+"""Replay tables: ``Table(storage, selector, rate_limiter)`` and the storages items live in.
+
+A *storage* holds the data and decides what an item is: ``TransitionStorage`` (one n-step
+transition per step and env column) or ``SegmentStorage`` (one whole segment, the on-policy
+queue). A *selector* (selectors.py) decides which items a sample returns; a *rate
+limiter* (rate_limiter.py) decides when inserts and samples may happen. The table joins
+them and keeps per-item bookkeeping: which keys are live and a generation counter per key,
+so that priority updates for items overwritten since they were sampled are ignored.
+
+Writers are sampler instances, each owning ``columns_per_writer[w]`` env columns. A
+segment from writer w is the ``Samples`` structure with leading dims [T, B_w].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+
+from shared.namedarraytuple import from_spec, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
+from shared.replay import Transition
+from shared.replay.nstep import nstep_targets
+from shared.replay.rate_limiter import RateLimiter
+from shared.replay.selectors import Selector
+
+_F32 = np.dtype(np.float32).str
+_NO_KEYS = np.zeros(0, dtype=np.int64)
+
+
+# ---------------------------------------------------------------- specs and checks
+
+
+def _strip_leading(spec, k: int) -> Any:
+    """``spec`` without its first ``k`` leading dims on every leaf."""
+    if spec is None:
+        return None
+    if "fields" in spec:
+        return {"type": spec["type"], "fields": [[f, _strip_leading(c, k)] for f, c in spec["fields"]]}
+    return {"dtype": spec["dtype"], "shape": list(spec["shape"][k:])}
+
+
+def _leaf_specs(spec, path: str = "") -> Iterator[tuple[str, dict]]:
+    if spec is None:
+        return
+    if "fields" in spec:
+        for f, child in spec["fields"]:
+            yield from _leaf_specs(child, f"{path}.{f}" if path else f)
+    else:
+        yield path, spec
+
+
+def _field(spec, name: str):
+    for f, child in spec["fields"]:
+        if f == name:
+            return child
+    raise ValueError(f"segment spec has no field {name!r}; the replay tables need it (fields: "
+                     f"{[f for f, _ in spec['fields']]})")
+
+
+def _check_like(got_spec, want_spec, what: str) -> None:
+    """Raise ValueError naming the first leaf where ``got_spec`` differs from ``want_spec``."""
+    got, want = dict(_leaf_specs(got_spec)), dict(_leaf_specs(want_spec))
+    if list(got) != list(want):
+        raise ValueError(f"{what}: fields {list(got)} do not match the table's {list(want)}")
+    for path, w in want.items():
+        if got[path] != w:
+            raise ValueError(
+                f"{what}.{path}: dtype {got[path]['dtype']} shape {got[path]['shape']}, "
+                f"expected dtype {w['dtype']} shape {w['shape']}"
+            )
+
+
+def _segment_dims(segment_spec) -> tuple[int, Any]:
+    """(T, spec of one step) of a segment spec whose leaves lead with [T, B]."""
+    T = next(_leaf_specs(segment_spec))[1]["shape"][0]
+    return int(T), _strip_leading(segment_spec, 2)
+
+
+def _take_into(dest_tree, src_tree, idx: np.ndarray) -> None:
+    """dest leaf[i] = src leaf[idx[i]] for every leaf; src leaves are flat [slots, ...]."""
+    for (_, d), (_, s) in zip(leaves(dest_tree), leaves(src_tree)):
+        np.take(s, idx, axis=0, out=d)
+
+
+# ---------------------------------------------------------------- storage protocol
+
+
+class Storage(Protocol):
+    num_slots: int
+    """Item keys are in [0, num_slots)."""
+
+    def batch_spec(self, n: int) -> Any:
+        """Spec of a destination for ``n`` items (``from_spec`` it, in shm or on the heap)."""
+
+    def items_per_write(self, writer_id: int) -> int:
+        """Items one segment of ``writer_id`` adds (what the rate limiter is asked for)."""
+
+    def can_write(self, writer_id: int) -> bool:
+        """False when a segment of ``writer_id`` cannot be stored now (back-pressure)."""
+
+    def write(self, writer_id: int, samples, bootstrap_value) -> tuple[np.ndarray, np.ndarray]:
+        """Store one segment; return (keys whose data it overwrote, keys that became items)."""
+
+    def reset_writer(self, writer_id: int) -> None:
+        """The writer restarted: its next segment does not continue the previous one."""
+
+    def check_dest(self, dest, n: int) -> None:
+        """Raise ValueError unless ``dest`` is a valid destination for ``n`` items."""
+
+    def gather(self, keys: np.ndarray, is_weights: np.ndarray, dest) -> None:
+        """Write items ``keys`` [n] (with their weights [n]) into ``dest``."""
+
+    def release(self, keys: np.ndarray) -> None:
+        """Items ``keys`` left the table; their space may be reused."""
+
+    def policy_version(self, keys: np.ndarray) -> np.ndarray:
+        """Policy version [n] int64 of items ``keys`` (the oldest step's, for multi-step items)."""
+
+
+# ---------------------------------------------------------------- column ring
+
+
+class ColumnRing:
+    """Trajectory steps in a ring of ``rows`` steps per env column: leaves [rows, B_total, ...].
+
+    Writer w owns the column block [offset_w, offset_w + B_w) and its own write cursor, so
+    samplers that insert at different rates each overwrite only their own oldest steps.
+    Step s of writer w lives in row s % rows; its key is row * B_total + column. Shared by
+    the transition storage and (later) a sequence storage for R2D1.
+    """
+
+    def __init__(self, step_spec, columns_per_writer: dict[int, int], rows: int, buffer=None):
+        if not columns_per_writer or min(columns_per_writer.values()) < 1:
+            raise ValueError(f"columns_per_writer needs >= 1 column per writer, got {columns_per_writer}")
+        self.rows = int(rows)
+        self.offsets: dict[int, int] = {}
+        self.widths = dict(columns_per_writer)
+        for w in sorted(columns_per_writer):
+            self.offsets[w] = sum(self.widths[v] for v in self.offsets)
+        self.B_total = sum(self.widths.values())
+        self.spec = with_leading_dims(step_spec, [self.rows, self.B_total])
+        self.data = from_spec(self.spec, buffer)
+        self.flat = map_leaves(lambda a: a.reshape(self.rows * self.B_total, *a.shape[2:]), self.data)
+        self.written = {w: 0 for w in self.widths}  # steps written by w since the table began
+        self.traj_start = {w: 0 for w in self.widths}  # first step of w's current trajectory
+
+    def width(self, writer_id: int) -> int:
+        """B of ``writer_id``; ValueError for a writer the table was not built for."""
+        if writer_id not in self.widths:
+            raise ValueError(f"unknown writer_id {writer_id}; writers are {sorted(self.widths)}")
+        return self.widths[writer_id]
+
+    def keys(self, writer_id: int, steps: np.ndarray) -> np.ndarray:
+        """Keys [len(steps), B_w] of absolute ``steps`` [S] of ``writer_id``."""
+        off = self.offsets[writer_id]
+        cols = np.arange(off, off + self.widths[writer_id])
+        return (np.asarray(steps) % self.rows)[:, None] * self.B_total + cols[None, :]
+
+    def read(self, writer_id: int, field: str, start: int, stop: int) -> np.ndarray:
+        """Leaf ``field`` (a top-level array field) of steps [start, stop) -> [stop - start, B_w, ...]."""
+        off = self.offsets[writer_id]
+        rows = np.arange(start, stop) % self.rows
+        return getattr(self.data, field)[rows, off : off + self.widths[writer_id]]
+
+    def write(self, writer_id: int, samples) -> np.ndarray:
+        """Append segment ``samples`` [T, B_w]; return the keys [T * B_w] it overwrote."""
+        T = next(leaves(samples))[1].shape[0]
+        s0 = self.written[writer_id]
+        steps = np.arange(s0, s0 + T)
+        off = self.offsets[writer_id]
+        self.data[steps % self.rows, off : off + self.widths[writer_id]] = samples
+        self.written[writer_id] = s0 + T
+        overwritten = steps[steps >= self.rows]  # rows written before hold older steps
+        return self.keys(writer_id, overwritten).reshape(-1)
+
+    def reset_writer(self, writer_id: int) -> None:
+        self.width(writer_id)
+        self.traj_start[writer_id] = self.written[writer_id]
+
+
+# ---------------------------------------------------------------- transitions
+
+
+@dataclass(frozen=True)
+class TransitionStorageConfig:
+    capacity: int = 100_000
+    """Transitions held in total; each env column keeps capacity // (total columns) steps."""
+    n_step: int = 1
+    """Rewards summed per transition before bootstrapping."""
+    gamma: float = 0.99
+    """Discount per step."""
+
+
+class TransitionStorage:
+    """Items are n-step transitions, one per (step, env column), keyed as in ``ColumnRing``.
+
+    n-step targets are computed once, when the steps they need arrive (nstep.py): an item
+    becomes live when observation[t + n] is written or a done inside [t, t + n) closes its
+    window, so the newest n steps of each writer wait for the next segment. The return,
+    discount and the key of the bootstrap observation are kept per key; a sample gathers
+    observation, action and bootstrap observation from the ring. A live item's bootstrap
+    step is never older than its own, so it is overwritten no earlier than the item.
+
+    Writer restarts (``reset_writer``) are seams: items of the last n steps before a seam
+    that no done had closed never become live, since their windows would cross it.
+
+    Memory: the whole Samples structure is stored per step, final_observation included
+    (it is only valid on done steps); for Atari use a frame-deduplicating storage.
+    """
+
+    def __init__(
+        self,
+        segment_spec,
+        columns_per_writer: dict[int, int],
+        config: TransitionStorageConfig = TransitionStorageConfig(),
+        buffer=None,
+    ):
+        """segment_spec: spec of a Samples segment (leaves lead with [T, B]; B is ignored,
+        ``columns_per_writer`` gives each writer's). buffer: optional memory (>= ``nbytes``)
+        to hold the ring, e.g. a shared-memory mmap."""
+        self.T, step_spec = _segment_dims(segment_spec)
+        for name in ("observation", "action", "reward", "terminated", "truncated",
+                     "final_observation", "policy_version"):
+            _field(step_spec, name)
+        if config.n_step < 1 or not 0 <= config.gamma <= 1:
+            raise ValueError(f"TransitionStorageConfig: need n_step >= 1 and 0 <= gamma <= 1, got {config}")
+        B_total = sum(columns_per_writer.values())
+        rows = config.capacity // max(B_total, 1)
+        if rows < self.T + config.n_step:
+            raise ValueError(
+                f"TransitionStorageConfig.capacity={config.capacity} gives {rows} steps per column for "
+                f"{B_total} columns; need >= T + n_step = {self.T + config.n_step}: raise capacity"
+            )
+        self.config = config
+        self.step_spec = step_spec
+        self.ring = ColumnRing(step_spec, columns_per_writer, rows, buffer)
+        self.num_slots = rows * self.ring.B_total
+        self.return_ = np.zeros(self.num_slots, dtype=np.float32)
+        self.discount = np.zeros(self.num_slots, dtype=np.float32)
+        self.bootstrap_key = np.zeros(self.num_slots, dtype=np.int64)
+        self.bootstrap_final = np.zeros(self.num_slots, dtype=bool)
+        self._batch_specs: dict[int, Any] = {}
+
+    @property
+    def storage_spec(self) -> Any:
+        """Spec of the data that ``buffer`` holds: the Samples structure with dims [rows, B_total]."""
+        return self.ring.spec
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a ``buffer`` must have."""
+        return spec_nbytes(self.ring.spec)
+
+    def batch_spec(self, n: int) -> Any:
+        spec = self._batch_specs.get(n)
+        if spec is None:
+            obs = with_leading_dims(_field(self.step_spec, "observation"), [n])
+            scalar = {"dtype": _F32, "shape": [n]}
+            by_field = {
+                "observation": obs,
+                "action": with_leading_dims(_field(self.step_spec, "action"), [n]),
+                "return_": scalar,
+                "bootstrap_observation": obs,
+                "bootstrap_discount": scalar,
+                "is_weight": scalar,
+                "policy_version": with_leading_dims(_field(self.step_spec, "policy_version"), [n]),
+            }
+            spec = {"type": "Transition", "fields": [[f, by_field[f]] for f in Transition._fields]}
+            self._batch_specs[n] = spec
+        return spec
+
+    def items_per_write(self, writer_id: int) -> int:
+        return self.T * self.ring.width(writer_id)
+
+    def can_write(self, writer_id: int) -> bool:
+        """Always True: a ring makes room by overwriting the writer's oldest steps."""
+        return True
+
+    def write(self, writer_id: int, samples, bootstrap_value=None) -> tuple[np.ndarray, np.ndarray]:
+        """Append one segment [T, B_w] (T <= rows - n_step); ``bootstrap_value`` is unused here
+        (transitions bootstrap from bootstrap_observation)."""
+        ring, n = self.ring, self.config.n_step
+        T = _check_segment(samples, self.step_spec, ring.width(writer_id), f"segment of writer {writer_id}")
+        if T + n > ring.rows:
+            raise ValueError(f"segment of writer {writer_id}: T={T} > rows - n_step = {ring.rows - n}")
+        s0 = ring.written[writer_id]
+        k_old = min(n, s0 - ring.traj_start[writer_id])  # earlier steps whose items may be pending
+        old = {f: ring.read(writer_id, f, s0 - k_old, s0) for f in ("reward", "terminated", "truncated")}
+        overwritten = ring.write(writer_id, samples)
+
+        window = {f: np.concatenate([old[f], getattr(samples, f)]) for f in old}
+        tg = nstep_targets(window["reward"], window["terminated"], window["truncated"], n, self.config.gamma)
+        new = tg.complete.copy()
+        old_done = window["terminated"][:k_old] | window["truncated"][:k_old]
+        new[:k_old] &= ~np.logical_or.accumulate(old_done[::-1], axis=0)[::-1]  # live already
+
+        j, b = np.nonzero(new)  # time-major, so a Fifo sees items in step order
+        steps = s0 - k_old + j
+        cols = ring.offsets[writer_id] + b
+        keys = (steps % ring.rows) * ring.B_total + cols
+        boot_steps = steps + tg.bootstrap_offset[j, b]
+        self.return_[keys] = tg.return_[j, b]
+        self.discount[keys] = tg.discount[j, b]
+        self.bootstrap_key[keys] = (boot_steps % ring.rows) * ring.B_total + cols
+        self.bootstrap_final[keys] = tg.from_final[j, b]
+        return overwritten, keys.astype(np.int64)
+
+    def reset_writer(self, writer_id: int) -> None:
+        self.ring.reset_writer(writer_id)
+
+    def check_dest(self, dest, n: int) -> None:
+        _check_like(spec_of(dest), self.batch_spec(n), "destination Transition batch")
+
+    def gather(self, keys: np.ndarray, is_weights: np.ndarray, dest) -> None:
+        flat = self.ring.flat
+        _take_into(dest.observation, flat.observation, keys)
+        _take_into(dest.action, flat.action, keys)
+        np.take(self.return_, keys, out=dest.return_)
+        np.take(self.discount, keys, out=dest.bootstrap_discount)
+        dest.is_weight[:] = is_weights
+        np.take(flat.policy_version, keys, axis=0, out=dest.policy_version)
+        boot = self.bootstrap_key[keys]
+        _take_into(dest.bootstrap_observation, flat.observation, boot)
+        final = np.flatnonzero(self.bootstrap_final[keys])  # done steps: rare, patch them
+        if final.size:
+            for (_, d), (_, s) in zip(leaves(dest.bootstrap_observation), leaves(flat.final_observation)):
+                d[final] = s[boot[final]]
+
+    def release(self, keys: np.ndarray) -> None:
+        """No-op: the steps stay, since other items may bootstrap from them; the ring
+        overwrites them in order."""
+
+    def policy_version(self, keys: np.ndarray) -> np.ndarray:
+        return self.ring.flat.policy_version[keys].astype(np.int64)
+
+
+# ---------------------------------------------------------------- on-policy segments
+
+
+@dataclass(frozen=True)
+class SegmentStorageConfig:
+    capacity: int = 4
+    """Segments the queue holds; when full, inserts wait (the sampler blocks on its segment)."""
+
+
+class SegmentStorage:
+    """Items are whole segments [T, B] plus bootstrap_value [B], in ``capacity`` slots.
+
+    Stored as one OnPolicyBatch with dims [T, capacity * B]: slot k owns columns
+    [k * B, (k + 1) * B), so n sampled slots are gathered into a destination [T, n * B]
+    with one ``take`` per leaf. All writers must have the same B.
+    """
+
+    def __init__(
+        self,
+        segment_spec,
+        columns_per_writer: dict[int, int],
+        config: SegmentStorageConfig = SegmentStorageConfig(),
+        buffer=None,
+    ):
+        """segment_spec: spec of a Samples segment (leaves lead with [T, B]); buffer:
+        optional memory (>= ``nbytes``) for the slots, e.g. a shared-memory mmap."""
+        self.T, self.step_spec = _segment_dims(segment_spec)
+        _field(self.step_spec, "policy_version")
+        widths = set(columns_per_writer.values())
+        if len(widths) != 1:
+            raise ValueError(f"SegmentStorage needs the same B for every writer, got {columns_per_writer}")
+        if config.capacity < 1:
+            raise ValueError(f"SegmentStorageConfig.capacity must be >= 1, got {config.capacity}")
+        self.B = widths.pop()
+        self.writers = set(columns_per_writer)
+        self.num_slots = config.capacity
+        self.storage_spec = self.batch_spec(config.capacity)
+        self.data = from_spec(self.storage_spec, buffer)
+        self.occupied = np.zeros(self.num_slots, dtype=bool)
+        self.version = np.full(self.num_slots, -1, dtype=np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a ``buffer`` must have."""
+        return spec_nbytes(self.storage_spec)
+
+    def batch_spec(self, n: int) -> Any:
+        return {
+            "type": "OnPolicyBatch",
+            "fields": [
+                ["samples", with_leading_dims(self.step_spec, [self.T, n * self.B])],
+                ["bootstrap_value", {"dtype": _F32, "shape": [n * self.B]}],
+            ],
+        }
+
+    def items_per_write(self, writer_id: int) -> int:
+        return 1
+
+    def can_write(self, writer_id: int) -> bool:
+        return not self.occupied.all()
+
+    def write(self, writer_id: int, samples, bootstrap_value) -> tuple[np.ndarray, np.ndarray]:
+        if writer_id not in self.writers:
+            raise ValueError(f"unknown writer_id {writer_id}; writers are {sorted(self.writers)}")
+        T = _check_segment(samples, self.step_spec, self.B, f"segment of writer {writer_id}")
+        if T != self.T:
+            raise ValueError(f"segment of writer {writer_id}: T={T}, the queue stores T={self.T}")
+        bv = np.asarray(bootstrap_value)
+        if bv.shape != (self.B,):
+            raise ValueError(f"bootstrap_value of writer {writer_id}: shape {bv.shape}, expected ({self.B},)")
+        free = np.flatnonzero(~self.occupied)
+        if free.size == 0:
+            raise RuntimeError("SegmentStorage is full: check can_write before write")
+        k = int(free[0])
+        cols = slice(k * self.B, (k + 1) * self.B)
+        self.data.samples[:, cols] = samples
+        self.data.bootstrap_value[cols] = bv
+        self.occupied[k] = True
+        self.version[k] = int(np.min(samples.policy_version))
+        return _NO_KEYS, np.array([k], dtype=np.int64)
+
+    def reset_writer(self, writer_id: int) -> None:
+        """No-op: a segment is self-contained (it carries its own bootstrap_value)."""
+
+    def check_dest(self, dest, n: int) -> None:
+        _check_like(spec_of(dest), self.batch_spec(n), "destination OnPolicyBatch")
+        for path, leaf in leaves(dest):
+            if not leaf.flags.c_contiguous:
+                raise ValueError(f"destination OnPolicyBatch.{path} must be C-contiguous (use from_spec)")
+
+    def gather(self, keys: np.ndarray, is_weights: np.ndarray, dest) -> None:
+        """``is_weights`` is unused: a queue returns each segment once, weight 1."""
+        n, T, K, B = len(keys), self.T, self.num_slots, self.B
+        for (_, d), (_, s) in zip(leaves(dest.samples), leaves(self.data.samples)):
+            rest = s.shape[2:]
+            np.take(s.reshape(T, K, B, *rest), keys, axis=1, out=d.reshape(T, n, B, *rest))
+        np.take(self.data.bootstrap_value.reshape(K, B), keys, axis=0, out=dest.bootstrap_value.reshape(n, B))
+
+    def release(self, keys: np.ndarray) -> None:
+        self.occupied[keys] = False
+
+    def policy_version(self, keys: np.ndarray) -> np.ndarray:
+        return self.version[keys]
+
+
+def _check_segment(samples, step_spec, width: int, what: str) -> int:
+    """Validate a segment against the table's step spec and width; return its T."""
+    got = spec_of(samples)
+    _check_like(_strip_leading(got, 2), step_spec, what)
+    T = None
+    for path, leaf in _leaf_specs(got):
+        lead = leaf["shape"][:2]
+        if T is None:
+            T = lead[0] if lead else None
+        if lead != [T, width]:
+            raise ValueError(f"{what}.{path}: leading dims {lead}, expected [T, B] = [{T}, {width}]")
+    return int(T)
+
+
+# ---------------------------------------------------------------- table
+
+
+class Table:
+    """A replay table composed of a storage, a selector and a rate limiter.
+
+    The caller (the replay service) asks ``can_insert`` / ``can_sample`` and waits while they
+    are False; ``insert`` and ``sample_into`` raise if called anyway, before changing
+    anything. Key bookkeeping: ``live[key]`` is True while the selector may return the
+    key; ``generation[key]`` counts how many items have lived under the key, so a priority
+    update carrying the generation seen at sample time is applied only to that same item.
+    """
+
+    def __init__(self, storage: Storage, selector: Selector, rate_limiter: RateLimiter, seed: int = 0):
+        self.storage = storage
+        self.selector = selector
+        self.rate_limiter = rate_limiter
+        selector.allocate(storage.num_slots)
+        self.live = np.zeros(storage.num_slots, dtype=bool)
+        self.generation = np.zeros(storage.num_slots, dtype=np.int64)
+        self.rng = np.random.default_rng(seed)
+        self.evicted = 0
+        self.dropped_stale = 0
+        self.priority_updates = 0
+        self.priority_updates_ignored = 0
+
+    @property
+    def size(self) -> int:
+        """Items that can be sampled now."""
+        return len(self.selector)
+
+    def can_insert(self, writer_id: int) -> bool:
+        return self.storage.can_write(writer_id) and self.rate_limiter.can_insert(
+            self.storage.items_per_write(writer_id)
+        )
+
+    def insert(self, writer_id: int, samples, bootstrap_value=None) -> np.ndarray:
+        """Copy one segment (Samples [T, B_w]; bootstrap_value [B_w] f32, needed by
+        SegmentStorage) into the table; return the keys of the items that became samplable.
+        The segment's memory may be released as soon as this returns."""
+        if not self.can_insert(writer_id):
+            raise RuntimeError(f"Table.insert from writer {writer_id} while can_insert is False")
+        overwritten, added = self.storage.write(writer_id, samples, bootstrap_value)
+        evicted = overwritten[self.live[overwritten]]
+        self._forget(evicted)
+        self.evicted += len(evicted)
+        self.generation[added] += 1
+        self.live[added] = True
+        self.selector.insert(added)
+        self.rate_limiter.on_insert(len(added))
+        return added
+
+    def reset_writer(self, writer_id: int) -> None:
+        """The writer restarted: never join its next segment to what it sent before."""
+        self.storage.reset_writer(writer_id)
+
+    def can_sample(self, n: int) -> bool:
+        enough = len(self.selector) >= (n if self.selector.removes_on_sample else 1)
+        return enough and self.rate_limiter.can_sample(n)
+
+    def sample_into(self, dest, n: int) -> dict[str, np.ndarray]:
+        """Write ``n`` items into ``dest`` (from_spec(storage.batch_spec(n))) and return
+        {"keys": [n] int64, "generations": [n] int64, "is_weights": [n] f32,
+        "policy_versions": [n] int64}; pass keys and generations back to
+        ``update_priorities``."""
+        self.storage.check_dest(dest, n)
+        if not self.can_sample(n):
+            raise RuntimeError(f"Table.sample_into({n}) while can_sample is False")
+        keys, weights = self.selector.sample(n, self.rng)
+        info = {
+            "keys": keys,
+            "generations": self.generation[keys],
+            "is_weights": weights,
+            "policy_versions": self.storage.policy_version(keys),
+        }
+        self.storage.gather(keys, weights, dest)
+        if self.selector.removes_on_sample:
+            self.live[keys] = False
+            self.storage.release(keys)
+            self.rate_limiter.on_delete(n)
+        self.rate_limiter.on_sample(n)
+        return info
+
+    def update_priorities(self, keys: np.ndarray, generations: np.ndarray, priorities: np.ndarray) -> int:
+        """Set priorities [k] of sampled items; entries whose item has left the table or
+        been replaced since it was sampled are ignored. Returns the number applied."""
+        keys = np.asarray(keys, dtype=np.int64)
+        generations = np.asarray(generations, dtype=np.int64)
+        priorities = np.asarray(priorities, dtype=np.float64)
+        if not keys.shape == generations.shape == priorities.shape or keys.ndim != 1:
+            raise ValueError(
+                f"update_priorities: keys {keys.shape}, generations {generations.shape} and "
+                f"priorities {priorities.shape} must be equal 1-d shapes"
+            )
+        if keys.size and (keys.min() < 0 or keys.max() >= self.storage.num_slots):
+            raise ValueError(f"update_priorities: keys must be in [0, {self.storage.num_slots})")
+        ok = self.live[keys] & (self.generation[keys] == generations)
+        self.selector.update(keys[ok], priorities[ok])
+        applied = int(ok.sum())
+        self.priority_updates += applied
+        self.priority_updates_ignored += len(keys) - applied
+        return applied
+
+    def drop_older_than(self, min_version: int) -> np.ndarray:
+        """Remove items whose policy version is < ``min_version`` (the on-policy lag bound);
+        returns their keys. Scans all slots: meant for the small on-policy queue."""
+        keys = np.flatnonzero(self.live)
+        stale = keys[self.storage.policy_version(keys) < min_version]
+        self._forget(stale)
+        self.dropped_stale += len(stale)
+        return stale
+
+    def metrics(self) -> dict[str, float]:
+        out = {
+            "size": float(self.size),
+            "evicted": float(self.evicted),
+            "dropped_stale": float(self.dropped_stale),
+            "priority_updates": float(self.priority_updates),
+            "priority_updates_ignored": float(self.priority_updates_ignored),
+        }
+        out.update(self.rate_limiter.metrics())
+        out.update(self.selector.metrics())
+        return out
+
+    def _forget(self, keys: np.ndarray) -> None:
+        self.selector.remove(keys)
+        self.live[keys] = False
+        self.storage.release(keys)
+        self.rate_limiter.on_delete(len(keys))
