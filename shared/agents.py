@@ -1,0 +1,153 @@
+"""Policy-gradient agent: observations -> actions, log-probs and values (A2C, PPO).
+
+One ``PgAgent`` serves the action-server (``step``), the learner (``evaluate``, ``value``)
+and evaluation (``step(..., greedy=True)``). Its ``state_dict()`` (parameters and buffers)
+is everything the learner publishes; ``step`` never changes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+from torch.distributions import Categorical, Normal
+
+from shared.models import MLP, ModelConfig, make_encoder
+from shared.namedarraytuple import map_leaves, namedarraytuple
+
+AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
+"""Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
+
+POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
+VALUE_HEAD_GAIN = 1.0
+
+
+@dataclass(frozen=True)
+class PgAgentConfig:
+    """Policy-gradient agent options beyond the encoder shape (``ModelConfig``)."""
+
+    init_log_std: float = 0.0
+    """Initial log standard deviation of the Gaussian policy (Box actions only)."""
+    shared_encoder: bool = False
+    """One encoder for policy and value (CleanRL's Atari agent) instead of two (its MLP agent)."""
+
+
+class PgAgent(nn.Module):
+    """Actor-critic with a categorical (Discrete, MultiDiscrete) or diagonal Gaussian (Box) policy.
+
+    MultiDiscrete: independent categoricals, log-probs and entropies summed over the k parts.
+    Box: state-independent learned log-std; sampled actions are returned raw (unclipped),
+    so their stored log-prob is exact; the env adapter clips them to the bounds.
+    All inputs are moved to the device the module is on; outputs live there too.
+    """
+
+    def __init__(
+        self,
+        obs_example,
+        action_space: gym.Space,
+        cfg: ModelConfig = ModelConfig(),
+        agent_cfg: PgAgentConfig = PgAgentConfig(),
+    ) -> None:
+        super().__init__()
+        self.action_space = action_space
+        if isinstance(action_space, gym.spaces.Discrete):
+            self.kind = "discrete"
+            self.nvec = [int(action_space.n)]
+            start = np.asarray(action_space.start, dtype=np.int64)
+            n_out = int(action_space.n)
+        elif isinstance(action_space, gym.spaces.MultiDiscrete):
+            if action_space.nvec.ndim != 1:
+                raise ValueError(f"PgAgent: MultiDiscrete nvec must be 1-D, got shape {action_space.nvec.shape}")
+            self.kind = "multi_discrete"
+            self.nvec = [int(n) for n in action_space.nvec]
+            start = np.asarray(action_space.start, dtype=np.int64)
+            n_out = sum(self.nvec)
+        elif isinstance(action_space, gym.spaces.Box):
+            self.kind = "box"
+            self.action_shape = tuple(action_space.shape)
+            start = np.zeros((), dtype=np.int64)
+            n_out = int(np.prod(self.action_shape, dtype=np.int64))
+        else:
+            raise ValueError(
+                f"PgAgent: action space {action_space} not supported; use Discrete, MultiDiscrete or Box"
+            )
+        # Discrete(n, start=s) actions are s..s+n-1; the network indexes 0..n-1.
+        self.register_buffer("action_start", torch.as_tensor(start), persistent=False)
+
+        self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
+        self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
+        self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
+        self.v_head = MLP(feat_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
+        if self.kind == "box":
+            self.log_std = nn.Parameter(torch.full((n_out,), float(agent_cfg.init_log_std)))
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def _to_device(self, obs):
+        device = self.device
+        return map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
+
+    def _forward(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""
+        pi_features = self.pi_encoder(obs)
+        v_features = pi_features if self.v_encoder is None else self.v_encoder(obs)
+        return self.pi_head(pi_features), self.v_head(v_features).squeeze(-1)
+
+    def _split_logits(self, out: torch.Tensor) -> list[Categorical]:
+        return [Categorical(logits=chunk) for chunk in torch.split(out, self.nvec, dim=-1)]
+
+    def value(self, obs) -> torch.Tensor:
+        """V(obs): obs tree [N, ...] -> float32 [N]."""
+        obs = self._to_device(obs)
+        return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
+
+    @torch.no_grad()
+    def step(self, obs, greedy: bool = False) -> tuple[torch.Tensor, AgentInfo]:
+        """Sample actions (the mode with ``greedy``) for obs tree [B, ...].
+
+        Returns action (int64 [B] Discrete, int64 [B, k] MultiDiscrete, float32 [B, *shape]
+        Box, raw Gaussian sample) and AgentInfo(log_prob float32 [B], value float32 [B]).
+        """
+        obs = self._to_device(obs)
+        out, value = self._forward(obs)
+        if self.kind == "box":
+            mean = out.reshape(-1, *self.action_shape)
+            dist = Normal(mean, self.log_std.exp().reshape(self.action_shape))
+            action = mean if greedy else dist.sample()
+            log_prob = dist.log_prob(action).flatten(1).sum(-1)
+        else:
+            dists = self._split_logits(out)
+            idx = [d.probs.argmax(-1) if greedy else d.sample() for d in dists]
+            log_prob = sum(d.log_prob(i) for d, i in zip(dists, idx))
+            stacked = torch.stack(idx, dim=-1)
+            action = (stacked[:, 0] if self.kind == "discrete" else stacked) + self.action_start
+        return action, AgentInfo(log_prob=log_prob.float(), value=value)
+
+    def evaluate(self, obs, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """log pi(action|obs) [N], policy entropy [N] and V(obs) [N], with grad.
+
+        obs tree [N, ...]; action as ``step`` returns it, [N] or [N, ...].
+        """
+        obs = self._to_device(obs)
+        action = torch.as_tensor(action).to(self.device)
+        out, value = self._forward(obs)
+        if self.kind == "box":
+            mean = out.reshape(-1, *self.action_shape)
+            dist = Normal(mean, self.log_std.exp().reshape(self.action_shape))
+            log_prob = dist.log_prob(action).flatten(1).sum(-1)
+            entropy = dist.entropy().flatten(1).sum(-1)
+        else:
+            idx = (action - self.action_start).long().reshape(action.shape[0], len(self.nvec))
+            dists = self._split_logits(out)
+            log_prob = sum(d.log_prob(idx[:, j]) for j, d in enumerate(dists))
+            entropy = sum(d.entropy() for d in dists)
+        return log_prob, entropy, value
+
+    def example_info(self) -> AgentInfo:
+        """One env's AgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
+        return AgentInfo(log_prob=np.zeros((), np.float32), value=np.zeros((), np.float32))

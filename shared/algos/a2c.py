@@ -1,0 +1,114 @@
+"""Advantage actor-critic (Mnih et al. 2016, synchronous): one gradient step per batch.
+
+With ``gae_lambda = 1`` the targets are the n-step returns of the original A2C; a smaller
+lambda gives GAE targets. Staleness of asynchronous batches is not corrected (A2C has no
+importance ratio); keep the policy lag small.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shared.algos import OnPolicyBatch
+from shared.algos.gae import explained_variance, pg_targets
+
+_OPTIMIZERS = ("rmsprop", "adam")
+
+
+@dataclass(frozen=True)
+class A2CConfig:
+    """A2C hyperparameters (defaults: Stable-Baselines3's A2C)."""
+
+    lr: float = 7e-4
+    """Learning rate at the start of the run."""
+    anneal_lr: bool = False
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    optimizer: str = "rmsprop"
+    """rmsprop | adam."""
+    rmsprop_alpha: float = 0.99
+    """RMSprop smoothing constant."""
+    optimizer_eps: float = 1e-5
+    """Epsilon of RMSprop or Adam."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 1.0
+    """GAE lambda; 1 = n-step returns bootstrapped at the segment end."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
+    value_coef: float = 1.0
+    """Weight of the value loss 0.5 * (V - R)^2 (1.0 here = SB3's vf_coef 0.5 on a plain MSE)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    normalize_advantage: bool = False
+    """Normalise advantages to zero mean, unit std over the batch."""
+    max_grad_norm: float = 0.5
+    """Clip the global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"A2CConfig.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
+
+
+class A2C:
+    """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
+
+    def __init__(self, agent: nn.Module, cfg: A2CConfig = A2CConfig()) -> None:
+        self.agent = agent
+        self.cfg = cfg
+        if cfg.optimizer == "rmsprop":
+            self.optimizer = torch.optim.RMSprop(
+                agent.parameters(), lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.optimizer_eps
+            )
+        else:
+            self.optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps)
+
+    def update(self, batch: OnPolicyBatch, progress: float) -> dict[str, float]:
+        """One A2C step on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
+
+        Returns policy_loss, value_loss, entropy, grad_norm (before clipping), lr,
+        explained_variance, and approx_kl / clip_fraction (behaviour vs current policy,
+        a measure of staleness; clip_fraction uses |ratio - 1| > 0.2).
+        """
+        cfg = self.cfg
+        lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        data = pg_targets(self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale)
+        log_prob, entropy, value = self.agent.evaluate(data.observation, data.action)
+        advantage = data.advantage
+        if cfg.normalize_advantage and advantage.numel() > 1:
+            advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+        policy_loss = -(advantage * log_prob).mean()
+        value_loss = 0.5 * ((value - data.returns) ** 2).mean()
+        entropy = entropy.mean()
+        loss = policy_loss - cfg.entropy_coef * entropy + cfg.value_coef * value_loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = nn.utils.clip_grad_norm_(self.agent.parameters(), max_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            log_ratio = log_prob - data.old_log_prob
+            ratio = log_ratio.exp()
+            approx_kl = ((ratio - 1.0) - log_ratio).mean()
+            clip_fraction = ((ratio - 1.0).abs() > 0.2).float().mean()
+        return {
+            "policy_loss": float(policy_loss),
+            "value_loss": float(value_loss),
+            "entropy": float(entropy),
+            "approx_kl": float(approx_kl),
+            "clip_fraction": float(clip_fraction),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "explained_variance": explained_variance(data.old_value, data.returns),
+        }
+
+    def state_dict(self) -> dict:
+        """Optimizer state, for checkpoints (the agent's parameters are saved separately)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,0 +1,100 @@
+"""Generalised advantage estimation (Schulman et al. 2016) and the policy-gradient targets
+built from it for an on-policy batch."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.algos import OnPolicyBatch
+from shared.namedarraytuple import map_leaves, namedarraytuple
+
+PgTargets = namedarraytuple(
+    "PgTargets", ["observation", "action", "old_log_prob", "old_value", "advantage", "returns"]
+)
+"""One on-policy batch flattened to [T*B] with its GAE targets (what A2C/PPO train on)."""
+
+
+def gae(
+    reward: torch.Tensor,
+    value: torch.Tensor,
+    next_value: torch.Tensor,
+    terminated: torch.Tensor,
+    done: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lambda) advantages and lambda-returns, all [T, B] float.
+
+    Arguments, all [T, B]:
+        reward[t]: r_t, the reward of step t (already scaled, if scaling is wanted).
+        value[t]: V(s_t), s_t the observation step t acted in.
+        next_value[t]: V(s_{t+1}) of the SAME episode: value[t + 1] inside a segment,
+            the bootstrap value at t = T-1, V(final observation) where step t was
+            truncated; ignored where step t terminated.
+        terminated[t]: the episode ended in a terminal state at step t (bool or 0/1).
+        done[t]: terminated or truncated at step t.
+
+    Edge cases (as in SB3's ``compute_returns_and_advantage``, with truncation handled):
+        - termination: delta_t = r_t - V(s_t), no bootstrap (the true value after is 0);
+        - truncation (time limit): delta_t = r_t + gamma * V(final obs) - V(s_t);
+        - the sum of discounted deltas is cut at every done, so no advantage leaks
+          across an episode boundary inside the segment;
+        - at the segment end the recursion starts from next_value[T-1] (the bootstrap).
+    With lam = 1 the return is the discounted Monte-Carlo return (n-step, bootstrapped
+    from the last next_value); with lam = 0 it is the TD(0) target r_t + gamma V(s_{t+1}).
+
+    Returns (advantage, return) with return = advantage + value.
+    """
+    not_terminated = 1.0 - terminated.to(value.dtype)
+    not_done = 1.0 - done.to(value.dtype)
+    delta = reward + gamma * next_value * not_terminated - value
+    advantage = torch.zeros_like(delta)
+    running = torch.zeros_like(delta[0])
+    for t in reversed(range(delta.shape[0])):
+        running = delta[t] + gamma * lam * not_done[t] * running
+        advantage[t] = running
+    return advantage, advantage + value
+
+
+@torch.no_grad()
+def batch_advantages(
+    agent, batch: OnPolicyBatch, gamma: float, lam: float, reward_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns [T, B] for an on-policy batch on ``agent``'s device.
+
+    V(s_t) and the bootstrap are the behaviour values stored at sampling time; where a
+    step was truncated (and not terminated) V(final observation) comes from the current
+    value net, in one forward pass over those steps only. Rewards are multiplied by
+    ``reward_scale`` (the value net learns scaled returns).
+    """
+    s = batch.samples
+    value = s.agent_info.value.float()
+    next_value = torch.cat([value[1:], batch.bootstrap_value.float()[None]], dim=0)
+    cut = s.truncated & ~s.terminated
+    if bool(cut.any()):
+        next_value[cut] = agent.value(s.final_observation[cut]).float()
+    return gae(s.reward.float() * reward_scale, value, next_value, s.terminated, s.terminated | s.truncated, gamma, lam)
+
+
+def pg_targets(agent, batch: OnPolicyBatch, gamma: float, lam: float, reward_scale: float = 1.0) -> PgTargets:
+    """Move ``batch`` to the agent's device, compute GAE and flatten [T, B] to [T*B]."""
+    device = agent.device
+    batch = map_leaves(lambda x: x.to(device, non_blocking=True), batch)
+    advantage, returns = batch_advantages(agent, batch, gamma, lam, reward_scale)
+    s = batch.samples
+    T, B = s.reward.shape
+    targets = PgTargets(
+        observation=s.observation,
+        action=s.action,
+        old_log_prob=s.agent_info.log_prob.float(),
+        old_value=s.agent_info.value.float(),
+        advantage=advantage,
+        returns=returns,
+    )
+    return map_leaves(lambda x: x.reshape(T * B, *x.shape[2:]), targets)
+
+
+def explained_variance(prediction: torch.Tensor, target: torch.Tensor) -> float:
+    """1 - Var(target - prediction) / Var(target): 1 perfect, 0 no better than a constant."""
+    var = target.var()
+    return float("nan") if var == 0 else float(1.0 - (target - prediction).var() / var)

@@ -1,0 +1,131 @@
+"""Proximal Policy Optimization (Schulman et al. 2017), clipped surrogate, after CleanRL's ppo.py.
+
+Batches may be a few policy versions stale (asynchronous samplers): the importance ratio
+uses the behaviour log-probs stored at sampling time, so the clipped objective corrects
+for it like for PPO's own epochs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shared.algos import OnPolicyBatch
+from shared.algos.gae import explained_variance, pg_targets
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """PPO hyperparameters (defaults: CleanRL's ppo.py)."""
+
+    lr: float = 2.5e-4
+    """Adam learning rate at the start of the run."""
+    anneal_lr: bool = True
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    adam_eps: float = 1e-5
+    """Adam epsilon."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 0.95
+    """GAE lambda (1 = Monte-Carlo returns, 0 = TD(0))."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
+    clip_eps: float = 0.2
+    """Clip range of the probability ratio."""
+    value_clip: float = 0.2
+    """Clip range of the value change around the behaviour value; 0 = no value clipping."""
+    value_coef: float = 0.5
+    """Weight of the value loss 0.5 * (V - R)^2."""
+    entropy_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    epochs: int = 4
+    """Passes over each batch."""
+    minibatches: int = 4
+    """Minibatches per pass (the batch of T*B samples is split in this many)."""
+    normalize_advantage: bool = True
+    """Normalise advantages to zero mean, unit std per minibatch."""
+    max_grad_norm: float = 0.5
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    target_kl: float = 0.0
+    """Stop the epochs early once a minibatch's approx KL exceeds this; 0 = never."""
+
+
+class PPO:
+    """PPO on a ``PgAgent``: ``update(batch, progress)`` runs epochs x minibatches Adam steps."""
+
+    def __init__(self, agent: nn.Module, cfg: PPOConfig = PPOConfig()) -> None:
+        self.agent = agent
+        self.cfg = cfg
+        self.optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+
+    def update(self, batch: OnPolicyBatch, progress: float) -> dict[str, float]:
+        """One PPO update on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
+
+        Returns means over minibatches of policy_loss, value_loss, entropy, approx_kl
+        (the (r - 1) - log r estimator), clip_fraction and grad_norm (before clipping),
+        plus lr and explained_variance (behaviour values vs returns).
+        """
+        cfg = self.cfg
+        lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        data = pg_targets(self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale)
+        n = data.advantage.shape[0]
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), 0.0)
+        steps = 0
+        for _ in range(cfg.epochs):
+            for idx in torch.tensor_split(torch.randperm(n, device=data.advantage.device), cfg.minibatches):
+                mb = data[idx]
+                log_prob, entropy, value = self.agent.evaluate(mb.observation, mb.action)
+                log_ratio = log_prob - mb.old_log_prob
+                ratio = log_ratio.exp()
+                with torch.no_grad():
+                    approx_kl = ((ratio - 1.0) - log_ratio).mean()
+                    clip_fraction = ((ratio - 1.0).abs() > cfg.clip_eps).float().mean()
+
+                advantage = mb.advantage
+                if cfg.normalize_advantage and advantage.numel() > 1:
+                    advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+                policy_loss = torch.max(
+                    -advantage * ratio, -advantage * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+                ).mean()
+
+                value_error = (value - mb.returns) ** 2
+                if cfg.value_clip > 0:
+                    clipped = mb.old_value + (value - mb.old_value).clamp(-cfg.value_clip, cfg.value_clip)
+                    value_error = torch.max(value_error, (clipped - mb.returns) ** 2)
+                value_loss = 0.5 * value_error.mean()
+
+                entropy = entropy.mean()
+                loss = policy_loss - cfg.entropy_coef * entropy + cfg.value_coef * value_loss
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = nn.utils.clip_grad_norm_(self.agent.parameters(), max_norm)
+                self.optimizer.step()
+
+                for key, val in (
+                    ("policy_loss", policy_loss),
+                    ("value_loss", value_loss),
+                    ("entropy", entropy),
+                    ("approx_kl", approx_kl),
+                    ("clip_fraction", clip_fraction),
+                    ("grad_norm", grad_norm),
+                ):
+                    sums[key] += float(val.detach())
+                steps += 1
+            if cfg.target_kl > 0 and float(approx_kl) > cfg.target_kl:
+                break
+        stats = {key: total / steps for key, total in sums.items()}
+        stats["lr"] = lr
+        stats["explained_variance"] = explained_variance(data.old_value, data.returns)
+        return stats
+
+    def state_dict(self) -> dict:
+        """Optimizer state, for checkpoints (the agent's parameters are saved separately)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])

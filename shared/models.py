@@ -1,0 +1,190 @@
+"""Observation encoders: any (nested) observation to one feature vector per sample.
+
+``make_encoder(obs_example, cfg)`` builds a module that flattens and concatenates the
+leaves of an observation tree (image leaves go through a Nature CNN first) and runs the
+result through an MLP trunk. Agents put their heads on top of it. Initialisation follows
+CleanRL: orthogonal weights, zero biases, gain sqrt(2) for hidden layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from shared.namedarraytuple import leaves
+
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+_ENCODERS = ("auto", "mlp", "nature_cnn")
+HIDDEN_GAIN = math.sqrt(2.0)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the network that encodes observations."""
+
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    """Widths of the MLP trunk after the (CNN-)flattened observation; () = no trunk."""
+    activation: str = "tanh"
+    """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
+    encoder: str = "auto"
+    """auto (Nature CNN for 3-D uint8 image leaves, flatten otherwise) | mlp | nature_cnn."""
+
+    def __post_init__(self) -> None:
+        if self.activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"ModelConfig.activation: {self.activation!r} unknown; use one of {sorted(_ACTIVATIONS)}"
+            )
+        if self.encoder not in _ENCODERS:
+            raise ValueError(f"ModelConfig.encoder: {self.encoder!r} unknown; use one of {_ENCODERS}")
+        if any(int(h) <= 0 for h in self.hidden_sizes):
+            raise ValueError(f"ModelConfig.hidden_sizes: widths must be positive, got {self.hidden_sizes}")
+
+
+def init_layer(layer: nn.Module, gain: float = HIDDEN_GAIN) -> nn.Module:
+    """Orthogonal weights with ``gain``, zero bias (CleanRL's ``layer_init``)."""
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class MLP(nn.Module):
+    """Fully connected layers ``in_dim -> hidden_sizes...``, each followed by the activation.
+
+    ``output_size`` adds a final linear layer (no activation) initialised with
+    ``output_gain``. Input [N, in_dim] -> output [N, out_dim].
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        hidden_sizes: tuple[int, ...],
+        activation: str = "tanh",
+        output_size: int | None = None,
+        output_gain: float = 1.0,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        last = in_dim
+        for width in hidden_sizes:
+            layers += [init_layer(nn.Linear(last, width)), _ACTIVATIONS[activation]()]
+            last = width
+        if output_size is not None:
+            layers.append(init_layer(nn.Linear(last, output_size), output_gain))
+            last = output_size
+        self.net = nn.Sequential(*layers)
+        self.out_dim = last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class NatureCNN(nn.Module):
+    """Mnih et al. (2015) torso: 32x8x8/4, 64x4x4/2, 64x3x3/1, fc 512, relu throughout.
+
+    Input [N, C, H, W] (or [N, H, W, C] with ``channels_last``), uint8 scaled by 1/255.
+    Output [N, 512].
+    """
+
+    def __init__(self, image_shape: tuple[int, ...], channels_last: bool) -> None:
+        super().__init__()
+        self.channels_last = channels_last
+        c, h, w = (image_shape[2], image_shape[0], image_shape[1]) if channels_last else image_shape
+        self.conv = nn.Sequential(
+            init_layer(nn.Conv2d(c, 32, 8, stride=4)),
+            nn.ReLU(),
+            init_layer(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            init_layer(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            flat = self.conv(torch.zeros(1, c, h, w)).shape[1]
+        self.fc = nn.Sequential(init_layer(nn.Linear(flat, 512)), nn.ReLU())
+        self.out_dim = 512
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            x = x.permute(0, 3, 1, 2)
+        return self.fc(self.conv(x.float() / 255.0))
+
+
+class _Flatten(nn.Module):
+    """One non-image leaf [N, ...] -> float32 [N, prod(shape)] (uint8 scaled by 1/255)."""
+
+    def __init__(self, shape: tuple[int, ...], scale_uint8: bool) -> None:
+        super().__init__()
+        self.scale = 1.0 / 255.0 if scale_uint8 else 1.0
+        self.out_dim = int(np.prod(shape, dtype=np.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], self.out_dim).float() * self.scale
+
+
+class Encoder(nn.Module):
+    """Observation tree with any leading dims [*L, ...] -> features [*L, out_dim].
+
+    Built by ``make_encoder``; leaves are read in the tree's field order (depth first),
+    each by its own part (``NatureCNN`` or flatten), concatenated, then the MLP trunk.
+    """
+
+    def __init__(self, leaf_shapes: list[tuple[int, ...]], parts: list[nn.Module], trunk: MLP) -> None:
+        super().__init__()
+        self.leaf_shapes = leaf_shapes
+        self.parts = nn.ModuleList(parts)
+        self.trunk = trunk
+        self.out_dim = trunk.out_dim
+
+    def forward(self, obs) -> torch.Tensor:
+        xs = [x for _, x in leaves(obs)]
+        if len(xs) != len(self.parts):
+            raise ValueError(f"Encoder: observation has {len(xs)} leaves, expected {len(self.parts)}")
+        lead = xs[0].shape[: xs[0].dim() - len(self.leaf_shapes[0])]
+        n = int(np.prod(lead, dtype=np.int64))
+        feats = [part(x.reshape(n, *shape)) for part, x, shape in zip(self.parts, xs, self.leaf_shapes)]
+        out = self.trunk(torch.cat(feats, dim=-1) if len(feats) > 1 else feats[0])
+        return out.reshape(*lead, self.out_dim)
+
+
+def _is_image(arr: np.ndarray, encoder: str) -> bool:
+    if encoder == "mlp" or arr.ndim != 3:
+        return False
+    return encoder == "nature_cnn" or arr.dtype == np.uint8
+
+
+def _channels_last(shape: tuple[int, ...]) -> bool:
+    # Gymnasium/ALE RGB frames are [H, W, C] with C in {1, 3, 4}; frame stacks are [C, H, W].
+    return shape[-1] <= 4 < shape[0]
+
+
+def make_encoder(obs_example, cfg: ModelConfig) -> tuple[Encoder, int]:
+    """Encoder for observations shaped like ``obs_example`` and its feature width.
+
+    ``obs_example`` is ONE observation (no leading dims): a numpy array or a nested
+    namedarraytuple of them. The module maps a torch tree with leading dims [*L] to
+    float32 features [*L, out_dim]. Floats (and ints, bools) are flattened as is, uint8
+    leaves scaled by 1/255; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
+    go through a ``NatureCNN`` first. With ``hidden_sizes=()`` out_dim is the width of the
+    concatenation (512 per image leaf), as in CleanRL's Atari agents.
+    """
+    shapes: list[tuple[int, ...]] = []
+    parts: list[nn.Module] = []
+    for _, leaf in leaves(obs_example):
+        arr = np.asarray(leaf)
+        shapes.append(tuple(arr.shape))
+        if _is_image(arr, cfg.encoder):
+            parts.append(NatureCNN(tuple(arr.shape), _channels_last(tuple(arr.shape))))
+        else:
+            parts.append(_Flatten(tuple(arr.shape), arr.dtype == np.uint8))
+    if not parts:
+        raise ValueError("make_encoder: obs_example has no array leaves")
+    if cfg.encoder == "nature_cnn" and not any(isinstance(p, NatureCNN) for p in parts):
+        raise ValueError("ModelConfig.encoder='nature_cnn' needs a 3-D image leaf in the observation")
+    in_dim = sum(p.out_dim for p in parts)
+    trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation)
+    encoder = Encoder(shapes, parts, trunk)
+    return encoder, encoder.out_dim
