@@ -1,0 +1,341 @@
+"""Experiment configuration: one TOML file, validated on load, with ``--set a.b=v`` overrides.
+
+An experiment is a set of sections, each a frozen dataclass owned by one component. A
+service receives its own section plus ``run``, ``env`` and ``agent``; nobody reads a
+global bag. Every error is one line naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import socket
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from shared.agents import PgAgentConfig
+from shared.algos.a2c import A2CConfig
+from shared.algos.ppo import PPOConfig
+from shared.envs import EnvConfig, validate_env_config
+from shared.models import ModelConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; str() is one line naming the field."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "experiment"
+    """Experiment name; the run directory is <runs_dir>/<name>-<timestamp>."""
+    runs_dir: str = "runs"
+    """Where run directories are made (relative to the working directory)."""
+    seed: int = 0
+    """Base seed; each sampler and env derives its own from it."""
+    device: str = "auto"
+    """Torch device for learner and action-server: auto (cuda if present), cpu, cuda, cuda:N."""
+    target_return: float = 475.0
+    """The run ends when the mean return of the last `return_window` episodes reaches this."""
+    return_window: int = 100
+    """How many recent episodes the mean return is taken over."""
+    max_env_steps: int = 200_000
+    """Step budget: the run ends when this many env steps were sampled."""
+    max_wall_s: float = 1800.0
+    """Wall-clock budget in seconds (a safety net for tests and unattended runs)."""
+    log_interval_s: float = 2.0
+    """Seconds between progress rows (terminal and progress.csv)."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    count: int = 2
+    """Number of sampler processes."""
+    envs: int = 16
+    """Environments per sampler."""
+    horizon: int = 32
+    """T: steps per segment (per env) before it goes to replay."""
+    ring: int = 1
+    """Segments in each sampler's ring; with all unreleased the sampler waits (back-pressure)."""
+    alternating: bool = True
+    """Split the envs in two groups so one steps while the other waits for actions."""
+    timeout_ms: int = 5000
+    """How long to wait for an action-server or replay reply before reconnecting."""
+
+
+@dataclass(frozen=True)
+class ActionServerConfig:
+    count: int = 1
+    """Number of action-server processes (samplers are spread over them round-robin)."""
+    max_batch: int = 64
+    """Most observation requests gathered into one forward pass."""
+    max_wait_ms: float = 0.5
+    """Longest a request waits for others to join its batch."""
+    peer_timeout_s: float = 10.0
+    """A sampler silent this long is reported lost and its slots detached."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    table: str = "queue"
+    """Table kind: queue (on-policy FIFO, each segment sampled once)."""
+    capacity: int = 2
+    """Table capacity in items (segments for the queue table: one per sampler keeps policy lag at 1)."""
+    max_policy_lag: int = 4
+    """On-policy: segments older than this many policy versions are dropped, not trained on."""
+    release_on_sample: bool = True
+    """Queue: hold a sampler's ring slot until its segment is trained on (tightest policy lag)."""
+    peer_timeout_s: float = 10.0
+    """A sampler silent this long is reported lost."""
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    batch_segments: int = 2
+    """Segments in one batch (one per sampler gives a batch of T x sampler.count*envs)."""
+    prefetch: int = 1
+    """Batch slots in flight; 2 double-buffers (the next batch fills while this one trains) at one more version of lag."""
+    checkpoint_interval_s: float = 10.0
+    """Seconds between checkpoints (and at the end)."""
+    timeout_ms: int = 5000
+    """How long to wait for a batch before asking replay again."""
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    transport: str = "ipc"
+    """ipc (sockets in the run directory, one workstation) or tcp."""
+    host: str = "127.0.0.1"
+    """Address tcp endpoints bind to and connect to."""
+    bind_any: bool = False
+    """Allow a tcp host other than loopback (exposes the services to the network)."""
+    base_port: int = 5550
+    """tcp: first port; services take base_port + offsets."""
+    metrics_port: int = 9108
+    """Port of the Prometheus endpoint (0 = off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to."""
+
+
+ALGOS: dict[str, type] = {"ppo": PPOConfig, "a2c": A2CConfig}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    run: RunConfig = field(default_factory=RunConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    agent: PgAgentConfig = field(default_factory=PgAgentConfig)
+    algo_name: str = "ppo"
+    algo: Any = field(default_factory=PPOConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    action_server: ActionServerConfig = field(default_factory=ActionServerConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "env": EnvConfig,
+    "model": ModelConfig,
+    "agent": PgAgentConfig,
+    "sampler": SamplerConfig,
+    "action_server": ActionServerConfig,
+    "replay": ReplayConfig,
+    "learner": LearnerConfig,
+    "network": NetworkConfig,
+}
+
+
+def load(path: str | Path, overrides: list[str] = (), check_ports: bool = False) -> Experiment:
+    """Read, override and validate an experiment file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    return from_dict(apply_overrides(raw, overrides), check_ports=check_ports)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``section.key=value`` strings; values are TOML literals, else plain strings."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. sampler.count=4")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        section = raw.setdefault(parts[0], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"--set {item!r}: {parts[0]} is not a section")
+        section[parts[1]] = value
+    return raw
+
+
+def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
+    known = set(SECTIONS) | {"algo"}
+    for name in raw:
+        if name not in known:
+            raise ConfigError(f"unknown section [{name}]{_suggest(name, known)} (allowed: {', '.join(sorted(known))})")
+    sections = {name: _build(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
+    algo_raw = dict(raw.get("algo", {}))
+    algo_name = algo_raw.pop("name", "ppo")
+    if algo_name not in ALGOS:
+        raise ConfigError(f"algo.name = {algo_name!r}: allowed: {', '.join(sorted(ALGOS))}")
+    algo = _build("algo", ALGOS[algo_name], algo_raw)
+    exp = Experiment(algo_name=algo_name, algo=algo, **sections)
+    _check(exp, check_ports)
+    return exp
+
+
+def _build(section: str, cls: type, values) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] must be a table, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)} (allowed: {', '.join(names)})")
+        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[{section}]: {e}") from None
+
+
+def _coerce(where: str, hint, value):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(where, inner[0], value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} = {value!r}: expected a list, got {type(value).__name__}")
+        elem = args[0] if args else Any
+        return tuple(_coerce(f"{where}[{i}]", elem, v) for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"{where} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check(exp: Experiment, check_ports: bool) -> None:
+    """Cross-field and value checks; one line naming the field each."""
+    positive = {
+        "sampler.count": exp.sampler.count, "sampler.envs": exp.sampler.envs, "sampler.horizon": exp.sampler.horizon,
+        "sampler.ring": exp.sampler.ring, "sampler.timeout_ms": exp.sampler.timeout_ms,
+        "action_server.count": exp.action_server.count, "action_server.max_batch": exp.action_server.max_batch,
+        "replay.capacity": exp.replay.capacity, "learner.batch_segments": exp.learner.batch_segments,
+        "learner.prefetch": exp.learner.prefetch, "learner.timeout_ms": exp.learner.timeout_ms,
+        "run.max_env_steps": exp.run.max_env_steps, "run.return_window": exp.run.return_window,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} = {value}: must be >= 1")
+    if exp.sampler.alternating and exp.sampler.envs < 2:
+        raise ConfigError(f"sampler.envs = {exp.sampler.envs}: alternating mode needs >= 2 (or set sampler.alternating = false)")
+    if exp.replay.table != "queue":
+        raise ConfigError(f"replay.table = {exp.replay.table!r}: allowed: queue")
+    if exp.replay.capacity < exp.learner.batch_segments:
+        raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
+    dev = exp.run.device
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise ConfigError(f"run.device = {dev!r}: allowed: auto, cpu, cuda, cuda:N")
+    net = exp.network
+    if net.transport not in ("ipc", "tcp"):
+        raise ConfigError(f"network.transport = {net.transport!r}: allowed: ipc, tcp")
+    for name, host in (("network.host", net.host), ("network.metrics_host", net.metrics_host)):
+        if not net.bind_any and not host.startswith("127.") and host not in ("localhost", "::1"):
+            raise ConfigError(f"{name} = {host!r}: not a loopback address; set network.bind_any = true to expose it")
+    for name, port in (("network.base_port", net.base_port), ("network.metrics_port", net.metrics_port)):
+        if not 0 <= port <= 65535 or (name == "network.base_port" and port == 0):
+            raise ConfigError(f"{name} = {port}: must be in 1..65535" + (" (0 = off)" if "metrics" in name else ""))
+    try:
+        validate_env_config(exp.env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if check_ports:
+        ports = {"network.metrics_port": net.metrics_port} if net.metrics_port else {}
+        if net.transport == "tcp":
+            ports.update({f"network.base_port (+{i})": net.base_port + i for i in range(len(tcp_offsets(exp)))})
+        for name, port in ports.items():
+            host = net.metrics_host if name == "network.metrics_port" else net.host
+            if not port_free(host, port):
+                raise ConfigError(f"{name} = {port}: port already in use on {host}; pick another")
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def tcp_offsets(exp: Experiment) -> dict[str, int]:
+    """Port offsets from base_port of every bound socket."""
+    offsets = {"replay": 0, "params": 1}
+    for i in range(exp.action_server.count):
+        offsets[f"action_server{i}"] = 2 + i
+    return offsets
+
+
+def endpoint(exp: Experiment, run_dir: Path, name: str) -> str:
+    """The address of bound socket ``name`` (replay, params, action_server<i>)."""
+    if exp.network.transport == "tcp":
+        return f"tcp://{exp.network.host}:{exp.network.base_port + tcp_offsets(exp)[name]}"
+    return f"ipc://{Path(run_dir).resolve() / 'sockets' / name}"
+
+
+# ---------------------------------------------------------------- writing
+
+
+def dumps(exp: Experiment) -> str:
+    """The resolved experiment as TOML (what services read back from the run directory)."""
+    out = []
+    for name in SECTIONS:
+        out.append(_section_toml(name, getattr(exp, name)))
+    out.append(_section_toml("algo", exp.algo, {"name": exp.algo_name}))
+    return "\n".join(out)
+
+
+def _section_toml(name: str, obj, extra: Optional[dict] = None) -> str:
+    lines = [f"[{name}]"]
+    items = dict(extra or {})
+    items.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+    for key, value in items.items():
+        if value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")

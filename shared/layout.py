@@ -1,0 +1,41 @@
+"""Layouts of the buffers that cross process boundaries, built from one example step.
+
+Sampler, action-server, replay and learner all derive their shared-memory layouts from
+these functions, so a layout is declared once (ARCHITECTURE rule 2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from shared.algos import OnPolicyBatch, Samples
+from shared.namedarraytuple import namedarraytuple, spec_of, with_leading_dims
+
+StepSlot = namedarraytuple("StepSlot", ["observation", "action", "agent_info"])
+
+
+def step_example(obs_example, action_example, agent_info_example) -> Samples:
+    """One step of samples (no leading dims)."""
+    return Samples(
+        observation=obs_example,
+        action=action_example,
+        reward=np.float32(0),
+        terminated=np.bool_(False),
+        truncated=np.bool_(False),
+        final_observation=obs_example,
+        agent_info=agent_info_example,
+        policy_version=np.int64(0),
+    )
+
+
+def slot_spec(example: Samples, envs: int):
+    """A step slot for ``envs`` environments: observation, action, agent_info, each [B, ...]."""
+    return with_leading_dims(spec_of(StepSlot(example.observation, example.action, example.agent_info)), [envs])
+
+
+def segment_spec(example: Samples, horizon: int, envs: int):
+    """OnPolicyBatch with samples [T, B] and bootstrap_value [B]: one segment, or one batch."""
+    spec = spec_of(OnPolicyBatch(samples=example, bootstrap_value=np.float32(0)))
+    spec["fields"][0][1] = with_leading_dims(spec["fields"][0][1], [horizon, envs])
+    spec["fields"][1][1] = with_leading_dims(spec["fields"][1][1], [envs])
+    return spec

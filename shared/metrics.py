@@ -1,0 +1,117 @@
+"""Prometheus metrics: the only module that names metrics.
+
+Every service records into prometheus_client; under supervisord the environment variable
+PROMETHEUS_MULTIPROC_DIR points all processes of a run at one directory, and the metrics
+service serves them all on one HTTP endpoint (prometheus_client's multiprocess mode).
+Names follow ``rlpipe_<service>_<thing>_<unit>``; every series carries ``service`` and
+``instance`` labels.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LABELS = ("service", "instance")
+_LAT_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# service -> {attribute: (kind, name suffix, help, extra labels)}
+_DEFS: dict[str, dict[str, tuple]] = {
+    "sampler": {
+        "env_steps": ("counter", "env_steps_total", "Environment steps taken", ()),
+        "episodes": ("counter", "episodes_total", "Episodes finished", ()),
+        "episode_return": ("gauge", "episode_return", "Mean return of the episodes finished in the last segment", ()),
+        "episode_length": ("gauge", "episode_length_steps", "Mean length of the episodes finished in the last segment", ()),
+        "segments": ("counter", "segments_total", "Segments handed to replay", ()),
+        "wait": ("counter", "wait_seconds_total", "Seconds spent waiting, by what for", ("on",)),
+        "env_errors": ("counter", "env_errors_total", "Environments that misbehaved and were recreated", ()),
+        "reconnects": ("counter", "reconnects_total", "Peer timeouts that led to a reconnect", ("peer",)),
+    },
+    "action_server": {
+        "requests": ("counter", "requests_total", "Observation requests served", ()),
+        "batch_size": ("histogram", "batch_size_requests", "Requests per forward pass", (), _BATCH_BUCKETS),
+        "batch_envs": ("histogram", "batch_size_envs", "Environments per forward pass", (), _BATCH_BUCKETS),
+        "latency": ("histogram", "latency_seconds", "From a request's arrival to its reply", (), _LAT_BUCKETS),
+        "policy_version": ("gauge", "policy_version", "Parameter version in use", ()),
+        "peers": ("gauge", "peers", "Samplers attached", ()),
+        "peers_lost": ("counter", "peers_lost_total", "Samplers detached after going silent", ()),
+    },
+    "replay": {
+        "size": ("gauge", "size_items", "Items in the table", ()),
+        "inserts": ("counter", "inserts_total", "Items inserted", ()),
+        "insert_steps": ("counter", "insert_steps_total", "Env steps inserted", ()),
+        "samples": ("counter", "samples_total", "Items sampled", ()),
+        "dropped": ("counter", "dropped_total", "Items dropped for exceeding the policy-lag bound", ()),
+        "blocked": ("counter", "blocked_seconds_total", "Seconds a request waited on the table, by side", ("side",)),
+        "peers_lost": ("counter", "peers_lost_total", "Samplers reported lost after going silent", ()),
+    },
+    "learner": {
+        "updates": ("counter", "updates_total", "Optimisation updates (one per batch)", ()),
+        "env_steps": ("gauge", "env_steps", "Env steps sampled in the run so far (restored on resume)", ()),
+        "policy_version": ("gauge", "policy_version", "Latest published parameter version", ()),
+        "policy_lag": ("gauge", "policy_lag_versions", "Mean policy lag of the last batch", ()),
+        "mean_return": ("gauge", "mean_return", "Mean return of the recent episodes", ()),
+        "loss": ("gauge", "loss", "Last value of each loss term and diagnostic", ("term",)),
+        "batch_wait": ("counter", "batch_wait_seconds_total", "Seconds waiting for a batch", ()),
+        "update_time": ("counter", "update_seconds_total", "Seconds spent in updates", ()),
+    },
+}
+_COMMON = {
+    "up": ("gauge", "up", "1 while the process runs", ()),
+    "healthy": ("gauge", "healthy", "1 while the service's peers answer", ()),
+    "bad_messages": ("counter", "bad_messages_total", "Messages rejected by the wire protocol", ()),
+}
+_families: dict[str, object] = {}
+
+
+def _family(kind: str, name: str, doc: str, labels: tuple, buckets=None):
+    if name not in _families:
+        multiproc = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        if kind == "counter":
+            _families[name] = Counter(name, doc, labels)
+        elif kind == "histogram":
+            _families[name] = Histogram(name, doc, labels, buckets=buckets)
+        else:
+            mode = "livemostrecent" if multiproc else "all"
+            _families[name] = Gauge(name, doc, labels, multiprocess_mode=mode)
+    return _families[name]
+
+
+def for_service(service: str, instance: int) -> SimpleNamespace:
+    """The labelled metrics of one process: ``m.env_steps.inc(n)``, ``m.wait.labels(on="actions")``."""
+    out = {}
+    defs = {**_COMMON, **_DEFS[service]}
+    for attr, (kind, suffix, doc, extra, *buckets) in defs.items():
+        fam = _family(kind, f"rlpipe_{service}_{suffix}", doc, LABELS + extra, buckets[0] if buckets else None)
+        out[attr] = _Partial(fam, service, str(instance)) if extra else fam.labels(service=service, instance=str(instance))
+    m = SimpleNamespace(**out)
+    m.up.set(1)
+    return m
+
+
+class _Partial:
+    """A family with service/instance fixed; ``.labels(**rest)`` gives the child."""
+
+    def __init__(self, fam, service: str, instance: str):
+        self.fam, self.service, self.instance = fam, service, instance
+
+    def labels(self, **rest):
+        return self.fam.labels(service=self.service, instance=self.instance, **rest)
+
+
+class Stopwatch:
+    """Adds the seconds spent inside ``with`` blocks to a counter."""
+
+    def __init__(self, counter):
+        self.counter = counter
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.counter.inc(time.perf_counter() - self.t0)
