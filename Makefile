@@ -1,0 +1,24 @@
+# rlpipe — the README's first commands: `make run` and `make test`.
+PYTHON ?= python3
+PIP = $(PYTHON) -m pip
+CONFIG ?= deploy/configs/cartpole_ppo.toml
+
+.PHONY: install run test test-all bench clean-runs
+
+# torch first, pinned to the CPU wheel this machine carries, only when no torch is importable:
+# a bare `torch` requirement would pull a multi-GB CUDA build; a user's own (CUDA) torch is kept.
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -q -e ".[test,atari,minatar]"
+
+run: install
+	$(PYTHON) -m shared.cli launch $(CONFIG)
+
+test: install
+	$(PYTHON) -m pytest -q tests --ignore=tests/bench
+
+bench: install
+	$(PYTHON) -m pytest -q -s tests/bench -m bench
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,1 @@
+"""Action-server service: batched policy inference for the samplers."""

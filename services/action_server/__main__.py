@@ -1,0 +1,40 @@
+"""python -m services.action_server --run-dir RUN --instance I"""
+
+import logging
+
+import zmq
+
+from services.action_server.server import ActionServer
+from shared import metrics as metrics_mod
+from shared.config import endpoint
+from shared.factory import env_probe, make_agent
+from shared.runtime import resolve_device, start_service
+from shared.sockets import Endpoint
+
+log = logging.getLogger("services.action_server")
+
+
+def run(exp, run_dir, instance: int) -> None:
+    m = metrics_mod.for_service("action_server", instance)
+    device = resolve_device(exp.run.device)
+    agent = make_agent(exp, env_probe(exp)).to(device).eval()
+    ctx = zmq.Context()
+    bad = lambda reason: m.bad_messages.inc()  # noqa: E731
+    router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, f"action_server{instance}"), bind=True,
+                      name=f"action_server{instance}", on_bad=bad)
+    params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
+                      on_bad=bad)
+    server = ActionServer(exp.action_server, agent, router, params, m)
+    m.healthy.set(1)
+    log.info("action-server %d on %s, device %s", instance, router.address, device)
+    try:
+        server.run()
+    finally:
+        server.close()
+        router.close()
+        params.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    run(*start_service("action_server"))

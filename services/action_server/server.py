@@ -1,0 +1,178 @@
+"""The action-server: batched inference for many samplers' step slots.
+
+Samplers say hello with the descriptors of their step slots (shared memory), then send
+"obs ready in slot s, step n". The server gathers the requests that are waiting (up to
+``max_batch``, waiting at most ``max_wait_ms`` for more), runs the agent once on their
+concatenated observations, writes actions and agent info back into each slot and replies
+"act". It follows the learner's parameter versions (PUB/SUB + shared memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import zmq
+
+from shared import shm
+from shared.config import ActionServerConfig
+from shared.namedarraytuple import map_leaves, numpify, torchify, zip_map
+from shared.params import ParamReader
+from shared.sockets import Endpoint
+
+log = logging.getLogger(__name__)
+POLL_MS = 100
+
+
+@dataclass
+class Peer:
+    instance: int
+    segments: list
+    slots: list
+    last_seen: float
+
+
+@dataclass
+class Request:
+    peer: bytes
+    slot: int
+    step: int
+    t_arrival: float
+
+
+class ActionServer:
+    def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
+                 metrics):
+        self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
+        self.reader = ParamReader(agent)
+        self.version = -1
+        self.peers: dict[bytes, Peer] = {}
+        self.pending: list[Request] = []
+
+    # ------------------------------------------------------------ messages
+
+    def handle(self, peer: bytes, msg) -> None:
+        now = time.monotonic()
+        if msg.type == "hello_actor":
+            self._hello(peer, msg.body, now)
+        elif msg.type == "obs":
+            known = self.peers.get(peer)
+            if known is None or not 0 <= msg.body["slot"] < len(known.slots):
+                self.router.send("error", {"reason": "unknown sampler or slot: send hello_actor first"}, to=peer)
+                return
+            known.last_seen = now
+            self.pending.append(Request(peer, msg.body["slot"], msg.body["step"], now))
+        else:
+            self.router.send("error", {"reason": f"action-server does not take {msg.type!r} messages"}, to=peer)
+
+    def _hello(self, peer: bytes, body: dict, now: float) -> None:
+        self._detach(peer)
+        segments, slots = [], []
+        try:
+            for desc in body["slots"]:
+                seg, tree = shm.attach(desc)
+                segments.append(seg)
+                slots.append(tree)
+        except (ValueError, FileNotFoundError) as e:
+            log.warning("hello from %s rejected: %s", peer, e)
+            self.m.bad_messages.inc()
+            for seg in segments:
+                seg.close()
+            self.router.send("error", {"reason": f"bad slot descriptor: {e}"}, to=peer)
+            return
+        self.peers[peer] = Peer(body["instance"], segments, slots, now)
+        self.pending = [r for r in self.pending if r.peer != peer]
+        self.m.peers.set(len(self.peers))
+        log.info("sampler %d attached (%d slots)", body["instance"], len(slots))
+        self.router.send("welcome", {"peer": peer.decode(errors="replace")}, to=peer)
+
+    def _detach(self, peer: bytes) -> None:
+        old = self.peers.pop(peer, None)
+        if old is not None:
+            for seg in old.segments:
+                seg.close()
+            self.pending = [r for r in self.pending if r.peer != peer]
+            self.m.peers.set(len(self.peers))
+
+    def check_peers(self) -> None:
+        now = time.monotonic()
+        for peer, p in list(self.peers.items()):
+            if now - p.last_seen > self.cfg.peer_timeout_s:
+                log.warning("sampler %d silent for %.1f s: detaching its slots", p.instance, now - p.last_seen)
+                self.m.peers_lost.inc()
+                self._detach(peer)
+
+    def follow_params(self) -> None:
+        """Load the newest parameter version announced (older announcements are skipped)."""
+        latest = None
+        for _, msg in self.params.drain():
+            if msg.type == "params" and msg.body["version"] > self.version:
+                latest = msg
+        if latest is not None:
+            try:
+                if self.reader.read(latest.body["version"], latest.body["segment"]):
+                    self.version = latest.body["version"]
+                    self.m.policy_version.set(self.version)
+            except (ValueError, FileNotFoundError) as e:
+                log.warning("cannot load parameters version %d: %s", latest.body["version"], e)
+
+    # ------------------------------------------------------------ inference
+
+    def serve_batch(self) -> None:
+        """Answer up to max_batch pending requests with one forward pass."""
+        batch, self.pending = self.pending[: self.cfg.max_batch], self.pending[self.cfg.max_batch:]
+        slots = [self.peers[r.peer].slots[r.slot] for r in batch]
+        sizes = [len(s.action) for s in slots]
+        obs = zip_map(lambda *xs: np.concatenate(xs), *[s.observation for s in slots])
+        with torch.no_grad():
+            action, info = self.agent.step(torchify(obs))
+        action, info = numpify(action), numpify(info)
+        start = 0
+        for r, slot, n in zip(batch, slots, sizes):
+            slot.action[:] = action[start:start + n]
+            slot.agent_info[:] = map_leaves(lambda a: a[start:start + n], info)
+            start += n
+            self.router.send("act", {"slot": r.slot, "step": r.step, "version": max(self.version, 0)}, to=r.peer)
+        now = time.monotonic()
+        for r in batch:
+            self.m.latency.observe(now - r.t_arrival)
+        self.m.requests.inc(len(batch))
+        self.m.batch_size.observe(len(batch))
+        self.m.batch_envs.observe(sum(sizes))
+
+    def run(self, should_stop=lambda: False) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router.sock, zmq.POLLIN)
+        poller.register(self.params.sock, zmq.POLLIN)
+        last_check = time.monotonic()
+        while not should_stop():
+            events = dict(poller.poll(0 if self.pending else POLL_MS))
+            if self.params.sock in events:
+                self.follow_params()
+            if self.router.sock in events:
+                self._gather()
+            if self.pending:
+                self.serve_batch()
+            if time.monotonic() - last_check > 1.0:
+                self.check_peers()
+                last_check = time.monotonic()
+
+    def _gather(self) -> None:
+        """Take every waiting request; then wait up to max_wait_ms while others may still come."""
+        deadline = time.monotonic() + self.cfg.max_wait_ms / 1000.0
+        expected = sum(len(p.slots) for p in self.peers.values())
+        while True:
+            for peer, msg in self.router.drain():
+                self.handle(peer, msg)
+            left = deadline - time.monotonic()
+            if len(self.pending) >= min(expected, self.cfg.max_batch) or left <= 0:
+                return
+            if not self.router.sock.poll(left * 1000.0, zmq.POLLIN):
+                return
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            self._detach(peer)

@@ -1,0 +1,1 @@
+"""Learner service: batches in, parameter versions out."""

@@ -1,0 +1,208 @@
+"""The learner: batches in, updates, parameter versions out; progress, checkpoints, the end.
+
+It owns ``prefetch`` batch slots (shared memory in the pipeline). Replay fills a slot on
+request; the learner trains on one slot while the next fills (double buffering), then asks
+for that slot again. After each update it publishes a new parameter version. It keeps the
+run's counters (env steps, episodes, versions) and checkpoints them with the model and
+optimizer, so a learner killed and restarted resumes where its last checkpoint stood.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from shared.config import Experiment
+from shared.namedarraytuple import torchify
+
+log = logging.getLogger(__name__)
+CHECKPOINT = "checkpoints/latest.pt"
+PROGRESS = "progress.csv"
+RESULT = "result.json"
+PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "policy_version", "episodes",
+                   "mean_return", "policy_lag", "dropped"]
+
+
+class BatchSource(Protocol):
+    def request(self, slot: int, min_version: int) -> None:
+        """Ask for batch slot ``slot`` to be filled with data no older than ``min_version``."""
+
+    def next(self, timeout_ms: int) -> tuple[int, dict] | None:
+        """Wait for a requested slot to be filled: (slot, meta with env_steps, episodes, dropped), or None."""
+
+
+class ParamSink(Protocol):
+    def publish(self, version: int) -> None: ...
+
+
+class Learner:
+    def __init__(self, exp: Experiment, agent: torch.nn.Module, algo, device: torch.device, run_dir: Path | None,
+                 metrics=None):
+        self.exp, self.agent, self.algo, self.device, self.run_dir, self.m = exp, agent, algo, device, run_dir, metrics
+        self.version = 0
+        self.env_steps = 0
+        self.updates = 0
+        self.episodes_seen = 0
+        self.dropped = 0
+        self.returns: collections.deque = collections.deque(maxlen=exp.run.return_window)
+        self.wall_before = 0.0  # wall seconds of earlier incarnations (from the checkpoint)
+        self.t_start = time.monotonic()
+        self.t_first_batch: float | None = None
+        self.t_progress = 0.0
+        self.t_checkpoint = time.monotonic()
+        self.last_lag = 0.0
+        self.last_diag: dict = {}
+        self.steps_at_progress = 0
+        self.wall_at_progress = 0.0
+
+    # ------------------------------------------------------------ training
+
+    def train(self, slot, meta: dict) -> None:
+        """One update on a filled batch slot (numpy views); counters from replay's ``meta``."""
+        if self.t_first_batch is None:
+            self.t_first_batch = time.monotonic()
+        self.env_steps += meta["env_steps"]
+        self.dropped += meta.get("dropped", 0)
+        for ret, _length in meta["episodes"]:
+            self.returns.append(ret)
+        self.episodes_seen += len(meta["episodes"])
+        batch = torchify(slot, self.device)
+        versions = slot.samples.policy_version
+        self.last_lag = float(self.version - versions.mean())
+        progress = min(1.0, self.env_steps / self.exp.run.max_env_steps)
+        t0 = time.perf_counter()
+        self.last_diag = self.algo.update(batch, progress)
+        self.updates += 1
+        self.version += 1
+        if self.m is not None:
+            self.m.update_time.inc(time.perf_counter() - t0)
+            self.m.updates.inc()
+            self.m.env_steps.set(self.env_steps)
+            self.m.policy_version.set(self.version)
+            self.m.policy_lag.set(self.last_lag)
+            if self.returns:
+                self.m.mean_return.set(self.mean_return())
+            for term, value in self.last_diag.items():
+                self.m.loss.labels(term=term).set(float(value))
+
+    def mean_return(self) -> float:
+        return float(np.mean(self.returns)) if self.returns else float("nan")
+
+    def wall_s(self) -> float:
+        return self.wall_before + time.monotonic() - self.t_start
+
+    def finished(self) -> str | None:
+        """Why the run is over (target, budget, wall), or None."""
+        run = self.exp.run
+        if len(self.returns) >= run.return_window and self.mean_return() >= run.target_return:
+            return "target"
+        if self.env_steps >= run.max_env_steps:
+            return "budget"
+        if self.wall_s() >= run.max_wall_s:
+            return "wall"
+        return None
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def progress_row(self) -> dict:
+        now = self.wall_s()
+        rate = (self.env_steps - self.steps_at_progress) / max(now - self.wall_at_progress, 1e-9)
+        self.steps_at_progress, self.wall_at_progress = self.env_steps, now
+        return {"wall_s": round(now, 2), "env_steps": self.env_steps, "env_steps_per_s": round(rate, 1),
+                "updates": self.updates, "policy_version": self.version, "episodes": self.episodes_seen,
+                "mean_return": round(self.mean_return(), 2), "policy_lag": round(self.last_lag, 2),
+                "dropped": self.dropped}
+
+    def maybe_report(self, force: bool = False) -> dict | None:
+        if not force and time.monotonic() - self.t_progress < self.exp.run.log_interval_s:
+            return None
+        self.t_progress = time.monotonic()
+        row = self.progress_row()
+        if self.run_dir is not None:
+            path = self.run_dir / PROGRESS
+            new = not path.exists()
+            with path.open("a", newline="") as f:
+                w = csv.DictWriter(f, PROGRESS_FIELDS)
+                if new:
+                    w.writeheader()
+                w.writerow(row)
+        log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
+                 row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
+                 len(self.returns), row["policy_lag"])
+        return row
+
+    def maybe_checkpoint(self, force: bool = False) -> None:
+        if self.run_dir is None:
+            return
+        if not force and time.monotonic() - self.t_checkpoint < self.exp.learner.checkpoint_interval_s:
+            return
+        self.t_checkpoint = time.monotonic()
+        path = self.run_dir / CHECKPOINT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"agent": self.agent.state_dict(), "algo": self.algo.state_dict(), "version": self.version,
+                    "env_steps": self.env_steps, "updates": self.updates, "episodes_seen": self.episodes_seen,
+                    "returns": list(self.returns), "wall_s": self.wall_s(), "dropped": self.dropped}, tmp)
+        os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint intact
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint of this run, if any."""
+        path = None if self.run_dir is None else self.run_dir / CHECKPOINT
+        if path is None or not path.exists():
+            return False
+        ck = torch.load(path, map_location=self.device, weights_only=True)
+        self.agent.load_state_dict(ck["agent"])
+        self.algo.load_state_dict(ck["algo"])
+        self.version, self.env_steps, self.updates = ck["version"], ck["env_steps"], ck["updates"]
+        self.episodes_seen, self.dropped, self.wall_before = ck["episodes_seen"], ck["dropped"], ck["wall_s"]
+        self.returns.extend(ck["returns"])
+        self.steps_at_progress, self.wall_at_progress = self.env_steps, self.wall_before
+        log.info("resumed from %s: version %d, %d env steps, %d updates", path, self.version, self.env_steps,
+                 self.updates)
+        return True
+
+    def write_result(self, reason: str) -> dict:
+        to_target = None if self.t_first_batch is None else time.monotonic() - self.t_first_batch
+        result = {"reason": reason, "env_steps": self.env_steps, "updates": self.updates,
+                  "policy_version": self.version, "mean_return": self.mean_return(), "episodes": self.episodes_seen,
+                  "wall_s": round(self.wall_s(), 2), "first_batch_to_end_s": to_target}
+        if self.run_dir is not None:
+            (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
+        return result
+
+
+def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:
+    """Train until the run is finished; returns the result."""
+    min_version = lambda: max(0, learner.version - learner.exp.replay.max_policy_lag)  # noqa: E731
+    params.publish(learner.version)
+    for i in range(len(slots)):
+        source.request(i, min_version())
+    while True:
+        reason = learner.finished()
+        if reason is not None:
+            break
+        t0 = time.perf_counter()
+        item = source.next(learner.exp.learner.timeout_ms)
+        if learner.m is not None:
+            learner.m.batch_wait.inc(time.perf_counter() - t0)
+        if item is None:
+            params.publish(learner.version)  # re-announce for action-servers that (re)started meanwhile
+            continue
+        i, meta = item
+        learner.train(slots[i], meta)
+        params.publish(learner.version)
+        source.request(i, min_version())
+        learner.maybe_report()
+        learner.maybe_checkpoint()
+    learner.maybe_report(force=True)
+    learner.maybe_checkpoint(force=True)
+    return learner.write_result(reason)

@@ -1,0 +1,74 @@
+"""The learner's sockets: batches from replay (DEALER) and parameter versions out (PUB)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from shared.params import ParamWriter
+from shared.sockets import Endpoint
+
+log = logging.getLogger(__name__)
+
+
+class RemoteBatches:
+    """BatchSource over a DEALER socket to replay; slots are shared-memory descriptors."""
+
+    def __init__(self, ctx: zmq.Context, address: str, slot_descriptors: list, batch_items: int, timeout_ms: int,
+                 metrics):
+        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name="learner0",
+                           on_bad=lambda r: metrics.bad_messages.inc())
+        self.descriptors, self.batch_items, self.timeout_ms = slot_descriptors, batch_items, timeout_ms
+        self.outstanding: dict[int, int] = {}  # slot -> min_version asked
+        self.t_last = time.monotonic()
+        self.ep.send("hello_reader", {"slots": self.descriptors})
+
+    def request(self, slot: int, min_version: int) -> None:
+        self.outstanding[slot] = min_version
+        self.ep.send("sample", {"slot": slot, "n": self.batch_items, "min_version": min_version})
+
+    def next(self, timeout_ms: int):
+        reply = self.ep.recv(timeout_ms)
+        if reply is None:
+            if time.monotonic() - self.t_last > self.timeout_ms / 1000.0:
+                log.warning("no batch from replay at %s for %.1f s; reconnecting", self.ep.address,
+                            time.monotonic() - self.t_last)
+                self._recover()
+            return None
+        msg = reply[1]
+        self.t_last = time.monotonic()
+        if msg.type == "sampled" and msg.body["slot"] in self.outstanding:
+            del self.outstanding[msg.body["slot"]]
+            return msg.body["slot"], msg.body
+        if msg.type == "error":
+            log.warning("replay says: %s", msg.body["reason"])
+            self._recover()
+        return None
+
+    def _recover(self) -> None:
+        self.t_last = time.monotonic()
+        self.ep.reconnect()
+        self.ep.send("hello_reader", {"slots": self.descriptors})
+        for slot, min_version in sorted(self.outstanding.items()):
+            self.ep.send("sample", {"slot": slot, "n": self.batch_items, "min_version": min_version})
+
+    def close(self) -> None:
+        self.ep.close()
+
+
+class PublishedParams:
+    """ParamSink: writes the agent's state into shared memory, then announces the version."""
+
+    def __init__(self, ctx: zmq.Context, address: str, writer: ParamWriter):
+        self.writer = writer
+        self.ep = Endpoint(ctx, zmq.PUB, address, bind=True, name="learner0")
+
+    def publish(self, version: int) -> None:
+        self.writer.write(version)
+        self.ep.send("params", {"version": version, "segment": self.writer.descriptor})
+
+    def close(self) -> None:
+        self.ep.close()
+        self.writer.close()

@@ -1,0 +1,1 @@
+"""Metrics service: one Prometheus endpoint for every process of the run."""

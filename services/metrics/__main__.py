@@ -1,0 +1,51 @@
+"""python -m services.metrics --run-dir RUN
+
+Serves the metrics every process of the run records into PROMETHEUS_MULTIPROC_DIR
+(prometheus_client's multiprocess mode) on the configured host and port. Gauges of
+processes that died (a kill -9, a restart) are dropped from the live view, so `up` and the
+instance counts show the processes that run now.
+"""
+
+import logging
+import os
+import re
+import time
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from shared.runtime import start_service
+
+log = logging.getLogger("services.metrics")
+_PID = re.compile(r"_(\d+)\.db$")
+
+
+def reap_dead(directory: Path) -> None:
+    for path in directory.glob("*_live*.db"):
+        m = _PID.search(path.name)
+        if m is None:
+            continue
+        pid = int(m.group(1))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            mark_process_dead(pid, str(directory))
+
+
+def run(exp, run_dir, instance: int) -> None:
+    directory = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR", run_dir / "metrics"))
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(directory))
+    server, thread = start_http_server(exp.network.metrics_port, exp.network.metrics_host, registry=registry)
+    log.info("metrics on http://%s:%d/metrics", exp.network.metrics_host, exp.network.metrics_port)
+    try:
+        while True:
+            reap_dead(directory)
+            time.sleep(1.0)
+    finally:
+        server.shutdown()
+
+
+if __name__ == "__main__":
+    run(*start_service("metrics"))

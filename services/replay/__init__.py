@@ -1,0 +1,1 @@
+"""Replay service: the experience hub between samplers and the learner."""

@@ -1,0 +1,35 @@
+"""python -m services.replay --run-dir RUN"""
+
+import logging
+
+import zmq
+
+from services.replay.service import ReplayService
+from services.replay.tables import make_table
+from shared import metrics as metrics_mod
+from shared.config import endpoint
+from shared.runtime import start_service
+from shared.sockets import Endpoint
+
+log = logging.getLogger("services.replay")
+
+
+def run(exp, run_dir, instance: int) -> None:
+    m = metrics_mod.for_service("replay", instance)
+    columns = {i: exp.sampler.envs for i in range(exp.sampler.count)}
+    ctx = zmq.Context()
+    router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
+                      on_bad=lambda reason: m.bad_messages.inc())
+    service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec), router, m)
+    m.healthy.set(1)
+    log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
+    try:
+        service.run()
+    finally:
+        service.close()
+        router.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    run(*start_service("replay"))

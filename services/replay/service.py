@@ -1,0 +1,244 @@
+"""The replay service: the experience hub between samplers and the learner.
+
+Samplers (writers) say hello with their segment ring's descriptor, then announce finished
+segments by ring index and serial number. Replay copies an announced segment into its
+table when the table (and its rate limiter) takes it, then releases the ring slot; until
+then the announcement waits here, so the sampler feels back-pressure and nothing accepted
+is lost. The learner (reader) says hello with its batch slots and asks for slots to be
+filled; a request waits here until the table can serve it.
+
+Announcements are idempotent: a writer that timed out resends what it had in flight, and
+serial numbers already inserted are released again rather than inserted twice.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from shared import shm
+from shared.config import ReplayConfig
+from shared.namedarraytuple import drop_leading_dims
+from shared.sockets import Endpoint
+
+log = logging.getLogger(__name__)
+POLL_MS = 50
+
+
+@dataclass
+class Writer:
+    peer: bytes
+    instance: int
+    incarnation: int
+    segment: object
+    ring: object
+    last_seen: float
+    last_serial: int = 0
+    pending: collections.deque = field(default_factory=collections.deque)  # (body, arrival time)
+
+
+@dataclass
+class Reader:
+    peer: bytes
+    segments: list
+    slots: list
+    pending: dict = field(default_factory=dict)  # slot -> "sample" body, in request order
+    since: dict = field(default_factory=dict)  # slot -> time the request arrived
+
+
+class ReplayService:
+    def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics):
+        """``table_factory(segment_spec)`` makes the table once the first sampler shows its layout."""
+        self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
+        self.table = None
+        self.segment_spec = None
+        self.writers: dict[int, Writer] = {}
+        self.reader: Reader | None = None
+        self.steps_unreported = 0
+        self.episodes_unreported: list = []
+        self.dropped_unreported = 0
+        self.held: dict[int, tuple[int, int, int]] = {}  # table key -> (writer, incarnation, ring index)
+
+    # ------------------------------------------------------------ messages
+
+    def handle(self, peer: bytes, msg) -> None:
+        body = msg.body
+        if msg.type == "hello_writer":
+            self._hello_writer(peer, body)
+        elif msg.type == "segment":
+            self._segment(peer, body)
+        elif msg.type == "hello_reader":
+            self._hello_reader(peer, body)
+        elif msg.type == "sample":
+            if self.reader is None or self.reader.peer != peer:
+                self.router.send("error", {"reason": "unknown reader: send hello_reader first"}, to=peer)
+            elif not 0 <= body["slot"] < len(self.reader.slots) or body["n"] < 1:
+                self.router.send("error", {"reason": f"sample: bad slot {body['slot']} or n {body['n']}"}, to=peer)
+            else:
+                self.reader.pending.pop(body["slot"], None)
+                self.reader.pending[body["slot"]] = body
+                self.reader.since[body["slot"]] = time.monotonic()
+        else:
+            self.router.send("error", {"reason": f"replay does not take {msg.type!r} messages"}, to=peer)
+
+    def _writer_of(self, peer: bytes) -> Writer | None:
+        for w in self.writers.values():
+            if w.peer == peer:
+                return w
+        return None
+
+    def _hello_writer(self, peer: bytes, body: dict) -> None:
+        known = self.writers.get(body["instance"])
+        now = time.monotonic()
+        if known is not None and known.incarnation == body["incarnation"]:
+            known.peer, known.last_seen = peer, now  # the same sampler, reconnected
+            return
+        try:
+            spec = drop_leading_dims(body["ring"].get("spec"), 1)
+            if self.segment_spec is not None and spec != self.segment_spec:
+                raise ValueError("its segment layout differs from the other samplers' (same config?)")
+            seg, ring = shm.attach(body["ring"])
+        except (ValueError, FileNotFoundError, TypeError, KeyError, AttributeError) as e:
+            log.warning("hello_writer from sampler %s rejected: %s", body["instance"], e)
+            self.m.bad_messages.inc()
+            self.router.send("error", {"reason": f"bad ring descriptor: {e}"}, to=peer)
+            return
+        if known is not None:
+            log.info("sampler %d restarted: dropping %d segment(s) announced by its previous incarnation",
+                     known.instance, len(known.pending))
+            known.segment.close()
+        if self.table is None:
+            self.segment_spec, self.table = spec, self.table_factory(spec)
+        self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now)
+        self.table.reset_writer(body["instance"])
+        log.info("sampler %d attached", body["instance"])
+
+    def _segment(self, peer: bytes, body: dict) -> None:
+        w = self._writer_of(peer)
+        if w is None:
+            self.router.send("error", {"reason": "unknown sampler: send hello_writer first"}, to=peer)
+            return
+        w.last_seen = time.monotonic()
+        if not 0 <= body["index"] < len(w.ring.bootstrap_value):
+            self.m.bad_messages.inc()
+            self.router.send("error", {"reason": f"segment index {body['index']} outside the ring"}, to=peer)
+            return
+        if body["serial"] <= w.last_serial:
+            self.router.send("release", {"index": body["index"]}, to=peer)  # a resend of what we hold already
+        elif all(p["serial"] != body["serial"] for p, _ in w.pending):
+            w.pending.append((body, time.monotonic()))
+
+    def _hello_reader(self, peer: bytes, body: dict) -> None:
+        segments, slots = [], []
+        try:
+            for desc in body["slots"]:
+                seg, tree = shm.attach(desc)
+                segments.append(seg)
+                slots.append(tree)
+        except (ValueError, FileNotFoundError) as e:
+            log.warning("hello_reader rejected: %s", e)
+            self.m.bad_messages.inc()
+            self.router.send("error", {"reason": f"bad batch slot descriptor: {e}"}, to=peer)
+            return
+        if self.reader is not None:
+            for seg in self.reader.segments:
+                seg.close()
+        self.reader = Reader(peer, segments, slots)
+        log.info("learner attached (%d batch slots)", len(slots))
+
+    # ------------------------------------------------------------ moving data
+
+    def pump(self) -> None:
+        """Insert what the table takes (writers in turn), then serve what can be sampled."""
+        moved = True
+        while moved:
+            moved = False
+            for w in list(self.writers.values()):
+                if w.pending and self.table.can_insert(w.instance):
+                    body, arrived = w.pending.popleft()
+                    self.m.blocked.labels(side="sampler").inc(time.monotonic() - arrived)
+                    self._insert(w, body)
+                    moved = True
+        if self.table is None:
+            return
+        if self.reader is not None:
+            for slot, body in list(self.reader.pending.items()):
+                dropped = self.table.drop_older_than(body["min_version"])
+                self._release(dropped)
+                self.dropped_unreported += len(dropped)
+                self.m.dropped.inc(len(dropped))
+                if not self.table.can_sample(body["n"]):
+                    break
+                self._sample(slot, body)
+        self.m.size.set(self.table.size)
+
+    def _insert(self, w: Writer, body: dict) -> None:
+        segment = w.ring[body["index"]]
+        keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value)
+        w.last_serial = body["serial"]
+        if self.cfg.release_on_sample:
+            for key in keys:
+                self.held[int(key)] = (w.instance, w.incarnation, body["index"])
+        else:
+            self.router.send("release", {"index": body["index"]}, to=w.peer)
+        self.steps_unreported += body["steps"]
+        self.episodes_unreported.extend(body["episodes"])
+        self.m.inserts.inc()
+        self.m.insert_steps.inc(body["steps"])
+
+    def _sample(self, slot: int, body: dict) -> None:
+        reader = self.reader
+        info = self.table.sample_into(reader.slots[slot], body["n"])
+        self._release(info["keys"])
+        del reader.pending[slot]
+        waited = time.monotonic() - reader.since.pop(slot)
+        self.m.blocked.labels(side="learner").inc(waited)
+        self.m.samples.inc(body["n"])
+        self.router.send("sampled", {"slot": slot, "n": body["n"], "env_steps": self.steps_unreported,
+                                     "episodes": self.episodes_unreported, "dropped": self.dropped_unreported},
+                         to=reader.peer)
+        self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
+
+    def _release(self, keys) -> None:
+        """Give held ring slots back to their samplers (release_on_sample)."""
+        for key in keys:
+            held = self.held.pop(int(key), None)
+            if held is None:
+                continue
+            w = self.writers.get(held[0])
+            if w is not None and w.incarnation == held[1]:
+                self.router.send("release", {"index": held[2]}, to=w.peer)
+
+    def check_peers(self) -> None:
+        """Forget samplers silent past the timeout that are not waiting on us."""
+        now = time.monotonic()
+        for instance, w in list(self.writers.items()):
+            if not w.pending and now - w.last_seen > self.cfg.peer_timeout_s:
+                log.warning("sampler %d silent for %.1f s: reported lost", instance, now - w.last_seen)
+                self.m.peers_lost.inc()
+                w.segment.close()
+                del self.writers[instance]
+
+    def run(self, should_stop=lambda: False) -> None:
+        last_check = time.monotonic()
+        while not should_stop():
+            item = self.router.recv(POLL_MS)
+            if item is not None:
+                self.handle(*item)
+                for peer, msg in self.router.drain():
+                    self.handle(peer, msg)
+            self.pump()
+            if time.monotonic() - last_check > 1.0:
+                self.check_peers()
+                last_check = time.monotonic()
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.segment.close()
+        if self.reader is not None:
+            for seg in self.reader.segments:
+                seg.close()

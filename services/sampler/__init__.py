@@ -1,0 +1,1 @@
+"""Sampler service: environments in, segments out."""

@@ -1,0 +1,174 @@
+"""The sampler: steps its environments, asks for actions, fills segments for replay.
+
+Per env group g (two groups in alternating mode, rlpyt's alternating sampler), a *step
+slot* in shared memory holds the group's current observations; the action-server writes
+actions and agent info back into it. While one group waits for its actions the other
+steps its environments, so env stepping overlaps inference.
+
+A *segment* (``OnPolicyBatch``: samples [T, B] + bootstrap_value [B]) is filled in a ring
+of ``ring`` segments in shared memory. Segment k is handed to replay once the value of the
+observation after its last step is known — which arrives for free with the actions for
+the first step of segment k + 1. Replay releases a segment when it has copied it; with
+every ring slot unreleased the sampler waits (back-pressure).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import numpy as np
+
+from shared import shm
+from shared.config import Experiment
+from shared.envs import EnvError, EnvGroup
+from shared.layout import segment_spec, slot_spec, step_example
+from shared.namedarraytuple import from_spec, with_leading_dims
+
+log = logging.getLogger(__name__)
+
+
+class ActionSource(Protocol):
+    """Fills a step slot's action and agent_info for its observations."""
+
+    def request(self, group: int) -> None: ...
+
+    def wait(self, group: int) -> int:
+        """Block until the actions of ``group`` are in its slot; return the policy version."""
+
+
+class SegmentSink(Protocol):
+    """Takes finished segments from the ring and gives ring slots back."""
+
+    def announce(self, index: int, meta: dict) -> None: ...
+
+    def acquire(self, index: int) -> None:
+        """Block until ring slot ``index`` is free to write."""
+
+
+def group_slices(envs: int, alternating: bool) -> list[slice]:
+    if not alternating:
+        return [slice(0, envs)]
+    half = envs // 2
+    return [slice(0, half), slice(half, envs)]
+
+
+class Sampler:
+    """Owns the envs, the step slots and the segment ring of one sampler instance."""
+
+    def __init__(self, exp: Experiment, instance: int, run_id: str, agent_info_example, metrics=None,
+                 shared_memory: bool = True):
+        cfg = exp.sampler
+        self.cfg, self.instance, self.metrics = cfg, instance, metrics
+        self.groups = group_slices(cfg.envs, cfg.alternating)
+        seed = exp.run.seed + 10_007 * instance
+        self.envs = [EnvGroup(exp.env, g.stop - g.start, seed + g.start) for g in self.groups]
+        self.example = step_example(self.envs[0].example_observation(), self.envs[0].example_action(), agent_info_example)
+        self.segments: list[shm.Segment] = []
+        specs = [slot_spec(self.example, g.stop - g.start) for g in self.groups]
+        rspec = with_leading_dims(segment_spec(self.example, cfg.horizon, cfg.envs), [cfg.ring])
+        if shared_memory:
+            self.slots, self.slot_descriptors = [], []
+            for i, spec in enumerate(specs):
+                seg, tree, desc = shm.allocate(shm.segment_name(run_id, "sampler", instance, f"slot{i}"), spec)
+                self.segments.append(seg)
+                self.slots.append(tree)
+                self.slot_descriptors.append(desc)
+            seg, self.ring, self.ring_descriptor = shm.allocate(shm.segment_name(run_id, "sampler", instance, "ring"), rspec)
+            self.segments.append(seg)
+        else:
+            self.slots = [from_spec(spec) for spec in specs]
+            self.slot_descriptors = []
+            self.ring, self.ring_descriptor = from_spec(rspec), None
+        self.k = 0  # ring slot being filled
+        self.serial = 0  # segments announced so far
+        self.steps = 0
+        self.episodes: list[list[float]] = []  # [return, length] finished in the current segment
+        self.pending: int | None = None  # segment waiting for its bootstrap values
+
+    # ------------------------------------------------------------ loop
+
+    def start(self, actions: ActionSource) -> None:
+        for g, env in enumerate(self.envs):
+            env.reset(self.slots[g].observation)
+            actions.request(g)
+
+    def collect_segment(self, actions: ActionSource, sink: SegmentSink) -> None:
+        """Hand the previous segment over, then fill ring slot k with T steps of every env group.
+
+        The previous segment's bootstrap values come with the actions for this segment's
+        first step (already requested), so it is announced before this one needs a ring
+        slot: with a ring of one segment the sampler runs at most one segment ahead.
+        """
+        first = [actions.wait(g) for g in range(len(self.groups))]
+        if self.pending is not None:
+            for cols, slot in zip(self.groups, self.slots):
+                self._bootstrap(self.pending, cols, slot)
+            self._announce(sink, self.pending)
+            self.pending = None
+        sink.acquire(self.k)
+        seg = self.ring[self.k]
+        versions = []
+        for t in range(self.cfg.horizon):
+            for g, (cols, env) in enumerate(zip(self.groups, self.envs)):
+                version = first[g] if t == 0 else actions.wait(g)
+                slot = self.slots[g]
+                step = seg.samples[t, cols]
+                step.observation[:] = slot.observation
+                step.action[:] = slot.action
+                step.agent_info[:] = slot.agent_info
+                step.policy_version[:] = version
+                versions.append(version)
+                self._step_envs(g, env, slot, step)
+                actions.request(g)
+        self.steps += self.cfg.horizon * self.cfg.envs
+        self.pending = (self.k, min(versions), max(versions), self.episodes)
+        self.episodes = []
+        self.k = (self.k + 1) % self.cfg.ring
+
+    def _bootstrap(self, pending, cols: slice, slot) -> None:
+        info = slot.agent_info
+        value = info.value if "value" in info else 0.0
+        self.ring[pending[0]].bootstrap_value[cols] = value
+
+    def _announce(self, sink: SegmentSink, pending) -> None:
+        k, vmin, vmax, episodes = pending
+        self.serial += 1
+        sink.announce(k, {"serial": self.serial, "steps": self.cfg.horizon * self.cfg.envs, "episodes": episodes,
+                          "version_min": int(vmin), "version_max": int(vmax)})
+        if self.metrics is not None:
+            self.metrics.segments.inc()
+            self.metrics.env_steps.inc(self.cfg.horizon * self.cfg.envs)
+            if episodes:
+                rets = np.array(episodes)
+                self.metrics.episodes.inc(len(episodes))
+                self.metrics.episode_return.set(float(rets[:, 0].mean()))
+                self.metrics.episode_length.set(float(rets[:, 1].mean()))
+
+    def _step_envs(self, g: int, env: EnvGroup, slot, step) -> None:
+        try:
+            ended = env.step(slot.action, slot.observation, step.reward, step.terminated, step.truncated,
+                             step.final_observation)
+        except EnvError as e:
+            # EnvGroup marked the failed envs' transitions as truncations, so no return crosses them.
+            log.error("sampler %d: %s; recreating %d environment(s)", self.instance, e, len(e.env_indices))
+            for i in e.env_indices:
+                if self.metrics is not None:
+                    self.metrics.env_errors.inc()
+                env.recreate(i, slot.observation)
+            ended = e.finished
+        for _, ret, length in ended:
+            self.episodes.append([float(ret), int(length)])
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+        for seg in self.segments:
+            seg.unlink()
+            seg.close()
+
+
+def run_loop(sampler: Sampler, actions: ActionSource, sink: SegmentSink, should_stop=lambda: False) -> None:
+    sampler.start(actions)
+    while not should_stop():
+        sampler.collect_segment(actions, sink)

@@ -1,0 +1,159 @@
+"""The `rlpipe` command line: launch, train, status, stop, logs, clean."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "configs" / "cartpole_ppo.toml"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rlpipe", description="Deep RL as a pipeline of processes.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    for name, help_ in (("launch", "start a run under supervisord and follow it"),
+                        ("train", "like launch; with --serial, run every part in this one process")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="experiment TOML file")
+        c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value (repeatable), e.g. --set sampler.count=4")
+        c.add_argument("--detach", action="store_true", help="start the run and return (follow with `rlpipe status`)")
+        if name == "train":
+            c.add_argument("--serial", action="store_true", help="one process, in-process transport (debugging)")
+    for name, help_ in (("status", "supervisorctl status of a run"), ("stop", "stop a run"),
+                        ("clean", "stop what is left of a run and remove its shared memory from /dev/shm")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("run", help="run directory or run id (under runs/)")
+    c = sub.add_parser("logs", help="show a run's logs")
+    c.add_argument("run")
+    c.add_argument("service", nargs="?", help="e.g. learner, sampler, sampler1; default: all")
+    c.add_argument("-n", type=int, default=40, help="lines per log")
+
+    args = p.parse_args(argv)
+    return {"launch": _launch, "train": _train, "status": _status, "stop": _stop, "logs": _logs,
+            "clean": _clean}[args.cmd](args)
+
+
+def _load(args):
+    from shared import config as config_mod
+
+    try:
+        return config_mod.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
+    except config_mod.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return None
+
+
+def _train(args) -> int:
+    if not args.serial:
+        return _launch(args)
+    exp = _load(args)
+    if exp is None:
+        return 2
+    from services.serial import train_serial
+
+    result = train_serial(exp)
+    print(f"serial run ended ({result['reason']}): mean return {result['mean_return']:.1f} "
+          f"after {result['env_steps']} env steps in {result['wall_s']:.1f} s")
+    return 0
+
+
+def _launch(args) -> int:
+    exp = _load(args)
+    if exp is None:
+        return 2
+    from shared import launch
+
+    run_dir = launch.make_run_dir(exp)
+    t0 = time.monotonic()
+    launch.start(exp, run_dir)
+    print(f"run {run_dir.name}: {exp.algo_name} on {exp.env.id}, {exp.sampler.count} sampler(s) x "
+          f"{exp.sampler.envs} envs, {exp.action_server.count} action-server(s)")
+    print(f"run directory: {run_dir}")
+    if exp.network.metrics_port:
+        print(f"metrics: http://{exp.network.metrics_host}:{exp.network.metrics_port}/metrics")
+    if args.detach:
+        print(f"detached; follow with `rlpipe status {run_dir}`, end with `rlpipe stop {run_dir}`")
+        return 0
+    try:
+        result = launch.follow(run_dir, exp.run.max_wall_s)
+    except KeyboardInterrupt:
+        result = None
+        print("\ninterrupted: stopping the run")
+    launch.stop(run_dir)
+    took = time.monotonic() - t0
+    if result is None:
+        print(f"run {run_dir} stopped after {took:.1f} s without a result")
+        return 1
+    print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
+          f"{result['env_steps']} env steps, {result['updates']} updates, in {took:.1f} s")
+    print(f"run directory: {run_dir}")
+    return 0 if result["reason"] == "target" else 1
+
+
+def _run_dir(args):
+    from shared import launch
+
+    try:
+        return launch.resolve_run(args.run)
+    except FileNotFoundError as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return None
+
+
+def _status(args) -> int:
+    from shared import launch
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    if launch.supervisord_pid(run_dir) is None:
+        result = launch.read_result(run_dir)
+        print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
+        return 0
+    return launch.supervisorctl(run_dir, "status").returncode
+
+
+def _stop(args) -> int:
+    from shared import launch
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    ok = launch.stop(run_dir)
+    print(f"{run_dir.name}: " + ("stopped" if ok else "some processes did not stop; try `rlpipe clean`"))
+    return 0 if ok else 1
+
+
+def _clean(args) -> int:
+    from shared import launch
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    killed, removed = launch.clean(run_dir)
+    print(f"{run_dir.name}: killed {len(killed)} process(es), removed {len(removed)} shared-memory segment(s)")
+    return 0
+
+
+def _logs(args) -> int:
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    pattern = f"{args.service}*.log" if args.service else "*.log"
+    paths = sorted((run_dir / "logs").glob(pattern))
+    if not paths:
+        print(f"no logs matching {pattern} in {run_dir / 'logs'}", file=sys.stderr)
+        return 1
+    for path in paths:
+        lines = path.read_text(errors="replace").splitlines()[-args.n:]
+        print(f"==> {path.name} <==")
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

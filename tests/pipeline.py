@@ -1,0 +1,97 @@
+"""Helpers for tests that launch real runs: supervisord, the services, the metrics endpoint."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from shared import launch
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "deploy" / "configs"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
+class Run:
+    """A run launched detached under supervisord, cleaned up by ``close()`` whatever happened."""
+
+    def __init__(self, tmp_path: Path, config: str, *overrides: str):
+        self.metrics_port = free_port()
+        sets = [f"run.runs_dir={str(tmp_path / 'runs')!r}".replace("'", '"'),
+                f"network.metrics_port={self.metrics_port}", *overrides]
+        args = ["launch", str(CONFIGS / config), "--detach"]
+        for s in sets:
+            args += ["--set", s]
+        out = rlpipe(*args)
+        assert out.returncode == 0, out.stdout + out.stderr
+        self.dir = Path(re.search(r"run directory: (\S+)", out.stdout).group(1))
+        self.id = self.dir.name
+
+    def progress(self) -> list[dict]:
+        return launch.read_progress(self.dir)
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.25)
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
+
+    def wait_steps(self, steps: int, timeout: float = 120) -> None:
+        self.wait_for(lambda: any(int(r["env_steps"]) >= steps for r in self.progress()), timeout,
+                      f"{steps} env steps")
+
+    def wait_result(self, timeout: float) -> dict:
+        return self.wait_for(lambda: launch.read_result(self.dir), timeout, "the run's result")
+
+    def status(self) -> dict[str, tuple[str, int | None]]:
+        """Process name -> (state, pid) from supervisorctl."""
+        out = launch.supervisorctl(self.dir, "status", capture=True).stdout
+        procs = {}
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2:
+                pid = re.search(r"pid (\d+)", line)
+                procs[parts[0].split(":")[-1]] = (parts[1], int(pid.group(1)) if pid else None)
+        return procs
+
+    def pid(self, name: str) -> int:
+        state, pid = self.wait_for(lambda: self.status().get(name) if self.status().get(name, ("", None))[1] else None,
+                                   30, f"{name} to run")
+        return pid
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def logs(self, service: str = "") -> str:
+        return "\n".join(p.name + ":\n" + p.read_text(errors="replace")[-3000:]
+                         for p in sorted((self.dir / "logs").glob(f"{service}*.log")))
+
+    def segments(self) -> list[str]:
+        return [p.name for p in Path("/dev/shm").glob(f"rlpipe-{self.id}-*")]
+
+    def close(self) -> None:
+        launch.clean(self.dir)
+
+
+def instances(metrics_text: str, name: str) -> set[str]:
+    """The instance labels of the samples of metric ``name`` in a Prometheus text page."""
+    return set(re.findall(rf'^{name}{{[^}}]*instance="(\d+)"', metrics_text, re.M))
