@@ -87,7 +87,7 @@ def pack(type: str, body: dict, sender: str, seq: int, arrays: list | None = Non
 
 
 def unpack(frames: list) -> Message:
-    """Parse and validate frames (bytes or zmq.Frame). Raises WireError naming the fault."""
+    """Parse and validate frames (bytes, zmq.Frame or any buffer). Raises WireError naming the fault."""
     if not frames:
         raise WireError("empty message (no frames)")
     raw = _bytes(frames[0])

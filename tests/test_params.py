@@ -1,0 +1,144 @@
+"""Parameter versions through shared memory: state_dicts (parameters and buffers) move
+version by version, torn and stale copies are refused, other architectures are rejected,
+and a restarted learner learns the highest version its crashed predecessor published."""
+
+import msgpack
+import pytest
+import torch
+from torch import nn
+
+from shared import params, shm
+
+torch.set_num_threads(1)
+
+
+def make_net(seed: int, hidden: int = 8) -> nn.Module:
+    """Linear + BatchNorm: float parameters, float buffers and a 0-d int64 buffer."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 2))
+    net.register_buffer("step_scale", torch.tensor([0.5, 2.0], dtype=torch.float64))
+    return net
+
+
+def train_a_little(net: nn.Module, version: int) -> None:
+    """Change every entry of the state_dict, as a learner update would."""
+    net.train()
+    net(torch.randn(16, 4))  # BatchNorm running stats and num_batches_tracked move
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.01 * version)
+        net.step_scale.mul_(1.5)
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def wire_copy(descriptor: dict) -> dict:
+    """The descriptor as a reader gets it from a message."""
+    return msgpack.unpackb(msgpack.packb(descriptor))
+
+
+def test_versions_move_parameters_and_buffers(run_id):
+    learner, actor = make_net(0), make_net(1)
+    writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
+    assert writer.previous_version == -1
+    reader = params.ParamReader(actor)
+    desc = wire_copy(writer.descriptor)
+    assert not reader.read(0, desc)  # nothing published yet
+    for version in range(1, 6):
+        train_a_little(learner, version)
+        writer.write(version)
+        assert reader.read(version, desc)
+        assert_same_state(learner, actor)
+    assert int(actor[1].num_batches_tracked) == 5
+    assert not reader.read(3, desc)  # copy 3 % 2 now holds version 5: stale, refused
+    writer.close()
+    assert not (shm.SHM_DIR / writer.descriptor["name"]).exists()
+
+
+def test_torn_reads_return_false_and_leave_the_module_alone(run_id, monkeypatch):
+    learner, actor = make_net(0), make_net(1)
+    writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
+    reader = params.ParamReader(actor)
+    writer.write(1)
+    assert reader.read(1, writer.descriptor)
+    before = {k: v.clone() for k, v in actor.state_dict().items()}
+    train_a_little(learner, 3)
+    writer.write(3)
+    stamp = writer.slots.stamp[1]
+
+    # The learner has begun overwriting copy 1 with version 5 (its first stamp) but not finished.
+    stamp[0] = 5
+    assert not reader.read(3, writer.descriptor)
+
+    # The learner begins version 5 while the reader is copying version 3.
+    stamp[0] = 3
+    real_leaves = params.leaves
+
+    def leaves_while_learner_starts_v5(tree):
+        for k, item in enumerate(real_leaves(tree)):
+            if k == 1 and tree is reader.slots.tensors:
+                stamp[0] = 5
+            yield item
+
+    monkeypatch.setattr(params, "leaves", leaves_while_learner_starts_v5)
+    assert not reader.read(3, writer.descriptor)
+    monkeypatch.undo()
+    for k, v in actor.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    # Once the learner has finished version 5, it loads; version 3 is gone.
+    train_a_little(learner, 5)
+    writer.write(5)
+    assert not reader.read(3, writer.descriptor)
+    assert reader.read(5, writer.descriptor)
+    assert_same_state(learner, actor)
+    writer.close()
+
+
+def test_descriptor_of_another_architecture_raises_and_keeps_the_current_segment(run_id):
+    learner, actor, wide = make_net(0), make_net(1), make_net(2, hidden=16)
+    writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
+    other = params.ParamWriter(wide, shm.segment_name(run_id, "learner", 1, "params"))
+    reader = params.ParamReader(actor)
+    writer.write(1)
+    other.write(1)
+    assert reader.read(1, writer.descriptor)
+    with pytest.raises(ValueError, match=rf"{other.descriptor['name']} does not match this agent's state_dict"):
+        reader.read(1, wire_copy(other.descriptor))
+    train_a_little(learner, 2)
+    writer.write(2)
+    assert reader.read(2, writer.descriptor)  # still following the right learner
+    assert_same_state(learner, actor)
+    with pytest.raises(ValueError, match="does not match"):
+        params.ParamReader(make_net(3).double()).read(1, writer.descriptor)  # same shapes, other dtypes
+    writer.close()
+    other.close()
+
+
+def test_restarted_writer_learns_the_crashed_ones_highest_version(run_id):
+    name = shm.segment_name(run_id, "learner", 0, "params")
+    crashed, actor = make_net(0), make_net(1)
+    first = params.ParamWriter(crashed, name)
+    reader = params.ParamReader(actor)
+    for version in range(1, 8):
+        first.write(version)
+    assert reader.read(7, first.descriptor)
+    # The learner dies without close(): its segment stays, and a new learner starts.
+    restarted = make_net(5)
+    second = params.ParamWriter(restarted, name)
+    try:
+        assert second.previous_version == 7
+        assert second.descriptor["nonce"] != first.descriptor["nonce"]
+        version = second.previous_version + 1
+        second.write(version)
+        assert reader.read(version, second.descriptor)  # the new nonce makes the reader re-attach
+        assert_same_state(restarted, actor)
+    finally:
+        second.close()
+        first.segment.close()
+    assert not (shm.SHM_DIR / name).exists()

@@ -1,0 +1,269 @@
+"""The wire envelope: every message type round-trips, arrays travel byte-exact as extra
+frames, and every kind of bad input is a WireError that names the fault; a ROUTER endpoint
+survives garbage and a DEALER reconnects."""
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared import wire
+from shared.sockets import Endpoint
+
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+    max_leaves=10,
+)
+VALUES = {  # one strategy per python type a schema allows
+    int: st.integers(-2**63, 2**64 - 1),
+    str: st.text(max_size=20),
+    list: st.lists(JSONISH, max_size=4),
+    dict: st.dictionaries(st.text(max_size=8), JSONISH, max_size=4),
+    bool: st.booleans(),
+    float: st.floats(allow_nan=False),
+}
+WRONG = {int: "1", str: 1, list: {"a": 1}, dict: [1], bool: 1, float: "x"}  # a value of another type
+FIELDS = [(t, f) for t, schema in sorted(wire.SCHEMAS.items()) for f in schema]
+INT_FIELDS = [(t, f) for t, f in FIELDS if wire.SCHEMAS[t][f] == (int,)]
+
+
+def body_of(mtype: str):
+    """Bodies valid for ``mtype``: every required field, plus optional extras."""
+    schema = wire.SCHEMAS[mtype]
+    required = st.fixed_dictionaries({f: st.one_of(*(VALUES[t] for t in types)) for f, types in schema.items()})
+    extras = st.dictionaries(st.text(max_size=8).filter(lambda k: k not in schema), JSONISH, max_size=2)
+    return st.builds(lambda r, e: {**e, **r}, required, extras)
+
+
+def valid_body(mtype: str) -> dict:
+    """One fixed valid body for ``mtype``."""
+    example = {int: 1, str: "s", list: [], dict: {}, bool: True, float: 1.0}
+    return {f: example[types[0]] for f, types in wire.SCHEMAS[mtype].items()}
+
+
+def header(**changes) -> dict:
+    h = {"v": wire.PROTOCOL_VERSION, "type": "obs", "from": "sampler0", "seq": 7, "body": {"slot": 0, "step": 3},
+         "arrays": []}
+    h.update(changes)
+    return {k: v for k, v in h.items() if v is not DROP}
+
+
+DROP = object()
+
+
+def on_the_wire(frames: list) -> list[bytes]:
+    """The frames as bytes, as a peer on another host receives them."""
+    return [bytes(f) if isinstance(f, bytes) else np.ascontiguousarray(f).tobytes() for f in frames]
+
+
+@pytest.mark.parametrize("mtype", sorted(wire.SCHEMAS))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_message_type_round_trips(mtype, data):
+    body = data.draw(body_of(mtype), label="body")
+    sender = data.draw(st.text(max_size=10), label="sender")
+    seq = data.draw(st.integers(0, 2**63 - 1), label="seq")
+    for frames in (wire.pack(mtype, body, sender, seq), on_the_wire(wire.pack(mtype, body, sender, seq))):
+        msg = wire.unpack(frames)
+        assert (msg.type, msg.body, msg.sender, msg.seq, msg.arrays) == (mtype, body, sender, seq, [])
+
+
+DTYPES = ["<f2", "<f4", "<f8", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u8", "|b1", "<c16", ">i4", ">f8"]
+SHAPES = [(), (0,), (3, 0, 2), (5,), (2, 3, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_arrays_round_trip_byte_exact(dtype):
+    rng = np.random.default_rng(0)
+    arrays = [(rng.standard_normal(s) * 100).astype(dtype) for s in SHAPES]
+    arrays.append(np.asfortranarray(arrays[-1]))  # non-contiguous input: packed contiguous
+    arrays.append(arrays[-2][:, ::2])
+    frames = wire.pack("obs", {"slot": 1, "step": 2}, "s", 1, arrays)
+    assert len(frames) == 1 + len(arrays)
+    for received in (frames, on_the_wire(frames)):
+        out = wire.unpack(received).arrays
+        assert len(out) == len(arrays)
+        for a, b in zip(arrays, out):
+            assert b.dtype == a.dtype and b.shape == a.shape
+            assert b.tobytes() == a.tobytes()
+
+
+@pytest.mark.parametrize("frames,message", [
+    ([], "empty message"),
+    ([b"\xc1garbage"], "header is not valid msgpack"),
+    ([msgpack.packb(header())[:-3]], "header is not valid msgpack"),
+    ([msgpack.packb(header()) + b"\x00"], "header is not valid msgpack"),  # trailing bytes
+    ([msgpack.packb({1: 2})], "header is not valid msgpack"),  # non-string map keys
+    ([msgpack.packb(header(body={"slot": 0, "step": 3, "pad": "x" * wire.MAX_HEADER_BYTES}))],
+     f"exceeds the {wire.MAX_HEADER_BYTES}-byte limit"),
+    ([msgpack.packb([1, 2])], "header must be a map, got list"),
+    ([msgpack.packb(header(v=2))], "protocol version 2, this service speaks 1"),
+    ([msgpack.packb(header(v=DROP))], "protocol version None"),
+    ([msgpack.packb(header(v=True))], "protocol version True"),
+    ([msgpack.packb(header(type="bogus"))], "unknown message type 'bogus' .known: act, error, hello_actor"),
+    ([msgpack.packb(header(type=["obs"]))], "header 'type' must be a str, got list"),
+    ([msgpack.packb(header(type=DROP))], "header 'type' must be a str, got NoneType"),
+    ([msgpack.packb(header(seq="7"))], "header needs 'seq' \\(int\\) and 'from' \\(str\\)"),
+    ([msgpack.packb(header(seq=True))], "header needs 'seq' \\(int\\)"),
+    ([msgpack.packb(header(**{"from": 3}))], "'from' \\(str\\)"),
+    ([msgpack.packb(header(body=[1]))], "'obs' message: body must be a map"),
+    ([msgpack.packb(header(arrays="x"))], "'obs' message: header lists \\? arrays but 0 extra frames came"),
+    ([msgpack.packb(header()), b"12345678"], "'obs' message: header lists 0 arrays but 1 extra frames came"),
+    ([msgpack.packb(header(arrays=[{"dtype": "<f8", "shape": [1]}]))], "header lists 1 arrays but 0 extra frames"),
+    ([msgpack.packb(header(arrays=[{"dtype": "<f8", "shape": [3]}])), b"\x00" * 23],
+     "array frame has 23 bytes, spec .* needs 24"),
+    ([msgpack.packb(header(arrays=[{"dtype": "<f8", "shape": []}])), b""], "array frame has 0 bytes, .* needs 8"),
+])
+def test_bad_frames_are_rejected_naming_the_fault(frames, message):
+    with pytest.raises(wire.WireError, match=message):
+        wire.unpack(frames)
+
+
+@pytest.mark.parametrize("spec", [
+    {"dtype": "|O", "shape": [1]},
+    {"dtype": "<f8,|O", "shape": [1]},  # object hidden in a record
+    {"dtype": "|S0", "shape": [3]},
+    {"dtype": "zz", "shape": [1]},
+    {"dtype": "<f8", "shape": [-1, -1]},
+    {"dtype": "<f8", "shape": [True]},
+    {"dtype": "<f8", "shape": [1.0]},
+    {"dtype": "<f8", "shape": "1"},
+    {"dtype": "<f8"},
+    [1, 2],
+])
+def test_bad_array_specs_are_rejected(spec):
+    frames = [msgpack.packb(header(arrays=[spec])), b"\x00" * 8]
+    with pytest.raises(wire.WireError, match="'obs' message: bad array spec"):
+        wire.unpack(frames)
+
+
+def test_a_huge_shape_cannot_wrap_around_to_fit_the_frame():
+    frames = [msgpack.packb(header(arrays=[{"dtype": "<f8", "shape": [2**32, 2**32, 2**32]}])), b""]
+    with pytest.raises(wire.WireError, match="array frame has 0 bytes"):
+        wire.unpack(frames)
+
+
+@pytest.mark.parametrize("mtype,field", FIELDS)
+def test_missing_field_is_rejected_on_both_ends(mtype, field):
+    body = valid_body(mtype)
+    del body[field]
+    with pytest.raises(wire.WireError, match=f"'{mtype}' message: missing field '{field}'"):
+        wire.pack(mtype, body, "s", 1)
+    with pytest.raises(wire.WireError, match=f"'{mtype}' message: missing field '{field}'"):
+        wire.unpack([msgpack.packb(header(type=mtype, body=body))])
+
+
+@pytest.mark.parametrize("mtype,field", FIELDS)
+def test_wrong_field_type_is_rejected_on_both_ends(mtype, field):
+    types = wire.SCHEMAS[mtype][field]
+    body = {**valid_body(mtype), field: WRONG[types[0]]}
+    message = f"'{mtype}' message: field '{field}' must be {'/'.join(t.__name__ for t in types)}, got"
+    with pytest.raises(wire.WireError, match=message):
+        wire.pack(mtype, body, "s", 1)
+    with pytest.raises(wire.WireError, match=message):
+        wire.unpack([msgpack.packb(header(type=mtype, body=body))])
+
+
+@pytest.mark.parametrize("mtype,field", INT_FIELDS)
+def test_bool_is_not_an_int(mtype, field):
+    body = {**valid_body(mtype), field: True}
+    with pytest.raises(wire.WireError, match=f"field '{field}' must be int, got bool"):
+        wire.unpack([msgpack.packb(header(type=mtype, body=body))])
+
+
+def test_pack_rejects_unknown_type():
+    with pytest.raises(wire.WireError, match="unknown message type 'bogus'"):
+        wire.pack("bogus", {}, "s", 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(frames=st.lists(st.binary(max_size=64), max_size=3))
+def test_random_bytes_never_raise_anything_but_wire_error(frames):
+    try:
+        wire.unpack(frames)
+    except wire.WireError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(key=st.sampled_from(["v", "type", "from", "seq", "body", "arrays"]), value=JSONISH,
+       extra=st.lists(st.binary(max_size=16), max_size=2))
+def test_corrupted_headers_never_raise_anything_but_wire_error(key, value, extra):
+    # A receiving service catches WireError only; anything else would kill it.
+    h = header(arrays=[{"dtype": "<f8", "shape": [1]}] * len(extra))
+    h[key] = value
+    try:
+        wire.unpack([msgpack.packb(h)] + extra)
+    except wire.WireError:
+        pass
+
+
+# ---------------------------------------------------------------- sockets
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)  # closes whatever a failed test left open, then terms
+
+
+@pytest.fixture
+def address(tmp_path):
+    return f"ipc://{tmp_path}/ep"
+
+
+def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address):
+    bad = []
+    server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server", on_bad=bad.append)
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.IDENTITY, b"raw")
+    raw.connect(address)
+    raw.send_multipart([b"\xc1\xc1garbage"])
+    raw.send_multipart([msgpack.packb(header(v=99))])
+    raw.send_multipart([msgpack.packb(header(type=["obs"]))])
+    raw.send_multipart([b""])
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    raw.send_multipart(wire.pack("obs", {"slot": 2, "step": 5}, "raw", 1, [arr]), copy=False)
+    got = server.recv(timeout_ms=5000)
+    assert got is not None
+    peer, msg = got
+    assert peer == b"raw" and (msg.type, msg.body, msg.seq) == ("obs", {"slot": 2, "step": 5}, 1)
+    np.testing.assert_array_equal(msg.arrays[0], arr)
+    assert len(bad) == 4
+    assert "not valid msgpack" in bad[0] and "protocol version 99" in bad[1]
+    assert "'type' must be a str" in bad[2] and "not valid msgpack" in bad[3]
+    server.send("act", {"slot": 2, "step": 5, "version": 3}, to=peer)
+    assert raw.poll(5000)
+    reply = wire.unpack(raw.recv_multipart())
+    assert (reply.type, reply.sender, reply.seq, reply.body["version"]) == ("act", "server", 1, 3)
+    raw.send_multipart([b"junk"])
+    assert server.recv(timeout_ms=50) is None and len(bad) == 5  # garbage alone: a bounded wait, no message
+    raw.close(linger=0)
+    server.close()
+
+
+def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx, address):
+    server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server")
+    client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
+    client.send("obs", {"slot": 0, "step": 1})
+    peer, msg = server.recv(timeout_ms=5000)
+    assert peer == b"sampler0" and msg.seq == 1
+    server.send("act", {"slot": 0, "step": 1, "version": 1}, to=peer)
+    assert client.sock.poll(5000)  # a reply is queued on the old socket...
+    old = client.sock
+    client.reconnect()
+    assert old.closed and client.sock is not old
+    assert client.recv(timeout_ms=50) is None  # ...and went with it
+    client.send("obs", {"slot": 0, "step": 2})
+    peer, msg = server.recv(timeout_ms=5000)
+    assert peer == b"sampler0" and (msg.body["step"], msg.seq) == (2, 2)  # sequence numbers go on
+    server.send("act", {"slot": 0, "step": 2, "version": 2}, to=peer)
+    got = client.recv(timeout_ms=5000)
+    assert got is not None and got[1].body == {"slot": 0, "step": 2, "version": 2}
+    client.close()
+    server.close()
