@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import socket
+import tempfile
 import tomllib
 import types
 import typing
@@ -107,7 +108,7 @@ class LearnerConfig:
 @dataclass(frozen=True)
 class NetworkConfig:
     transport: str = "ipc"
-    """ipc (sockets in the run directory, one workstation) or tcp."""
+    """ipc (unix sockets in socket_dir(run), one workstation) or tcp."""
     host: str = "127.0.0.1"
     """Address tcp endpoints bind to and connect to."""
     bind_any: bool = False
@@ -304,7 +305,16 @@ def endpoint(exp: Experiment, run_dir: Path, name: str) -> str:
     """The address of bound socket ``name`` (replay, params, action_server<i>)."""
     if exp.network.transport == "tcp":
         return f"tcp://{exp.network.host}:{exp.network.base_port + tcp_offsets(exp)[name]}"
-    return f"ipc://{Path(run_dir).resolve() / 'sockets' / name}"
+    return f"ipc://{socket_dir(run_dir) / name}"
+
+
+def socket_dir(run_dir: Path) -> Path:
+    """Where a run's unix sockets live: <tmp>/rlpipe/<run id>.
+
+    Not inside the run directory: unix socket paths are limited to 107 bytes, which a run
+    directory deep in a project tree exceeds.
+    """
+    return Path(tempfile.gettempdir()) / "rlpipe" / Path(run_dir).resolve().name
 
 
 # ---------------------------------------------------------------- writing

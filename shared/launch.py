@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,11 +47,12 @@ def make_run_dir(exp: Experiment) -> Path:
     base = "".join(c if c.isalnum() or c in "_." else "_" for c in exp.run.name)
     root = Path(exp.run.runs_dir)
     run_dir, n = root / f"{base}_{stamp}", 1
-    while run_dir.exists():
+    while run_dir.exists() or config_mod.socket_dir(run_dir).exists():
         n += 1
         run_dir = root / f"{base}_{stamp}_{n}"
-    for sub in ("logs", "sockets", "metrics", "checkpoints"):
+    for sub in ("logs", "metrics", "checkpoints"):
         (run_dir / sub).mkdir(parents=True)
+    config_mod.socket_dir(run_dir).mkdir(parents=True)
     (run_dir / RUN_CONFIG).write_text(config_mod.dumps(exp))
     return run_dir.resolve()
 
@@ -64,7 +66,7 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
     programs = "".join(PROGRAM.format(name=name, service=service, count=count, priority=priority,
                                       autorestart=autorestart, run_dir=run_dir, python=sys.executable)
                        for name, service, count, priority, autorestart in services)
-    return TEMPLATE.read_text().format(run_dir=run_dir) + programs
+    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=config_mod.socket_dir(run_dir)) + programs
 
 
 def start(exp: Experiment, run_dir: Path) -> None:
@@ -100,7 +102,13 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout_s
         while supervisord_pid(run_dir) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
-    return supervisord_pid(run_dir) is None and not service_pids(run_dir)
+    deadline = time.monotonic() + 5  # children may still be exiting when supervisord is gone
+    while service_pids(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = supervisord_pid(run_dir) is None and not service_pids(run_dir)
+    if stopped:
+        shutil.rmtree(config_mod.socket_dir(run_dir), ignore_errors=True)
+    return stopped
 
 
 def service_pids(run_dir: Path) -> list[int]:
@@ -129,6 +137,7 @@ def clean(run_dir: Path) -> tuple[list[int], list[str]]:
     deadline = time.monotonic() + 5
     while service_pids(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
+    shutil.rmtree(config_mod.socket_dir(run_dir), ignore_errors=True)
     return killed, shm.clean(run_dir.name)
 
 

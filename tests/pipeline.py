@@ -32,7 +32,7 @@ class Run:
 
     def __init__(self, tmp_path: Path, config: str, *overrides: str):
         self.metrics_port = free_port()
-        sets = [f"run.runs_dir={str(tmp_path / 'runs')!r}".replace("'", '"'),
+        sets = [f"run.runs_dir='{tmp_path / 'runs'}'",
                 f"network.metrics_port={self.metrics_port}", *overrides]
         args = ["launch", str(CONFIGS / config), "--detach"]
         for s in sets:
@@ -52,7 +52,7 @@ class Run:
             if value:
                 return value
             time.sleep(0.25)
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs()}")
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs(tail=3000)}")
 
     def wait_steps(self, steps: int, timeout: float = 120) -> None:
         self.wait_for(lambda: any(int(r["env_steps"]) >= steps for r in self.progress()), timeout,
@@ -81,8 +81,8 @@ class Run:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
 
-    def logs(self, service: str = "") -> str:
-        return "\n".join(p.name + ":\n" + p.read_text(errors="replace")[-3000:]
+    def logs(self, service: str = "", tail: int | None = None) -> str:
+        return "\n".join(p.name + ":\n" + p.read_text(errors="replace")[-(tail or 0):]
                          for p in sorted((self.dir / "logs").glob(f"{service}*.log")))
 
     def segments(self) -> list[str]:
