@@ -23,6 +23,9 @@ def main(argv=None) -> int:
         c.add_argument("--detach", action="store_true", help="start the run and return (follow with `rlpipe status`)")
         if name == "train":
             c.add_argument("--serial", action="store_true", help="one process, in-process transport (debugging)")
+    c = sub.add_parser("prepare", help="make a run directory and print its path (for honcho/foreman and the Procfile)")
+    c.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="experiment TOML file")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     for name, help_ in (("status", "supervisorctl status of a run"), ("stop", "stop a run"),
                         ("clean", "stop what is left of a run and remove its shared memory from /dev/shm")):
         c = sub.add_parser(name, help=help_)
@@ -33,7 +36,7 @@ def main(argv=None) -> int:
     c.add_argument("-n", type=int, default=40, help="lines per log")
 
     args = p.parse_args(argv)
-    return {"launch": _launch, "train": _train, "status": _status, "stop": _stop, "logs": _logs,
+    return {"launch": _launch, "train": _train, "prepare": _prepare, "status": _status, "stop": _stop, "logs": _logs,
             "clean": _clean}[args.cmd](args)
 
 
@@ -58,6 +61,16 @@ def _train(args) -> int:
     result = train_serial(exp)
     print(f"serial run ended ({result['reason']}): mean return {result['mean_return']:.1f} "
           f"after {result['env_steps']} env steps in {result['wall_s']:.1f} s")
+    return 0
+
+
+def _prepare(args) -> int:
+    exp = _load(args)
+    if exp is None:
+        return 2
+    from shared import launch
+
+    print(launch.make_run_dir(exp))
     return 0
 
 

@@ -28,19 +28,21 @@ def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 class Run:
-    """A run launched detached under supervisord, cleaned up by ``close()`` whatever happened."""
+    """A run directory and what tests ask of it; ``close()`` cleans it up whatever happened."""
 
-    def __init__(self, tmp_path: Path, config: str, *overrides: str):
-        self.metrics_port = free_port()
-        sets = [f"run.runs_dir='{tmp_path / 'runs'}'",
-                f"network.metrics_port={self.metrics_port}", *overrides]
+    def __init__(self, run_dir: Path, metrics_port: int | None = None):
+        self.dir, self.id, self.metrics_port = Path(run_dir), Path(run_dir).name, metrics_port
+
+    @classmethod
+    def launch(cls, tmp_path: Path, config: str, *overrides: str) -> "Run":
+        """``rlpipe launch CONFIG --detach`` with runs under tmp_path and a free metrics port."""
+        port = free_port()
         args = ["launch", str(CONFIGS / config), "--detach"]
-        for s in sets:
+        for s in (f"run.runs_dir='{tmp_path / 'runs'}'", f"network.metrics_port={port}", *overrides):
             args += ["--set", s]
         out = rlpipe(*args)
         assert out.returncode == 0, out.stdout + out.stderr
-        self.dir = Path(re.search(r"run directory: (\S+)", out.stdout).group(1))
-        self.id = self.dir.name
+        return cls(Path(re.search(r"run directory: (\S+)", out.stdout).group(1)), port)
 
     def progress(self) -> list[dict]:
         return launch.read_progress(self.dir)

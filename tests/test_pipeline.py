@@ -19,7 +19,7 @@ def runs(tmp_path):
     started: list[Run] = []
 
     def start(config: str, *overrides: str) -> Run:
-        run = Run(tmp_path, config, *overrides)
+        run = Run.launch(tmp_path, config, *overrides)
         started.append(run)
         return run
 

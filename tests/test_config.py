@@ -1,0 +1,77 @@
+"""Bad configuration fails before any process starts, with one line naming the field."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from shared import config
+from tests.pipeline import CONFIGS, rlpipe
+
+DEFAULT = CONFIGS / "cartpole_ppo.toml"
+
+
+@pytest.mark.parametrize("override, names", [
+    ("sampler.cuont=2", "sampler.cuont"),
+    ("sampler.count=0", "sampler.count"),
+    ("action_server.count=0", "action_server.count"),
+    ("sampler.envs=\"many\"", "sampler.envs"),
+    ("algo.lr=\"fast\"", "algo.lr"),
+    ("sampler.alternating=1", "sampler.alternating"),
+    ("env.id=\"CartPol-v1\"", "env.id"),
+    ("env.id=\"nomodule:make\"", "env.id"),
+    ("algo.name=\"sarsa\"", "algo.name"),
+    ("run.device=\"tpu\"", "run.device"),
+    ("network.host=\"0.0.0.0\"", "network.host"),
+    ("network.transport=\"udp\"", "network.transport"),
+    ("bogus.key=1", "bogus"),
+])
+def test_bad_value_is_one_line_naming_the_field(override, names):
+    with pytest.raises(config.ConfigError) as err:
+        config.load(DEFAULT, [override])
+    message = str(err.value)
+    assert names in message and "\n" not in message
+
+
+def test_port_in_use_is_reported_before_launch(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = rlpipe("launch", str(DEFAULT), "--set", f"run.runs_dir='{tmp_path}'", "--set",
+                     f"network.metrics_port={port}", "--detach")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "network.metrics_port" in lines[0] and "in use" in lines[0]
+    assert list(tmp_path.iterdir()) == [], "no run directory may be made for a bad config"
+
+
+def test_cli_rejects_unknown_key_without_starting_anything(tmp_path):
+    out = rlpipe("launch", str(DEFAULT), "--set", f"run.runs_dir='{tmp_path}'", "--set", "sampler.count=0",
+                 "--detach")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "rlpipe: config error: sampler.count = 0: must be >= 1"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(config.ConfigError, match="does not exist"):
+        config.load(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sampler\ncount = 2\n")
+    with pytest.raises(config.ConfigError, match="not valid TOML"):
+        config.load(bad)
+
+
+def test_overrides_and_resolved_config_round_trip():
+    exp = config.load(DEFAULT, ["sampler.count=3", "algo.lr=3e-4", "model.hidden_sizes=[32, 32]"])
+    assert exp.sampler.count == 3 and exp.algo.lr == 3e-4 and exp.model.hidden_sizes == (32, 32)
+    import tomllib
+
+    assert config.from_dict(tomllib.loads(config.dumps(exp))) == exp
+
+
+def test_tcp_endpoints_bind_loopback_by_default(tmp_path):
+    exp = config.load(DEFAULT, ["network.transport=\"tcp\""])
+    assert config.endpoint(exp, tmp_path, "replay").startswith("tcp://127.0.0.1:")
