@@ -1,0 +1,23 @@
+"""Every experiment shipped in deploy/configs loads, and the Atari one runs an update."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.serial import train_serial
+from shared import config
+from tests.pipeline import CONFIGS
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_config_is_valid(path):
+    exp = config.load(path)
+    assert exp.sampler.count >= 1 and exp.run.max_env_steps > 0
+
+
+def test_atari_pong_ppo_runs_one_update_in_serial_mode():
+    exp = config.load(CONFIGS / "atari_pong_ppo.toml", ["run.max_env_steps=2048", "sampler.count=1",
+                                                        "sampler.envs=4", "sampler.horizon=64",
+                                                        "learner.batch_segments=1", "replay.capacity=1"])
+    result = train_serial(exp)
+    assert result["reason"] == "budget" and result["updates"] >= 1
