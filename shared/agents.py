@@ -7,6 +7,7 @@ is everything the learner publishes; ``step`` never changes it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -23,6 +24,7 @@ AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 @dataclass(frozen=True)
@@ -113,17 +115,23 @@ class PgAgent(nn.Module):
         Returns action (int64 [B] Discrete, int64 [B, k] MultiDiscrete, float32 [B, *shape]
         Box, raw Gaussian sample) and AgentInfo(log_prob float32 [B], value float32 [B]).
         """
+        # No torch.distributions here: this runs once per action-server batch, and building
+        # distribution objects costs more than the small networks' forward pass.
         obs = self._to_device(obs)
         out, value = self._forward(obs)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
-            dist = Normal(mean, self.log_std.exp().reshape(self.action_shape))
-            action = mean if greedy else dist.sample()
-            log_prob = dist.log_prob(action).flatten(1).sum(-1)
+            log_std = self.log_std.reshape(self.action_shape)
+            noise = torch.zeros_like(mean) if greedy else torch.randn_like(mean)
+            action = mean + noise * log_std.exp()
+            log_prob = (-0.5 * noise.square() - log_std - _HALF_LOG_2PI).flatten(1).sum(-1)
         else:
-            dists = self._split_logits(out)
-            idx = [d.probs.argmax(-1) if greedy else d.sample() for d in dists]
-            log_prob = sum(d.log_prob(i) for d, i in zip(dists, idx))
+            idx, log_prob = [], 0.0
+            for chunk in torch.split(out, self.nvec, dim=-1):
+                # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits).
+                pick = chunk.argmax(-1) if greedy else (chunk - torch.empty_like(chunk).exponential_().log()).argmax(-1)
+                log_prob = log_prob + torch.log_softmax(chunk, -1).gather(-1, pick[:, None]).squeeze(-1)
+                idx.append(pick)
             stacked = torch.stack(idx, dim=-1)
             action = (stacked[:, 0] if self.kind == "discrete" else stacked) + self.action_start
         return action, AgentInfo(log_prob=log_prob.float(), value=value)
