@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from services.learner.learner import Learner
 from services.replay.tables import make_table
 from services.sampler.sampler import Sampler
 from shared.config import Experiment
-from shared.factory import env_probe, make_agent, make_algo
-from shared.layout import segment_spec, step_example
-from shared.namedarraytuple import from_spec, numpify, torchify
+from services.action_server.server import act
+from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
+from shared.layout import segment_spec
+from shared.namedarraytuple import from_spec
 from shared.runtime import resolve_device
 
 log = logging.getLogger(__name__)
@@ -27,15 +29,17 @@ log = logging.getLogger(__name__)
 class LocalActions:
     """ActionSource: runs the agent on a sampler's step slots right away."""
 
-    def __init__(self, agent, slots: list, learner: Learner):
-        self.agent, self.slots, self.learner = agent, slots, learner
+    def __init__(self, agent, sampler: Sampler, learner: Learner, envs_total: int):
+        self.agent, self.slots, self.learner, self.envs_total = agent, sampler.slots, learner, envs_total
+        base = sampler.instance * sampler.cfg.envs
+        self.env_index = [np.arange(g.start, g.stop) + base for g in sampler.groups]
 
     def request(self, group: int) -> None:
         slot = self.slots[group]
-        with torch.no_grad():
-            action, info = self.agent.step(torchify(slot.observation))
-        slot.action[:] = numpify(action)
-        slot.agent_info[:] = numpify(info)
+        action, info = act(self.agent, slot.observation, self.env_index[group], self.learner.env_steps,
+                           self.envs_total)
+        slot.action[:] = action
+        slot.agent_info[:] = info
 
     def wait(self, group: int) -> int:
         return self.learner.version
@@ -63,16 +67,18 @@ def train_serial(exp: Experiment) -> dict:
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
     learner = Learner(exp, agent, make_algo(exp, agent), device, run_dir=None)
-    example = step_example(probe.example_observation(), probe.example_action(), agent.example_info())
+    example = example_step(exp, probe, agent)
     probe.close()
+    n = batch_items(exp)
     table = make_table(exp.replay, {i: exp.sampler.envs for i in range(exp.sampler.count)},
-                       segment_spec(example, exp.sampler.horizon, exp.sampler.envs))
-    batch = from_spec(segment_spec(example, exp.sampler.horizon, exp.sampler.envs * exp.learner.batch_segments))
+                       segment_spec(example, exp.sampler.horizon, exp.sampler.envs), n, exp.run.seed)
+    batch = from_spec(batch_spec(exp, example))
     counters = {"env_steps": 0, "episodes": []}
     samplers, parts = [], []
     for i in range(exp.sampler.count):
         s = Sampler(exp, i, run_id="serial", agent_info_example=agent.example_info(), shared_memory=False)
-        actions, sink = LocalActions(agent, s.slots, learner), LocalSink(table, i, s.ring, counters)
+        actions = LocalActions(agent, s, learner, exp.sampler.count * exp.sampler.envs)
+        sink = LocalSink(table, i, s.ring, counters)
         s.start(actions)
         samplers.append(s)
         parts.append((actions, sink))
@@ -80,15 +86,18 @@ def train_serial(exp: Experiment) -> dict:
         while learner.finished() is None:
             for s, (actions, sink) in zip(samplers, parts):
                 s.collect_segment(actions, sink)
-                n = exp.learner.batch_segments
-                while True:
-                    dropped = table.drop_older_than(max(0, learner.version - exp.replay.max_policy_lag))
+                while learner.finished() is None:
+                    dropped = 0
+                    if on_policy(exp):
+                        dropped = len(table.drop_older_than(max(0, learner.version - exp.replay.max_policy_lag)))
                     if not table.can_sample(n):
                         break
-                    table.sample_into(batch, n)
+                    info = table.sample_into(batch, n)
                     meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": dropped}
                     counters["env_steps"], counters["episodes"] = 0, []
-                    learner.train(batch, meta)
+                    priorities = learner.train(batch, meta)
+                    if priorities is not None:
+                        table.update_priorities(info["keys"], info["generations"], priorities)
                     learner.maybe_report()
         learner.maybe_report(force=True)
         return learner.write_result(learner.finished())

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from shared.agents import PgAgentConfig
+from shared.algos.dqn import DQNConfig
 from shared.algos.a2c import A2CConfig
 from shared.algos.ppo import PPOConfig
 from shared.envs import EnvConfig, validate_env_config
 from shared.models import ModelConfig
+from shared.q_agent import QAgentConfig
 
 
 class ConfigError(ValueError):
@@ -82,9 +84,27 @@ class ActionServerConfig:
 @dataclass(frozen=True)
 class ReplayConfig:
     table: str = "queue"
-    """Table kind: queue (on-policy FIFO, each segment sampled once)."""
+    """queue (on-policy FIFO, each segment sampled once), uniform or prioritized (n-step transitions)."""
     capacity: int = 2
-    """Table capacity in items (segments for the queue table: one per sampler keeps policy lag at 1)."""
+    """Items held: segments for the queue (one per sampler keeps policy lag at 1), else transitions."""
+    n_step: int = 1
+    """Off-policy: rewards summed per transition before bootstrapping."""
+    gamma: float = 0.99
+    """Off-policy: discount per step used for n-step returns."""
+    alpha: float = 0.6
+    """Prioritized: priority exponent (0 = uniform)."""
+    beta0: float = 0.4
+    """Prioritized: initial importance-sampling exponent, annealed to beta_final."""
+    beta_final: float = 1.0
+    """Prioritized: final importance-sampling exponent."""
+    beta_steps: int = 100_000
+    """Prioritized: samples over which beta anneals linearly."""
+    samples_per_insert: float = 0.0
+    """Off-policy replay ratio: items sampled per item inserted, kept in a band (0 = unthrottled)."""
+    min_size_to_sample: int = 1000
+    """Off-policy: items the table must hold before the learner may sample."""
+    error_buffer: float = 0.0
+    """Half-width of the samples-per-insert band in items (0 = the narrowest band that cannot deadlock)."""
     max_policy_lag: int = 4
     """On-policy: segments older than this many policy versions are dropped, not trained on."""
     release_on_sample: bool = True
@@ -121,7 +141,12 @@ class NetworkConfig:
     """Address the Prometheus endpoint binds to."""
 
 
-ALGOS: dict[str, type] = {"ppo": PPOConfig, "a2c": A2CConfig}
+# algo.name -> (algorithm config, agent config, on-policy?)
+ALGOS: dict[str, tuple[type, type, bool]] = {
+    "ppo": (PPOConfig, PgAgentConfig, True),
+    "a2c": (A2CConfig, PgAgentConfig, True),
+    "dqn": (DQNConfig, QAgentConfig, False),
+}
 
 
 @dataclass(frozen=True)
@@ -129,7 +154,7 @@ class Experiment:
     run: RunConfig = field(default_factory=RunConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    agent: PgAgentConfig = field(default_factory=PgAgentConfig)
+    agent: Any = field(default_factory=PgAgentConfig)
     algo_name: str = "ppo"
     algo: Any = field(default_factory=PPOConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
@@ -143,7 +168,6 @@ SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "env": EnvConfig,
     "model": ModelConfig,
-    "agent": PgAgentConfig,
     "sampler": SamplerConfig,
     "action_server": ActionServerConfig,
     "replay": ReplayConfig,
@@ -184,7 +208,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
-    known = set(SECTIONS) | {"algo"}
+    known = set(SECTIONS) | {"algo", "agent"}
     for name in raw:
         if name not in known:
             raise ConfigError(f"unknown section [{name}]{_suggest(name, known)} (allowed: {', '.join(sorted(known))})")
@@ -193,8 +217,10 @@ def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
     algo_name = algo_raw.pop("name", "ppo")
     if algo_name not in ALGOS:
         raise ConfigError(f"algo.name = {algo_name!r}: allowed: {', '.join(sorted(ALGOS))}")
-    algo = _build("algo", ALGOS[algo_name], algo_raw)
-    exp = Experiment(algo_name=algo_name, algo=algo, **sections)
+    algo_cls, agent_cls, _ = ALGOS[algo_name]
+    algo = _build("algo", algo_cls, algo_raw)
+    agent = _build("agent", agent_cls, raw.get("agent", {}))
+    exp = Experiment(algo_name=algo_name, algo=algo, agent=agent, **sections)
     _check(exp, check_ports)
     return exp
 
@@ -254,10 +280,17 @@ def _check(exp: Experiment, check_ports: bool) -> None:
             raise ConfigError(f"{name} = {value}: must be >= 1")
     if exp.sampler.alternating and exp.sampler.envs < 2:
         raise ConfigError(f"sampler.envs = {exp.sampler.envs}: alternating mode needs >= 2 (or set sampler.alternating = false)")
-    if exp.replay.table != "queue":
-        raise ConfigError(f"replay.table = {exp.replay.table!r}: allowed: queue")
-    if exp.replay.capacity < exp.learner.batch_segments:
+    on_policy = ALGOS[exp.algo_name][2]
+    tables = ("queue",) if on_policy else ("uniform", "prioritized")
+    if exp.replay.table not in tables:
+        raise ConfigError(f"replay.table = {exp.replay.table!r}: {exp.algo_name} needs one of: {', '.join(tables)}")
+    if on_policy and exp.replay.capacity < exp.learner.batch_segments:
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
+    if not on_policy and exp.replay.capacity < exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
+        raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
+                          f"of all {exp.sampler.count * exp.sampler.envs} envs")
+    if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
+        raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
     dev = exp.run.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"run.device = {dev!r}: allowed: auto, cpu, cuda, cuda:N")
@@ -323,7 +356,7 @@ def socket_dir(run_dir: Path) -> Path:
 def dumps(exp: Experiment) -> str:
     """The resolved experiment as TOML (what services read back from the run directory)."""
     out = []
-    for name in SECTIONS:
+    for name in [*SECTIONS, "agent"]:
         out.append(_section_toml(name, getattr(exp, name)))
     out.append(_section_toml("algo", exp.algo, {"name": exp.algo_name}))
     return "\n".join(out)

@@ -1,10 +1,14 @@
-"""Builds the agent and the algorithm an experiment names (one place, used by every service)."""
+"""Builds the agent, the algorithm and the batch layout an experiment names (one place for all services)."""
 
 from __future__ import annotations
 
-from shared.agents import PgAgent
-from shared.config import Experiment
+from shared.config import ALGOS, Experiment
 from shared.envs import EnvGroup
+from shared.layout import segment_spec, step_example
+
+
+def on_policy(exp: Experiment) -> bool:
+    return ALGOS[exp.algo_name][2]
 
 
 def env_probe(exp: Experiment) -> EnvGroup:
@@ -12,12 +16,38 @@ def env_probe(exp: Experiment) -> EnvGroup:
     return EnvGroup(exp.env, 1, exp.run.seed)
 
 
-def make_agent(exp: Experiment, probe: EnvGroup) -> PgAgent:
-    return PgAgent(probe.example_observation(), probe.action_space, exp.model, exp.agent)
+def make_agent(exp: Experiment, probe: EnvGroup):
+    if on_policy(exp):
+        from shared.agents import PgAgent
+
+        return PgAgent(probe.example_observation(), probe.action_space, exp.model, exp.agent)
+    from shared.q_agent import QAgent
+
+    return QAgent(probe.example_observation(), probe.action_space, exp.model, exp.agent)
 
 
-def make_algo(exp: Experiment, agent: PgAgent):
+def make_algo(exp: Experiment, agent):
     from shared.algos.a2c import A2C
+    from shared.algos.dqn import DQN
     from shared.algos.ppo import PPO
 
-    return {"ppo": PPO, "a2c": A2C}[exp.algo_name](agent, exp.algo)
+    return {"ppo": PPO, "a2c": A2C, "dqn": DQN}[exp.algo_name](agent, exp.algo)
+
+
+def example_step(exp: Experiment, probe: EnvGroup, agent):
+    return step_example(probe.example_observation(), probe.example_action(), agent.example_info())
+
+
+def batch_items(exp: Experiment) -> int:
+    """What the learner asks replay for per batch: segments (on-policy) or transitions."""
+    return exp.learner.batch_segments if on_policy(exp) else exp.algo.batch_size
+
+
+def batch_spec(exp: Experiment, example):
+    """Layout of one learner batch slot: OnPolicyBatch [T, n*B] or Transition [batch_size]."""
+    if on_policy(exp):
+        return segment_spec(example, exp.sampler.horizon, exp.sampler.envs * exp.learner.batch_segments)
+    from shared.namedarraytuple import spec_of
+    from shared.replay.tables import transition_batch_spec
+
+    return transition_batch_spec(spec_of(example), exp.algo.batch_size)

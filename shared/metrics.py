@@ -48,6 +48,9 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "dropped": ("counter", "dropped_total", "Items dropped for exceeding the policy-lag bound", ()),
         "blocked": ("counter", "blocked_seconds_total", "Seconds a request waited on the table, by side", ("side",)),
         "peers_lost": ("counter", "peers_lost_total", "Samplers reported lost after going silent", ()),
+        "priority_max": ("gauge", "priority_max", "Largest priority seen (what new items get)", ()),
+        "priority_mean": ("gauge", "priority_alpha_mean", "Mean of priority^alpha over the table", ()),
+        "priority_updates": ("counter", "priority_updates_total", "Priority updates applied", ()),
     },
     "learner": {
         "updates": ("counter", "updates_total", "Optimisation updates (one per batch)", ()),

@@ -49,9 +49,9 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "hello_reader": {"slots": _LIST},
     "sample": {"slot": _INT, "n": _INT, "min_version": _INT},
     "sampled": {"slot": _INT, "n": _INT, "env_steps": _INT, "episodes": _LIST, "dropped": _INT},
-    "priorities": {"keys": _LIST, "priorities": _LIST},
+    "priorities": {"keys": _LIST, "generations": _LIST, "priorities": _LIST},
     # learner -> action-servers (PUB)
-    "params": {"version": _INT, "segment": _DICT},
+    "params": {"version": _INT, "segment": _DICT, "env_steps": _INT},
     # any -> any
     "welcome": {"peer": _STR},
     "error": {"reason": _STR},

@@ -24,7 +24,8 @@ def run(exp, run_dir, instance: int) -> None:
                       name=f"action_server{instance}", on_bad=bad)
     params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
                       on_bad=bad)
-    server = ActionServer(exp.action_server, agent, router, params, m)
+    server = ActionServer(exp.action_server, agent, router, params, m, exp.sampler.envs,
+                          exp.sampler.count * exp.sampler.envs)
     m.healthy.set(1)
     log.info("action-server %d on %s, device %s", instance, router.address, device)
     try:

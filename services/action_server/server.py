@@ -33,6 +33,7 @@ class Peer:
     segments: list
     slots: list
     last_seen: float
+    first_env: list  # global index of each slot's first env (for per-env exploration)
 
 
 @dataclass
@@ -43,12 +44,31 @@ class Request:
     t_arrival: float
 
 
+def act(agent, obs, env_index: np.ndarray, env_steps: int, envs_total: int):
+    """Actions and agent info (numpy) for observations [N, ...] of the envs ``env_index``.
+
+    Agents that explore per env (``agent.epsilon``, the DQN family) get each row's epsilon
+    for the run's current env step; policy-gradient agents sample from their policy.
+    """
+    with torch.no_grad():
+        if hasattr(agent, "epsilon"):
+            epsilon = torch.as_tensor(agent.epsilon(env_steps, env_index, envs_total), dtype=torch.float32)
+            action, info = agent.step(torchify(obs), epsilon)
+        else:
+            action, info = agent.step(torchify(obs))
+    return numpify(action), numpify(info)
+
+
 class ActionServer:
     def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
-                 metrics):
+                 metrics, envs_per_sampler: int = 1, envs_total: int = 1):
+        """``envs_per_sampler``/``envs_total`` give every env a global index, for agents whose
+        exploration depends on it (``agent.epsilon(env_steps, env_index, envs_total)``)."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
+        self.envs_per_sampler, self.envs_total = envs_per_sampler, envs_total
         self.reader = ParamReader(agent)
         self.version = -1
+        self.env_steps = 0
         self.peers: dict[bytes, Peer] = {}
         self.pending: list[Request] = []
 
@@ -83,7 +103,8 @@ class ActionServer:
                 seg.close()
             self.router.send("error", {"reason": f"bad slot descriptor: {e}"}, to=peer)
             return
-        self.peers[peer] = Peer(body["instance"], segments, slots, now)
+        first = body["instance"] * self.envs_per_sampler + np.cumsum([0] + [len(t.action) for t in slots[:-1]])
+        self.peers[peer] = Peer(body["instance"], segments, slots, now, [int(f) for f in first])
         self.pending = [r for r in self.pending if r.peer != peer]
         self.m.peers.set(len(self.peers))
         log.info("sampler %d attached (%d slots)", body["instance"], len(slots))
@@ -109,12 +130,15 @@ class ActionServer:
         """Load the newest parameter version announced (older announcements are skipped)."""
         latest = None
         for _, msg in self.params.drain():
-            if msg.type == "params" and msg.body["version"] > self.version:
+            # A restarted learner (new segment nonce) may number on from below what we hold.
+            restarted = msg.type == "params" and msg.body["segment"].get("nonce") != self.reader.nonce
+            if msg.type == "params" and (msg.body["version"] > self.version or restarted):
                 latest = msg
         if latest is not None:
             try:
                 if self.reader.read(latest.body["version"], latest.body["segment"]):
                     self.version = latest.body["version"]
+                    self.env_steps = latest.body["env_steps"]
                     self.m.policy_version.set(self.version)
             except (ValueError, FileNotFoundError) as e:
                 log.warning("cannot load parameters version %d: %s", latest.body["version"], e)
@@ -127,9 +151,9 @@ class ActionServer:
         slots = [self.peers[r.peer].slots[r.slot] for r in batch]
         sizes = [len(s.action) for s in slots]
         obs = zip_map(lambda *xs: np.concatenate(xs), *[s.observation for s in slots])
-        with torch.no_grad():
-            action, info = self.agent.step(torchify(obs))
-        action, info = numpify(action), numpify(info)
+        peers = [self.peers[r.peer] for r in batch]
+        env_index = np.concatenate([np.arange(n) + p.first_env[r.slot] for p, r, n in zip(peers, batch, sizes)])
+        action, info = act(self.agent, obs, env_index, self.env_steps, self.envs_total)
         start = 0
         for r, slot, n in zip(batch, slots, sizes):
             slot.action[:] = action[start:start + n]

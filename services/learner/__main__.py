@@ -9,8 +9,7 @@ from services.learner.transport import PublishedParams, RemoteBatches
 from shared import metrics as metrics_mod
 from shared import shm
 from shared.config import endpoint
-from shared.factory import env_probe, make_agent, make_algo
-from shared.layout import segment_spec, step_example
+from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.params import ParamWriter
 from shared.runtime import resolve_device, run_id_of, start_service
 
@@ -26,9 +25,8 @@ def run(exp, run_dir, instance: int) -> None:
     learner = Learner(exp, agent, algo, device, run_dir, m)
     learner.resume()
     run_id = run_id_of(run_dir)
-    example = step_example(probe.example_observation(), probe.example_action(), agent.example_info())
+    spec = batch_spec(exp, example_step(exp, probe, agent))
     probe.close()
-    spec = segment_spec(example, exp.sampler.horizon, exp.sampler.envs * exp.learner.batch_segments)
     segments, slots, descriptors = [], [], []
     for i in range(exp.learner.prefetch):
         seg, tree, desc = shm.allocate(shm.segment_name(run_id, "learner", instance, f"batch{i}"), spec)
@@ -39,11 +37,11 @@ def run(exp, run_dir, instance: int) -> None:
     learner.version = max(learner.version, writer.previous_version + 1)
     ctx = zmq.Context()
     params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer)
-    source = RemoteBatches(ctx, endpoint(exp, run_dir, "replay"), descriptors, exp.learner.batch_segments,
+    source = RemoteBatches(ctx, endpoint(exp, run_dir, "replay"), descriptors, batch_items(exp),
                            exp.learner.timeout_ms, m)
     m.healthy.set(1)
-    log.info("learner: %s on %s, batch %d x %d, starting at version %d", exp.algo_name, device, exp.sampler.horizon,
-             exp.sampler.envs * exp.learner.batch_segments, learner.version)
+    log.info("learner: %s on %s, %d item(s) a batch, starting at version %d", exp.algo_name, device,
+             batch_items(exp), learner.version)
     try:
         result = run_loop(learner, slots, source, params)
         log.info("run finished: %s", result)

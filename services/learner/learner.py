@@ -39,9 +39,12 @@ class BatchSource(Protocol):
     def next(self, timeout_ms: int) -> tuple[int, dict] | None:
         """Wait for a requested slot to be filled: (slot, meta with env_steps, episodes, dropped), or None."""
 
+    def update_priorities(self, meta: dict, priorities) -> None:
+        """Send new priorities [n] for the items of the batch ``meta`` describes (one-way)."""
+
 
 class ParamSink(Protocol):
-    def publish(self, version: int) -> None: ...
+    def publish(self, version: int, env_steps: int) -> None: ...
 
 
 class Learner:
@@ -66,8 +69,11 @@ class Learner:
 
     # ------------------------------------------------------------ training
 
-    def train(self, slot, meta: dict) -> None:
-        """One update on a filled batch slot (numpy views); counters from replay's ``meta``."""
+    def train(self, slot, meta: dict):
+        """One update on a filled batch slot (numpy views); counters from replay's ``meta``.
+
+        Returns the algorithm's new priorities for the batch's items, or None.
+        """
         if self.t_first_batch is None:
             self.t_first_batch = time.monotonic()
         self.env_steps += meta["env_steps"]
@@ -76,11 +82,12 @@ class Learner:
             self.returns.append(ret)
         self.episodes_seen += len(meta["episodes"])
         batch = torchify(slot, self.device)
-        versions = slot.samples.policy_version
+        versions = slot.samples.policy_version if "samples" in slot else slot.policy_version
         self.last_lag = float(self.version - versions.mean())
         progress = min(1.0, self.env_steps / self.exp.run.max_env_steps)
         t0 = time.perf_counter()
         self.last_diag = self.algo.update(batch, progress)
+        priorities = self.last_diag.pop("priorities", None)
         self.updates += 1
         self.version += 1
         if self.m is not None:
@@ -93,6 +100,7 @@ class Learner:
                 self.m.mean_return.set(self.mean_return())
             for term, value in self.last_diag.items():
                 self.m.loss.labels(term=term).set(float(value))
+        return priorities
 
     def mean_return(self) -> float:
         return float(np.mean(self.returns)) if self.returns else float("nan")
@@ -183,7 +191,7 @@ class Learner:
 def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:
     """Train until the run is finished; returns the result."""
     min_version = lambda: max(0, learner.version - learner.exp.replay.max_policy_lag)  # noqa: E731
-    params.publish(learner.version)
+    params.publish(learner.version, learner.env_steps)
     for i in range(len(slots)):
         source.request(i, min_version())
     while True:
@@ -195,11 +203,13 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
         if learner.m is not None:
             learner.m.batch_wait.inc(time.perf_counter() - t0)
         if item is None:
-            params.publish(learner.version)  # re-announce for action-servers that (re)started meanwhile
+            params.publish(learner.version, learner.env_steps)  # re-announce for action-servers that (re)started meanwhile
             continue
         i, meta = item
-        learner.train(slots[i], meta)
-        params.publish(learner.version)
+        priorities = learner.train(slots[i], meta)
+        if priorities is not None and "keys" in meta:
+            source.update_priorities(meta, priorities)
+        params.publish(learner.version, learner.env_steps)
         source.request(i, min_version())
         learner.maybe_report()
         learner.maybe_checkpoint()

@@ -47,6 +47,10 @@ class RemoteBatches:
             self._recover()
         return None
 
+    def update_priorities(self, meta: dict, priorities) -> None:
+        self.ep.send("priorities", {"keys": meta["keys"], "generations": meta["generations"],
+                                    "priorities": [float(p) for p in priorities]})
+
     def _recover(self) -> None:
         self.t_last = time.monotonic()
         self.ep.reconnect()
@@ -65,9 +69,9 @@ class PublishedParams:
         self.writer = writer
         self.ep = Endpoint(ctx, zmq.PUB, address, bind=True, name="learner0")
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int, env_steps: int) -> None:
         self.writer.write(version)
-        self.ep.send("params", {"version": version, "segment": self.writer.descriptor})
+        self.ep.send("params", {"version": version, "segment": self.writer.descriptor, "env_steps": env_steps})
 
     def close(self) -> None:
         self.ep.close()

@@ -8,6 +8,7 @@ from services.replay.service import ReplayService
 from services.replay.tables import make_table
 from shared import metrics as metrics_mod
 from shared.config import endpoint
+from shared.factory import batch_items
 from shared.runtime import start_service
 from shared.sockets import Endpoint
 
@@ -20,7 +21,7 @@ def run(exp, run_dir, instance: int) -> None:
     ctx = zmq.Context()
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
                       on_bad=lambda reason: m.bad_messages.inc())
-    service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec), router, m)
+    service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed), router, m)
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
     try:

@@ -73,6 +73,8 @@ class ReplayService:
             self._segment(peer, body)
         elif msg.type == "hello_reader":
             self._hello_reader(peer, body)
+        elif msg.type == "priorities":
+            self._priorities(peer, body)
         elif msg.type == "sample":
             if self.reader is None or self.reader.peer != peer:
                 self.router.send("error", {"reason": "unknown reader: send hello_reader first"}, to=peer)
@@ -150,6 +152,18 @@ class ReplayService:
         self.reader = Reader(peer, segments, slots)
         log.info("learner attached (%d batch slots)", len(slots))
 
+    def _priorities(self, peer: bytes, body: dict) -> None:
+        if self.table is None:
+            return
+        try:
+            applied = self.table.update_priorities(body["keys"], body["generations"], body["priorities"])
+        except (ValueError, TypeError) as e:
+            log.warning("priority update rejected: %s", e)
+            self.m.bad_messages.inc()
+            self.router.send("error", {"reason": f"bad priorities: {e}"}, to=peer)
+            return
+        self.m.priority_updates.inc(applied)
+
     # ------------------------------------------------------------ moving data
 
     def pump(self) -> None:
@@ -167,20 +181,25 @@ class ReplayService:
             return
         if self.reader is not None:
             for slot, body in list(self.reader.pending.items()):
-                dropped = self.table.drop_older_than(body["min_version"])
-                self._release(dropped)
-                self.dropped_unreported += len(dropped)
-                self.m.dropped.inc(len(dropped))
+                if self.cfg.table == "queue":  # the on-policy lag bound
+                    dropped = self.table.drop_older_than(body["min_version"])
+                    self._release(dropped)
+                    self.dropped_unreported += len(dropped)
+                    self.m.dropped.inc(len(dropped))
                 if not self.table.can_sample(body["n"]):
                     break
                 self._sample(slot, body)
         self.m.size.set(self.table.size)
+        if self.cfg.table == "prioritized":
+            stats = self.table.selector.metrics()
+            self.m.priority_max.set(stats["priority_max"])
+            self.m.priority_mean.set(stats["priority_alpha_mean"])
 
     def _insert(self, w: Writer, body: dict) -> None:
         segment = w.ring[body["index"]]
         keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value)
         w.last_serial = body["serial"]
-        if self.cfg.release_on_sample:
+        if self.cfg.release_on_sample and self.cfg.table == "queue":
             for key in keys:
                 self.held[int(key)] = (w.instance, w.incarnation, body["index"])
         else:
@@ -198,9 +217,11 @@ class ReplayService:
         waited = time.monotonic() - reader.since.pop(slot)
         self.m.blocked.labels(side="learner").inc(waited)
         self.m.samples.inc(body["n"])
-        self.router.send("sampled", {"slot": slot, "n": body["n"], "env_steps": self.steps_unreported,
-                                     "episodes": self.episodes_unreported, "dropped": self.dropped_unreported},
-                         to=reader.peer)
+        reply = {"slot": slot, "n": body["n"], "env_steps": self.steps_unreported,
+                 "episodes": self.episodes_unreported, "dropped": self.dropped_unreported}
+        if self.cfg.table == "prioritized":
+            reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
+        self.router.send("sampled", reply, to=reader.peer)
         self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
 
     def _release(self, keys) -> None:

@@ -4,15 +4,37 @@ from __future__ import annotations
 
 from shared.config import ReplayConfig
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
-from shared.replay.selectors import Fifo
-from shared.replay.tables import SegmentStorage, SegmentStorageConfig, Table
+from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
+from shared.replay.tables import (SegmentStorage, SegmentStorageConfig, Table, TransitionStorage,
+                                  TransitionStorageConfig)
 
 
-def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec) -> Table:
-    """``segment_spec``: one sampler segment (OnPolicyBatch, samples [T, B])."""
+def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, sample_size: int,
+               seed: int = 0) -> Table:
+    """``segment_spec``: one sampler segment (OnPolicyBatch, samples [T, B]); ``sample_size``:
+    items per learner request (segments on-policy, transitions off-policy)."""
     samples_spec = segment_spec["fields"][0][1]
     if cfg.table == "queue":
         # On-policy: each segment once, in order; back-pressure comes from the queue's capacity.
         storage = SegmentStorage(samples_spec, columns_per_writer, SegmentStorageConfig(capacity=cfg.capacity))
-        return Table(storage, Fifo(), RateLimiter(RateLimiterConfig()))
-    raise ValueError(f"replay.table = {cfg.table!r}: allowed: queue")
+        return Table(storage, Fifo(), RateLimiter(RateLimiterConfig()), seed=seed)
+    storage = TransitionStorage(samples_spec, columns_per_writer,
+                                TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma))
+    if cfg.table == "prioritized":
+        selector = Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
+                                                 beta_steps=cfg.beta_steps))
+    else:
+        selector = Uniform()
+    insert_size = max(columns_per_writer.values()) * samples_spec_T(samples_spec)
+    spi = cfg.samples_per_insert or None
+    # The narrowest band in which one insert and one sample can never block each other.
+    error_buffer = cfg.error_buffer or ((insert_size * spi + sample_size) / 2 if spi else 0.0)
+    limiter = RateLimiter(RateLimiterConfig(samples_per_insert=spi, min_size_to_sample=cfg.min_size_to_sample,
+                                            error_buffer=error_buffer))
+    limiter.check_no_deadlock(insert_size, sample_size)
+    return Table(storage, selector, limiter, seed=seed)
+
+
+def samples_spec_T(samples_spec) -> int:
+    """T of a Samples segment spec (the first leading dim of its reward leaf)."""
+    return dict(samples_spec["fields"])["reward"]["shape"][0]

@@ -192,6 +192,22 @@ class TransitionStorageConfig:
     """Discount per step."""
 
 
+def transition_batch_spec(step_spec, n: int) -> Any:
+    """Spec of a Transition batch of ``n`` items for steps laid out as ``step_spec`` (Samples)."""
+    obs = with_leading_dims(_field(step_spec, "observation"), [n])
+    scalar = {"dtype": _F32, "shape": [n]}
+    by_field = {
+        "observation": obs,
+        "action": with_leading_dims(_field(step_spec, "action"), [n]),
+        "return_": scalar,
+        "bootstrap_observation": obs,
+        "bootstrap_discount": scalar,
+        "is_weight": scalar,
+        "policy_version": with_leading_dims(_field(step_spec, "policy_version"), [n]),
+    }
+    return {"type": "Transition", "fields": [[f, by_field[f]] for f in Transition._fields]}
+
+
 class TransitionStorage:
     """Items are n-step transitions, one per (step, env column), keyed as in ``ColumnRing``.
 
@@ -255,19 +271,7 @@ class TransitionStorage:
     def batch_spec(self, n: int) -> Any:
         spec = self._batch_specs.get(n)
         if spec is None:
-            obs = with_leading_dims(_field(self.step_spec, "observation"), [n])
-            scalar = {"dtype": _F32, "shape": [n]}
-            by_field = {
-                "observation": obs,
-                "action": with_leading_dims(_field(self.step_spec, "action"), [n]),
-                "return_": scalar,
-                "bootstrap_observation": obs,
-                "bootstrap_discount": scalar,
-                "is_weight": scalar,
-                "policy_version": with_leading_dims(_field(self.step_spec, "policy_version"), [n]),
-            }
-            spec = {"type": "Transition", "fields": [[f, by_field[f]] for f in Transition._fields]}
-            self._batch_specs[n] = spec
+            spec = self._batch_specs[n] = transition_batch_spec(self.step_spec, n)
         return spec
 
     def items_per_write(self, writer_id: int) -> int:
