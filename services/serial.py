@@ -8,6 +8,7 @@ in a loss works) and the reference the pipeline must agree with.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
@@ -83,22 +84,23 @@ def train_serial(exp: Experiment) -> dict:
         samplers.append(s)
         parts.append((actions, sink))
     try:
-        while learner.finished() is None:
-            for s, (actions, sink) in zip(samplers, parts):
-                s.collect_segment(actions, sink)
-                while learner.finished() is None:
-                    dropped = 0
-                    if on_policy(exp):
-                        dropped = len(table.drop_older_than(max(0, learner.version - exp.replay.max_policy_lag)))
-                    if not table.can_sample(n):
-                        break
-                    info = table.sample_into(batch, n)
-                    meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": dropped}
-                    counters["env_steps"], counters["episodes"] = 0, []
-                    priorities = learner.train(batch, meta)
-                    if priorities is not None:
-                        table.update_priorities(info["keys"], info["generations"], priorities)
-                    learner.maybe_report()
+        for s, (actions, sink) in itertools.cycle(zip(samplers, parts)):
+            if learner.finished() is not None:
+                break
+            s.collect_segment(actions, sink)
+            while learner.finished() is None:
+                dropped = 0
+                if on_policy(exp):
+                    dropped = len(table.drop_older_than(max(0, learner.version - exp.replay.max_policy_lag)))
+                if not table.can_sample(n):
+                    break
+                info = table.sample_into(batch, n)
+                meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": dropped}
+                counters["env_steps"], counters["episodes"] = 0, []
+                priorities = learner.train(batch, meta)
+                if priorities is not None:
+                    table.update_priorities(info["keys"], info["generations"], priorities)
+                learner.maybe_report()
         learner.maybe_report(force=True)
         return learner.write_result(learner.finished())
     finally:
