@@ -284,6 +284,10 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     tables = ("queue",) if on_policy else ("uniform", "prioritized")
     if exp.replay.table not in tables:
         raise ConfigError(f"replay.table = {exp.replay.table!r}: {exp.algo_name} needs one of: {', '.join(tables)}")
+    if on_policy and exp.replay.release_on_sample and exp.learner.batch_segments > exp.sampler.count * exp.sampler.ring:
+        raise ConfigError(f"learner.batch_segments = {exp.learner.batch_segments}: at most sampler.count * sampler.ring "
+                          f"= {exp.sampler.count * exp.sampler.ring} while replay.release_on_sample holds the samplers' "
+                          "ring slots until a batch is sampled")
     if on_policy and exp.replay.capacity < exp.learner.batch_segments:
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
     if not on_policy and exp.replay.capacity < exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):

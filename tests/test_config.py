@@ -26,6 +26,7 @@ DEFAULT = CONFIGS / "cartpole_ppo.toml"
     ("network.host=\"0.0.0.0\"", "network.host"),
     ("network.transport=\"udp\"", "network.transport"),
     ("bogus.key=1", "bogus"),
+    ("learner.batch_segments=3", "learner.batch_segments"),
 ])
 def test_bad_value_is_one_line_naming_the_field(override, names):
     with pytest.raises(config.ConfigError) as err:

@@ -96,7 +96,8 @@ def test_sampler_count_follows_config_and_metrics_show_instances(runs):
 
 
 def test_pendulum_ppo_gaussian_one_sampler(runs):
-    run = runs("pendulum_ppo.toml", "sampler.count=1")
+    run = runs("pendulum_ppo.toml", "sampler.count=1", "sampler.envs=32", "learner.batch_segments=1",
+               "replay.capacity=1")
     run.wait_steps(2_000)
     assert instances(run.metrics(), "rlpipe_sampler_up") == {"0"}
     result = run.wait_result(300)
