@@ -14,3 +14,21 @@ def run_id() -> str:
     yield rid
     left = shm.clean(rid)
     assert not left, f"test left shared-memory segments behind: {left}"
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Start runs with ``runs(config, *overrides)``; every one is cleaned up and must leave no segment."""
+    from tests.pipeline import Run
+
+    started = []
+
+    def start(config: str, *overrides: str):
+        run = Run.launch(tmp_path, config, *overrides)
+        started.append(run)
+        return run
+
+    yield start
+    for run in started:
+        run.close()
+        assert run.segments() == [], f"{run.id} left shared memory behind"

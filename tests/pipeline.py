@@ -97,3 +97,9 @@ class Run:
 def instances(metrics_text: str, name: str) -> set[str]:
     """The instance labels of the samples of metric ``name`` in a Prometheus text page."""
     return set(re.findall(rf'^{name}{{[^}}]*instance="(\d+)"', metrics_text, re.M))
+
+
+def metric_value(page: str, name: str) -> float:
+    """Sum of the samples of metric ``name`` on a Prometheus text page."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))

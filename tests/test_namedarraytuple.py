@@ -175,7 +175,7 @@ def test_set_from_structure_with_other_fields_raises(other):
     dest = buffer_from_example(EXAMPLE, [T, B])
     before = snapshot(dest)
     values = [np.ones(1)] * len(other._fields)
-    with pytest.raises(ValueError, match=rf"Obs: cannot set from \w+ with fields .*expected \('image', 'vector'\)"):
+    with pytest.raises(ValueError, match=r"Obs: cannot set from \w+ with fields .*expected \('image', 'vector'\)"):
         dest.obs[0] = other(*values)
     with pytest.raises(ValueError, match=r"Step: cannot set from .*expected \('obs', 'action', 'reward', 'done', 'info'\)"):
         dest[0] = Obs(np.ones(1), np.ones(1))

@@ -9,24 +9,9 @@ import time
 import pytest
 
 from shared import launch
-from tests.pipeline import CONFIGS, Run, instances, rlpipe
+from tests.pipeline import CONFIGS, instances, metric_value, rlpipe
 
 pytestmark = pytest.mark.learning
-
-
-@pytest.fixture
-def runs(tmp_path):
-    started: list[Run] = []
-
-    def start(config: str, *overrides: str) -> Run:
-        run = Run.launch(tmp_path, config, *overrides)
-        started.append(run)
-        return run
-
-    yield start
-    for run in started:
-        run.close()
-        assert run.segments() == [], f"{run.id} left shared memory behind"
 
 
 def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs):
@@ -69,8 +54,8 @@ def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(r
     # A sampler that goes away is reported by the action-server and replay, which keep serving.
     launch.supervisorctl(run.dir, "stop", "sampler:sampler1", capture=True)
     run.wait_for(lambda: "peers_lost_total" in run.metrics() and
-                 _value(run.metrics(), "rlpipe_action_server_peers_lost_total") >= 1 and
-                 _value(run.metrics(), "rlpipe_replay_peers_lost_total") >= 1, 30, "the lost sampler to be reported")
+                 metric_value(run.metrics(), "rlpipe_action_server_peers_lost_total") >= 1 and
+                 metric_value(run.metrics(), "rlpipe_replay_peers_lost_total") >= 1, 30, "the lost sampler to be reported")
     steps = int(run.progress()[-1]["env_steps"])
     run.wait_steps(steps + 2_000, timeout=60)  # sampler0 alone keeps the run going
 
@@ -90,7 +75,7 @@ def test_sampler_count_follows_config_and_metrics_show_instances(runs):
     for name in ("rlpipe_sampler_env_steps_total", "rlpipe_action_server_batch_size_requests_count",
                  "rlpipe_action_server_latency_seconds_count", "rlpipe_replay_inserts_total",
                  "rlpipe_learner_updates_total", "rlpipe_learner_policy_lag_versions", "rlpipe_replay_size_items"):
-        assert _value(page, name) > 0 or name.endswith("lag_versions"), name
+        assert metric_value(page, name) > 0 or name.endswith("lag_versions"), name
     result = run.wait_result(240)
     assert result["reason"] == "target" and result["mean_return"] >= 200 and result["env_steps"] <= 200_000, result
 
@@ -104,15 +89,6 @@ def test_pendulum_ppo_gaussian_one_sampler(runs):
     assert result["reason"] == "target" and result["mean_return"] > -500 and result["env_steps"] <= 200_000, result
     first = [float(r["mean_return"]) for r in run.progress() if r["mean_return"] != "nan"][0]
     assert first < -900, f"Pendulum should start near -1200, started at {first}"
-
-
-def _value(page: str, name: str) -> float:
-    """Sum of the samples of metric ``name`` on a Prometheus text page."""
-    total = 0.0
-    for line in page.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_serial_mode_learns_the_same_config():

@@ -18,7 +18,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import zmq
 
 from shared import shm
 from shared.config import ReplayConfig

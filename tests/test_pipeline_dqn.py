@@ -1,0 +1,77 @@
+"""The DQN family through the real pipeline: learning, the rate limiter, a replay restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from shared import launch
+from tests.pipeline import instances, metric_value
+
+pytestmark = pytest.mark.learning
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_dqn_cartpole_reaches_475_within_100k_steps(runs):
+    result = runs("cartpole_dqn.toml").wait_result(300)
+    assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 100_000, result
+
+
+def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps(runs):
+    run = runs("cartpole_rainbow.toml")
+    result = run.wait_result(300)
+    assert result["reason"] == "target" and result["mean_return"] >= 400 and result["env_steps"] <= 100_000, result
+    page = run.metrics()
+    assert metric_value(page, "rlpipe_replay_priority_updates_total") > 0
+    assert metric_value(page, "rlpipe_replay_priority_max") > 0
+
+
+def test_rate_limiter_holds_the_ratio_and_the_learner_waits_without_spinning(runs):
+    spi, items_per_insert, batch = 4.0, 16 * 8, 64
+    run = runs("cartpole_dqn.toml", "sampler.count=3", "sampler.envs=8", "sampler.horizon=16",
+               f"replay.samples_per_insert={spi}", "replay.min_size_to_sample=500", f"algo.batch_size={batch}",
+               "run.target_return=1e9", "run.max_env_steps=100000000")
+    run.wait_steps(20_000, timeout=120)
+    assert instances(run.metrics(), "rlpipe_sampler_up") == {"0", "1", "2"}
+    page = run.metrics()
+    inserts = metric_value(page, "rlpipe_replay_insert_steps_total")
+    samples = metric_value(page, "rlpipe_replay_samples_total") * batch
+    # Reverb's invariant: |inserts * spi - samples| stays within the band (one insert + one sample wide).
+    band = items_per_insert * spi + batch
+    assert abs(inserts * spi - samples) <= band + 500 * spi, (inserts, samples)
+    assert samples / inserts == pytest.approx(spi, rel=0.1)
+
+    # No sampler alive: the learner blocks on its poll timeout instead of spinning.
+    launch.supervisorctl(run.dir, "stop", "sampler:*", capture=True)
+    time.sleep(2.0)
+    learner = run.pid("learner0")
+    updates0, cpu0 = metric_value(run.metrics(), "rlpipe_learner_updates_total"), cpu_seconds(learner)
+    time.sleep(4.0)
+    assert metric_value(run.metrics(), "rlpipe_learner_updates_total") == updates0
+    assert cpu_seconds(learner) - cpu0 < 0.4, "the learner spins while it waits for data"
+
+    launch.supervisorctl(run.dir, "start", "sampler:*", capture=True)
+    run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_learner_updates_total") > updates0 + 100, 60,
+                 "the learner to resume when data arrives")
+
+
+def test_replay_killed_mid_run_is_restarted_and_the_run_goes_on(runs):
+    run = runs("cartpole_dqn.toml", "run.target_return=1e9", "run.max_env_steps=100000000",
+               "sampler.timeout_ms=2000", "learner.timeout_ms=2000")
+    run.wait_steps(10_000, timeout=120)
+    replay = run.pid("replay0")
+    os.kill(replay, signal.SIGKILL)
+    run.wait_for(lambda: run.status().get("replay0", ("", None))[1] not in (None, replay), 30,
+                 "supervisord to restart replay")
+    steps = int(run.progress()[-1]["env_steps"])
+    updates = int(run.progress()[-1]["updates"])
+    run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > steps + 5_000 and
+                 int(run.progress()[-1]["updates"]) > updates + 500, 90,
+                 "samplers and learner to reconnect to the new replay and go on")
