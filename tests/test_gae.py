@@ -138,7 +138,9 @@ def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
     )
     agent = SumValueAgent()
     bootstrap = torch.tensor([7.0, 8.0])
-    adv, ret = batch_advantages(agent, OnPolicyBatch(samples, bootstrap), gamma, lam, reward_scale=0.5)
+    adv, ret, used = batch_advantages(
+        agent, OnPolicyBatch(samples, bootstrap), gamma, lam, reward_scale=0.5, recompute_values=False
+    )
 
     assert len(agent.calls) == 1 and agent.calls[0].tolist() == [[0.25, 0.5]]
     next_value = torch.tensor([[3.0, 4.0], [0.75, 6.0], [7.0, 8.0]])
@@ -148,6 +150,28 @@ def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
     )
     np.testing.assert_allclose(adv.numpy(), ref_adv, rtol=1e-6)
     np.testing.assert_allclose(ret.numpy(), ref_ret, rtol=1e-6)
+    assert torch.equal(used, value)
+
+
+def test_batch_advantages_recomputes_values_with_the_current_net_but_keeps_the_bootstrap():
+    T, B, gamma, lam = 3, 2, 0.9, 0.8
+    no = torch.zeros(T, B, dtype=torch.bool)
+    observation = torch.arange(T * B * 2, dtype=torch.float32).reshape(T, B, 2) / 10
+    samples = Samples(
+        observation=observation, action=torch.zeros(T, B), reward=torch.ones(T, B),
+        terminated=no, truncated=no, final_observation=torch.zeros(T, B, 2),
+        agent_info=AgentInfo(torch.zeros(T, B), torch.full((T, B), 100.0)),  # stale: unused
+        policy_version=torch.zeros(T, B, dtype=torch.int64),
+    )
+    bootstrap = torch.tensor([7.0, 8.0])
+    adv, ret, used = batch_advantages(SumValueAgent(), OnPolicyBatch(samples, bootstrap), gamma, lam)
+    fresh = observation.sum(-1)
+    torch.testing.assert_close(used, fresh)
+    next_value = torch.cat([fresh[1:], bootstrap[None]])
+    ref_adv, _ = reference_gae(
+        samples.reward.numpy(), fresh.numpy(), next_value.numpy(), no.numpy(), no.numpy(), gamma, lam
+    )
+    np.testing.assert_allclose(adv.numpy(), ref_adv, rtol=1e-5)
 
 
 def test_batch_advantages_skips_the_value_pass_without_truncation():
@@ -160,7 +184,7 @@ def test_batch_advantages_skips_the_value_pass_without_truncation():
         policy_version=torch.zeros(T, B, dtype=torch.int64),
     )
     agent = SumValueAgent()
-    _, ret = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B)), 1.0, 1.0)
+    _, ret, _ = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B)), 1.0, 1.0, recompute_values=False)
     assert agent.calls == []
     np.testing.assert_allclose(ret.numpy(), [[2.0, 2.0], [1.0, 1.0]])
 

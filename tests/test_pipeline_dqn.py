@@ -42,7 +42,7 @@ def test_rate_limiter_holds_the_ratio_and_the_learner_waits_without_spinning(run
     assert instances(run.metrics(), "rlpipe_sampler_up") == {"0", "1", "2"}
     page = run.metrics()
     inserts = metric_value(page, "rlpipe_replay_insert_steps_total")
-    samples = metric_value(page, "rlpipe_replay_samples_total") * batch
+    samples = metric_value(page, "rlpipe_replay_samples_total")  # items
     # Reverb's invariant: |inserts * spi - samples| stays within the band (one insert + one sample wide).
     band = items_per_insert * spi + batch
     assert abs(inserts * spi - samples) <= band + 500 * spi, (inserts, samples)

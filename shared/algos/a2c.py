@@ -38,6 +38,8 @@ class A2CConfig:
     """GAE lambda; 1 = n-step returns bootstrapped at the segment end."""
     reward_scale: float = 1.0
     """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
+    recompute_values: bool = True
+    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
     value_coef: float = 1.0
     """Weight of the value loss 0.5 * (V - R)^2 (1.0 here = SB3's vf_coef 0.5 on a plain MSE)."""
     entropy_coef: float = 0.0
@@ -76,7 +78,9 @@ class A2C:
         lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else cfg.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        data = pg_targets(self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale)
+        data = pg_targets(
+            self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
+        )
         log_prob, entropy, value = self.agent.evaluate(data.observation, data.action)
         advantage = data.advantage
         if cfg.normalize_advantage and advantage.numel() > 1:
@@ -96,9 +100,9 @@ class A2C:
             approx_kl = ((ratio - 1.0) - log_ratio).mean()
             clip_fraction = ((ratio - 1.0).abs() > 0.2).float().mean()
         return {
-            "policy_loss": float(policy_loss),
-            "value_loss": float(value_loss),
-            "entropy": float(entropy),
+            "policy_loss": float(policy_loss.detach()),
+            "value_loss": float(value_loss.detach()),
+            "entropy": float(entropy.detach()),
             "approx_kl": float(approx_kl),
             "clip_fraction": float(clip_fraction),
             "grad_norm": float(grad_norm),

@@ -32,10 +32,12 @@ class PPOConfig:
     """GAE lambda (1 = Monte-Carlo returns, 0 = TD(0))."""
     reward_scale: float = 1.0
     """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
+    recompute_values: bool = True
+    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
     clip_eps: float = 0.2
     """Clip range of the probability ratio."""
     value_clip: float = 0.2
-    """Clip range of the value change around the behaviour value; 0 = no value clipping."""
+    """Clip range of the value change around the V(s_t) used for GAE; 0 = no value clipping."""
     value_coef: float = 0.5
     """Weight of the value loss 0.5 * (V - R)^2."""
     entropy_coef: float = 0.01
@@ -65,13 +67,15 @@ class PPO:
 
         Returns means over minibatches of policy_loss, value_loss, entropy, approx_kl
         (the (r - 1) - log r estimator), clip_fraction and grad_norm (before clipping),
-        plus lr and explained_variance (behaviour values vs returns).
+        plus lr and explained_variance (the V(s_t) used for GAE vs the returns).
         """
         cfg = self.cfg
         lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else cfg.lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        data = pg_targets(self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale)
+        data = pg_targets(
+            self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
+        )
         n = data.advantage.shape[0]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), 0.0)
