@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoints/latest.pt"
 PROGRESS = "progress.csv"
 RESULT = "result.json"
+# While no batch comes, the current version is re-announced this often: a PUB message sent
+# before an action-server's SUB finished connecting is lost, and with stale parameters
+# its samplers' segments would only be dropped for policy lag.
+REANNOUNCE_MS = 500
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "policy_version", "episodes",
                    "mean_return", "policy_lag", "dropped"]
 
@@ -199,7 +203,7 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
         if reason is not None:
             break
         t0 = time.perf_counter()
-        item = source.next(learner.exp.learner.timeout_ms)
+        item = source.next(REANNOUNCE_MS)
         if learner.m is not None:
             learner.m.batch_wait.inc(time.perf_counter() - t0)
         if item is None:

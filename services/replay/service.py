@@ -166,16 +166,21 @@ class ReplayService:
     # ------------------------------------------------------------ moving data
 
     def pump(self) -> None:
-        """Insert what the table takes (writers in turn), then serve what can be sampled."""
-        moved = True
-        while moved:
-            moved = False
-            for w in list(self.writers.values()):
-                if w.pending and self.table.can_insert(w.instance):
-                    body, arrived = w.pending.popleft()
-                    self.m.blocked.labels(side="sampler").inc(time.monotonic() - arrived)
-                    self._insert(w, body)
-                    moved = True
+        """Insert what the table takes, oldest announcement first, then serve what can be sampled.
+
+        Oldest first across writers: serving writers in a fixed order would starve the last
+        one whenever the table is the bottleneck, and its segments would go stale.
+        """
+        while True:
+            waiting = [w for w in self.writers.values() if w.pending]
+            if not waiting:
+                break
+            w = min(waiting, key=lambda w: w.pending[0][1])
+            if not self.table.can_insert(w.instance):
+                break
+            body, arrived = w.pending.popleft()
+            self.m.blocked.labels(side="sampler").inc(time.monotonic() - arrived)
+            self._insert(w, body)
         if self.table is None:
             return
         if self.reader is not None:
