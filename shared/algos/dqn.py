@@ -1,0 +1,164 @@
+"""Deep Q-learning on n-step transitions: DQN (Mnih et al. 2015) and its variants by parameter.
+
+- ``double``: the online net picks a* at the bootstrap observation, the target net
+  evaluates it (van Hasselt et al. 2016); otherwise the target net does both.
+- a distributional agent (``QAgentConfig.distributional``) gets the C51 loss: cross-entropy
+  between the online distribution of the taken action and the projected target
+  distribution (Bellemare et al. 2017); a scalar one gets the Huber (or squared) TD loss.
+- replay supplies n-step returns, bootstrap discounts (gamma^m, 0 after a termination) and
+  importance weights, so one update covers 1- and n-step, uniform and prioritized replay.
+  With a dueling, distributional agent, double = True, n-step prioritized replay this is
+  Rainbow without noisy nets (Hessel et al. 2018).
+
+Like Acme's learning_lib, ``update`` returns new priorities with its diagnostics and never
+writes to replay itself: |TD error| per item, or the per-item cross-entropy for C51.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.algos.distributional import project_distribution
+from shared.q_agent import QAgent
+from shared.replay import Transition
+
+
+@dataclass(frozen=True)
+class DQNConfig:
+    """DQN hyperparameters (defaults: double DQN as tuned on CartPole-v1 with 5-step returns)."""
+
+    lr: float = 1e-3
+    """Adam learning rate at the start of the run."""
+    anneal_lr: bool = False
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon (Rainbow: 1.5e-4 with lr 6.25e-5)."""
+    batch_size: int = 128
+    """Transitions in one batch (the learner asks replay for this many per update)."""
+    double: bool = True
+    """Double DQN: the online net chooses the bootstrap action, the target net evaluates it."""
+    target_update_period: int = 100
+    """Updates between target-network updates."""
+    target_tau: float = 1.0
+    """Every period: target <- tau * online + (1 - tau) * target (1 = hard copy; period 1, tau < 1 = Polyak)."""
+    huber_delta: float = 1.0
+    """Huber loss threshold on the TD error (scalar Q only); 0 = squared error 0.5 * td^2."""
+    max_grad_norm: float = 10.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.target_update_period < 1:
+            raise ValueError(
+                f"DQNConfig: batch_size and target_update_period must be >= 1, got "
+                f"{self.batch_size} and {self.target_update_period}"
+            )
+        if not 0.0 < self.target_tau <= 1.0:
+            raise ValueError(f"DQNConfig.target_tau: must be in (0, 1], got {self.target_tau}")
+
+
+class DQN:
+    """Q-learning on a ``QAgent``: ``update(batch, progress)`` is one Adam step on one batch.
+
+    Owns the target network (a frozen deep copy of the agent, so it has the same head and
+    C51 support) and the optimizer; ``state_dict`` checkpoints both.
+    """
+
+    def __init__(self, agent: QAgent, cfg: DQNConfig = DQNConfig()) -> None:
+        self.agent = agent
+        self.cfg = cfg
+        self.target = copy.deepcopy(agent).requires_grad_(False)
+        self.optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+        self.updates = 0
+
+    def _bootstrap_action(self, target_q: torch.Tensor, bootstrap_observation) -> torch.Tensor:
+        """a* [N] at the bootstrap observation: argmax of the online net (double) or the target's."""
+        if self.cfg.double:
+            return self.agent.q_values(bootstrap_observation).argmax(-1)
+        return target_q.argmax(-1)
+
+    def update(self, batch: Transition, progress: float) -> dict:
+        """One gradient step on a batch of N transitions (torch tensors on the agent's device).
+
+        ``progress`` in [0, 1] is the run's fraction done (learning-rate annealing). Returns
+        floats loss (IS-weighted mean), q_mean (online Q of the taken actions), target_mean,
+        td_abs_mean (|target - Q|; for C51 between expectations), grad_norm (before
+        clipping), lr, and "priorities": numpy float32 [N] >= 0 for the replay table.
+        """
+        cfg, agent = self.cfg, self.agent
+        lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else cfg.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        action = batch.action.long()
+        rows = torch.arange(action.shape[0], device=action.device)
+        returns, discount = batch.return_.float(), batch.bootstrap_discount.float()
+
+        if agent.cfg.distributional:
+            support = agent.support
+            with torch.no_grad():
+                target_probs = self.target.dist(batch.bootstrap_observation).exp()  # [N, A, atoms]
+                a_star = self._bootstrap_action((target_probs * support).sum(-1), batch.bootstrap_observation)
+                target = project_distribution(target_probs[rows, a_star], returns, discount, support)
+            log_probs = agent.dist(batch.observation)[rows, action]  # [N, atoms]
+            per_item = -(target * log_probs).sum(-1)
+            q_taken = (log_probs.detach().exp() * support).sum(-1)
+            target_value = (target * support).sum(-1)
+            td_abs = (target_value - q_taken).abs()
+            priorities = per_item.detach()
+        else:
+            with torch.no_grad():
+                target_q = self.target.q_values(batch.bootstrap_observation)
+                a_star = self._bootstrap_action(target_q, batch.bootstrap_observation)
+                target_value = returns + discount * target_q[rows, a_star]
+            q_taken = agent.q_values(batch.observation)[rows, action]
+            if cfg.huber_delta > 0:
+                per_item = F.huber_loss(q_taken, target_value, reduction="none", delta=cfg.huber_delta)
+            else:
+                per_item = 0.5 * (q_taken - target_value) ** 2
+            td_abs = (target_value - q_taken.detach()).abs()
+            priorities = td_abs
+
+        loss = (batch.is_weight.float() * per_item).mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
+        self.optimizer.step()
+        self.updates += 1
+        if self.updates % cfg.target_update_period == 0:
+            self._update_target()
+
+        return {
+            "loss": float(loss.detach()),
+            "q_mean": float(q_taken.detach().mean()),
+            "target_mean": float(target_value.mean()),
+            "td_abs_mean": float(td_abs.mean()),
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "priorities": priorities.float().cpu().numpy(),
+        }
+
+    @torch.no_grad()
+    def _update_target(self) -> None:
+        """target <- tau * online + (1 - tau) * target for parameters; buffers are copied."""
+        tau = self.cfg.target_tau
+        for t, o in zip(self.target.parameters(), self.agent.parameters()):
+            if tau < 1.0:
+                t.lerp_(o, tau)
+            else:
+                t.copy_(o)
+        for t, o in zip(self.target.buffers(), self.agent.buffers()):
+            t.copy_(o)
+
+    def state_dict(self) -> dict:
+        """Optimizer, target network and update count, for checkpoints (the agent is saved separately)."""
+        return {"optimizer": self.optimizer.state_dict(), "target": self.target.state_dict(), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.target.load_state_dict(state["target"])
+        self.updates = int(state["updates"])

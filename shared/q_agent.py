@@ -1,0 +1,175 @@
+"""Q-learning agent: observations -> epsilon-greedy actions, Q-values, return distributions.
+
+One ``QAgent`` serves the action-server (``step`` with the epsilons of ``epsilon``), the
+learner (``q_values``, ``dist``) and evaluation (``step`` with ``eps_eval``). Variants are
+parameters: a plain or dueling head (Wang et al. 2016), scalar Q or a C51 categorical
+return distribution (Bellemare et al. 2017). The target network is not part of the agent
+(the algorithm owns it), so ``state_dict()`` is exactly what the learner publishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+from torch import nn
+
+from shared.models import MLP, ModelConfig, make_encoder
+from shared.namedarraytuple import map_leaves, namedarraytuple
+
+QAgentInfo = namedarraytuple("QAgentInfo", ["value"])
+"""Per env and step: max_a Q(obs, a) under the behaviour parameters (expected Q for C51)."""
+
+
+@dataclass(frozen=True)
+class QAgentConfig:
+    """Q-agent options beyond the encoder shape (``ModelConfig``), exploration included.
+
+    Epsilon of env j (global index among N envs) after ``env_steps`` env steps of the run::
+
+        eps_final_j = eps_end                                   if apex_alpha == 0
+                    = apex_eps_base ** (1 + apex_alpha * j / (N - 1))   otherwise (j/(N-1) = 0 if N = 1)
+        eps_j       = eps_start + (eps_final_j - eps_start) * min(1, env_steps / eps_decay_steps)
+
+    i.e. every env anneals linearly from eps_start to its own final epsilon; with
+    eps_decay_steps = 0 the final values hold from the start (Ape-X's fixed epsilons,
+    Horgan et al. 2018, with apex_alpha = 7).
+    """
+
+    dueling: bool = False
+    """Dueling head: Q = V + A - mean_a A (per atom with distributional)."""
+    distributional: bool = False
+    """C51: a categorical distribution over n_atoms returns per action instead of one Q."""
+    n_atoms: int = 51
+    """Atoms of the C51 support (distributional only)."""
+    v_min: float = -10.0
+    """Lowest atom of the C51 support, in return units (discounted reward sums)."""
+    v_max: float = 10.0
+    """Highest atom of the C51 support, in return units."""
+    head_hidden_sizes: tuple[int, ...] = ()
+    """Hidden widths of each head stream (value and advantage each get their own) on the encoder."""
+    eps_start: float = 1.0
+    """Epsilon at env step 0."""
+    eps_end: float = 0.05
+    """Epsilon after eps_decay_steps env steps (every env's, unless apex_alpha > 0)."""
+    eps_decay_steps: int = 10_000
+    """Env steps (of the whole run, all envs) of the linear decay; 0 = final values at once."""
+    eps_eval: float = 0.001
+    """Epsilon of evaluation episodes."""
+    apex_alpha: float = 0.0
+    """0 = one epsilon for all envs; > 0 = Ape-X spread of final epsilons over envs (see class doc)."""
+    apex_eps_base: float = 0.4
+    """Base of the Ape-X spread: env 0 ends at this epsilon, env N-1 at base ** (1 + apex_alpha)."""
+
+    def __post_init__(self) -> None:
+        if self.distributional and (self.n_atoms < 2 or not self.v_min < self.v_max):
+            raise ValueError(
+                f"QAgentConfig: distributional needs n_atoms >= 2 and v_min < v_max, got "
+                f"n_atoms={self.n_atoms}, v_min={self.v_min}, v_max={self.v_max}"
+            )
+        for name in ("eps_start", "eps_end", "eps_eval", "apex_eps_base"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"QAgentConfig.{name}: must be in [0, 1], got {getattr(self, name)}")
+        if self.eps_decay_steps < 0 or self.apex_alpha < 0:
+            raise ValueError(
+                f"QAgentConfig: eps_decay_steps and apex_alpha must be >= 0, got "
+                f"{self.eps_decay_steps} and {self.apex_alpha}"
+            )
+
+
+class QAgent(nn.Module):
+    """Q-network on ``make_encoder``'s features for a Discrete action space of A actions.
+
+    Actions are indices 0..A-1 (the env adapter adds the space's ``start``). The head gives
+    Q [N, A], or C51 logits [N, A, atoms] over the fixed ``support`` buffer [atoms].
+    All inputs are moved to the device the module is on; outputs live there too.
+    """
+
+    def __init__(
+        self,
+        obs_example,
+        action_space: gym.spaces.Discrete,
+        model_cfg: ModelConfig = ModelConfig(),
+        cfg: QAgentConfig = QAgentConfig(),
+    ) -> None:
+        super().__init__()
+        if not isinstance(action_space, gym.spaces.Discrete):
+            raise ValueError(f"QAgent: action space {action_space} not supported; Q-learning needs Discrete")
+        self.cfg = cfg
+        self.n_actions = int(action_space.n)
+        self.n_atoms = cfg.n_atoms if cfg.distributional else 1
+        self.encoder, feat_dim = make_encoder(obs_example, model_cfg)
+        hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
+        self.advantage = MLP(feat_dim, hidden, act, output_size=self.n_actions * self.n_atoms)
+        self.value = MLP(feat_dim, hidden, act, output_size=self.n_atoms) if cfg.dueling else None
+        if cfg.distributional:
+            self.register_buffer("support", torch.linspace(cfg.v_min, cfg.v_max, cfg.n_atoms))
+        else:
+            self.support = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def _to_device(self, obs):
+        device = self.device
+        return map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
+
+    def _head(self, obs) -> torch.Tensor:
+        """Q [N, A] or C51 logits [N, A, atoms] for obs tree [N, ...], with grad."""
+        features = self.encoder(self._to_device(obs))
+        out = self.advantage(features).reshape(-1, self.n_actions, self.n_atoms)
+        if self.value is not None:
+            out = self.value(features).unsqueeze(1) + out - out.mean(dim=1, keepdim=True)
+        return out if self.cfg.distributional else out.squeeze(-1)
+
+    def q_values(self, obs) -> torch.Tensor:
+        """Q(obs, .) float32 [N, A] for obs tree [N, ...]; the expectation over the support for C51."""
+        out = self._head(obs)
+        if not self.cfg.distributional:
+            return out
+        return (out.softmax(-1) * self.support).sum(-1)
+
+    def dist(self, obs) -> torch.Tensor:
+        """C51 only: log-probabilities [N, A, atoms] of the return distribution on ``support``."""
+        if not self.cfg.distributional:
+            raise ValueError("QAgent.dist: the agent is not distributional (QAgentConfig.distributional)")
+        return self._head(obs).log_softmax(-1)
+
+    @torch.no_grad()
+    def step(self, obs, epsilon: torch.Tensor | np.ndarray | float) -> tuple[torch.Tensor, QAgentInfo]:
+        """Epsilon-greedy actions for obs tree [B, ...].
+
+        ``epsilon``: a float for all rows or one per row [B] (``epsilon()`` gives them).
+        Returns action int64 [B] in 0..A-1 and QAgentInfo(value float32 [B] = max_a Q).
+        """
+        q = self.q_values(obs)
+        B, device = q.shape[0], q.device
+        greedy = q.argmax(-1)
+        eps = torch.as_tensor(epsilon, dtype=torch.float32, device=device)
+        explore = torch.rand(B, device=device) < eps
+        random = torch.randint(self.n_actions, (B,), device=device)
+        action = torch.where(explore, random, greedy)
+        return action, QAgentInfo(value=q.max(-1).values.float())
+
+    def epsilon(self, env_steps: int, env_index: np.ndarray | int, n_envs_total: int) -> np.ndarray:
+        """Exploration epsilons float32, shaped like ``env_index``, after ``env_steps`` env steps.
+
+        ``env_index``: global indices in [0, n_envs_total) of the envs asking (the Ape-X
+        spread depends on them); see ``QAgentConfig`` for the formula.
+        """
+        cfg = self.cfg
+        j = np.asarray(env_index, dtype=np.float64)
+        if cfg.apex_alpha > 0:
+            spread = j / (n_envs_total - 1) if n_envs_total > 1 else np.zeros_like(j)
+            final = cfg.apex_eps_base ** (1.0 + cfg.apex_alpha * spread)
+        else:
+            final = np.full_like(j, cfg.eps_end)
+        frac = min(1.0, env_steps / cfg.eps_decay_steps) if cfg.eps_decay_steps > 0 else 1.0
+        return (cfg.eps_start + (final - cfg.eps_start) * frac).astype(np.float32)
+
+    def example_info(self) -> QAgentInfo:
+        """One env's QAgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
+        return QAgentInfo(value=np.zeros((), np.float32))
