@@ -58,26 +58,23 @@ class PgAgent(nn.Module):
         if isinstance(action_space, gym.spaces.Discrete):
             self.kind = "discrete"
             self.nvec = [int(action_space.n)]
-            start = np.asarray(action_space.start, dtype=np.int64)
             n_out = int(action_space.n)
         elif isinstance(action_space, gym.spaces.MultiDiscrete):
             if action_space.nvec.ndim != 1:
                 raise ValueError(f"PgAgent: MultiDiscrete nvec must be 1-D, got shape {action_space.nvec.shape}")
             self.kind = "multi_discrete"
             self.nvec = [int(n) for n in action_space.nvec]
-            start = np.asarray(action_space.start, dtype=np.int64)
             n_out = sum(self.nvec)
         elif isinstance(action_space, gym.spaces.Box):
             self.kind = "box"
             self.action_shape = tuple(action_space.shape)
-            start = np.zeros((), dtype=np.int64)
             n_out = int(np.prod(self.action_shape, dtype=np.int64))
         else:
             raise ValueError(
                 f"PgAgent: action space {action_space} not supported; use Discrete, MultiDiscrete or Box"
             )
-        # Discrete(n, start=s) actions are s..s+n-1; the network indexes 0..n-1.
-        self.register_buffer("action_start", torch.as_tensor(start), persistent=False)
+        # Discrete actions are indices 0..n-1 (as shared.envs specifies); EnvGroup adds a
+        # space's ``start`` when it hands them to the env.
 
         self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
         self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
@@ -133,7 +130,7 @@ class PgAgent(nn.Module):
                 log_prob = log_prob + torch.log_softmax(chunk, -1).gather(-1, pick[:, None]).squeeze(-1)
                 idx.append(pick)
             stacked = torch.stack(idx, dim=-1)
-            action = (stacked[:, 0] if self.kind == "discrete" else stacked) + self.action_start
+            action = stacked[:, 0] if self.kind == "discrete" else stacked
         return action, AgentInfo(log_prob=log_prob.float(), value=value)
 
     def evaluate(self, obs, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,7 +147,7 @@ class PgAgent(nn.Module):
             log_prob = dist.log_prob(action).flatten(1).sum(-1)
             entropy = dist.entropy().flatten(1).sum(-1)
         else:
-            idx = (action - self.action_start).long().reshape(action.shape[0], len(self.nvec))
+            idx = action.long().reshape(action.shape[0], len(self.nvec))
             dists = self._split_logits(out)
             log_prob = sum(d.log_prob(idx[:, j]) for j, d in enumerate(dists))
             entropy = sum(d.entropy() for d in dists)

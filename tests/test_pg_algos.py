@@ -28,13 +28,13 @@ def obs_batch(B, seed=0):
 # ---------------------------------------------------------------- agent
 
 
-def test_discrete_actions_respect_start_and_log_probs_match_evaluate():
+def test_discrete_actions_are_indices_from_zero_and_log_probs_match_evaluate():
     torch.manual_seed(0)
-    agent = PgAgent(OBS, gym.spaces.Discrete(3, start=-1))
+    agent = PgAgent(OBS, gym.spaces.Discrete(3, start=-1))  # EnvGroup adds the start for the env
     obs = obs_batch(256)
     action, info = agent.step(obs)
     assert action.dtype == torch.int64 and action.shape == (256,)
-    assert set(action.tolist()) == {-1, 0, 1}
+    assert set(action.tolist()) == {0, 1, 2}
     log_prob, entropy, value = agent.evaluate(obs, action)
     torch.testing.assert_close(log_prob, info.log_prob)
     torch.testing.assert_close(value, info.value)
