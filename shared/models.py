@@ -32,6 +32,8 @@ class ModelConfig:
     """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
     encoder: str = "auto"
     """auto (Nature CNN for 3-D uint8 image leaves, flatten otherwise) | mlp | nature_cnn."""
+    uint8_scale: float = 1.0 / 255.0
+    """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
 
     def __post_init__(self) -> None:
         if self.activation not in _ACTIVATIONS:
@@ -85,13 +87,13 @@ class MLP(nn.Module):
 class NatureCNN(nn.Module):
     """Mnih et al. (2015) torso: 32x8x8/4, 64x4x4/2, 64x3x3/1, fc 512, relu throughout.
 
-    Input [N, C, H, W] (or [N, H, W, C] with ``channels_last``), uint8 scaled by 1/255.
+    Input [N, C, H, W] (or [N, H, W, C] with ``channels_last``), multiplied by ``scale``.
     Output [N, 512].
     """
 
-    def __init__(self, image_shape: tuple[int, ...], channels_last: bool) -> None:
+    def __init__(self, image_shape: tuple[int, ...], channels_last: bool, scale: float = 1.0 / 255.0) -> None:
         super().__init__()
-        self.channels_last = channels_last
+        self.channels_last, self.scale = channels_last, scale
         c, h, w = (image_shape[2], image_shape[0], image_shape[1]) if channels_last else image_shape
         self.conv = nn.Sequential(
             init_layer(nn.Conv2d(c, 32, 8, stride=4)),
@@ -110,15 +112,15 @@ class NatureCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.channels_last:
             x = x.permute(0, 3, 1, 2)
-        return self.fc(self.conv(x.float() / 255.0))
+        return self.fc(self.conv(x.float() * self.scale))
 
 
 class _Flatten(nn.Module):
-    """One non-image leaf [N, ...] -> float32 [N, prod(shape)] (uint8 scaled by 1/255)."""
+    """One non-image leaf [N, ...] -> float32 [N, prod(shape)], multiplied by ``scale``."""
 
-    def __init__(self, shape: tuple[int, ...], scale_uint8: bool) -> None:
+    def __init__(self, shape: tuple[int, ...], scale: float) -> None:
         super().__init__()
-        self.scale = 1.0 / 255.0 if scale_uint8 else 1.0
+        self.scale = scale
         self.out_dim = int(np.prod(shape, dtype=np.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +169,7 @@ def make_encoder(obs_example, cfg: ModelConfig) -> tuple[Encoder, int]:
     ``obs_example`` is ONE observation (no leading dims): a numpy array or a nested
     namedarraytuple of them. The module maps a torch tree with leading dims [*L] to
     float32 features [*L, out_dim]. Floats (and ints, bools) are flattened as is, uint8
-    leaves scaled by 1/255; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
+    leaves scaled by ``cfg.uint8_scale``; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
     go through a ``NatureCNN`` first. With ``hidden_sizes=()`` out_dim is the width of the
     concatenation (512 per image leaf), as in CleanRL's Atari agents.
     """
@@ -177,9 +179,9 @@ def make_encoder(obs_example, cfg: ModelConfig) -> tuple[Encoder, int]:
         arr = np.asarray(leaf)
         shapes.append(tuple(arr.shape))
         if _is_image(arr, cfg.encoder):
-            parts.append(NatureCNN(tuple(arr.shape), _channels_last(tuple(arr.shape))))
+            parts.append(NatureCNN(tuple(arr.shape), _channels_last(tuple(arr.shape)), cfg.uint8_scale))
         else:
-            parts.append(_Flatten(tuple(arr.shape), arr.dtype == np.uint8))
+            parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
     if not parts:
         raise ValueError("make_encoder: obs_example has no array leaves")
     if cfg.encoder == "nature_cnn" and not any(isinstance(p, NatureCNN) for p in parts):

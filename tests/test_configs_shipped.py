@@ -21,3 +21,12 @@ def test_atari_pong_ppo_runs_one_update_in_serial_mode():
                                                         "learner.batch_segments=1", "replay.capacity=1"])
     result = train_serial(exp)
     assert result["reason"] == "budget" and result["updates"] >= 1
+
+
+@pytest.mark.parametrize("name", ["minatar_breakout_dqn", "atari_pong_dqn"])
+def test_dqn_configs_run_updates_in_serial_mode(name):
+    exp = config.load(CONFIGS / f"{name}.toml", ["run.max_env_steps=1024", "sampler.count=1", "sampler.envs=4",
+                                                 "sampler.horizon=16", "replay.capacity=2000",
+                                                 "replay.min_size_to_sample=256", "replay.samples_per_insert=0.5"])
+    result = train_serial(exp)
+    assert result["reason"] == "budget" and result["updates"] >= 1
