@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
-from shared.models import MLP, ModelConfig, make_encoder
-from shared.namedarraytuple import map_leaves, namedarraytuple
+from shared.models import MLP, ModelConfig, make_encoder, obs_to
+from shared.namedarraytuple import namedarraytuple
 
 AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
 """Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
@@ -87,10 +87,6 @@ class PgAgent(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def _to_device(self, obs):
-        device = self.device
-        return map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
-
     def _forward(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""
         pi_features = self.pi_encoder(obs)
@@ -102,7 +98,7 @@ class PgAgent(nn.Module):
 
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
-        obs = self._to_device(obs)
+        obs = obs_to(obs, self.device)
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
 
     @torch.no_grad()
@@ -114,7 +110,7 @@ class PgAgent(nn.Module):
         """
         # No torch.distributions here: this runs once per action-server batch, and building
         # distribution objects costs more than the small networks' forward pass.
-        obs = self._to_device(obs)
+        obs = obs_to(obs, self.device)
         out, value = self._forward(obs)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
@@ -138,7 +134,7 @@ class PgAgent(nn.Module):
 
         obs tree [N, ...]; action as ``step`` returns it, [N] or [N, ...].
         """
-        obs = self._to_device(obs)
+        obs = obs_to(obs, self.device)
         action = torch.as_tensor(action).to(self.device)
         out, value = self._forward(obs)
         if self.kind == "box":

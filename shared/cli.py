@@ -30,13 +30,16 @@ def main(argv=None) -> int:
                         ("clean", "stop what is left of a run and remove its shared memory from /dev/shm")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("run", help="run directory or run id (under runs/)")
+    c = sub.add_parser("evaluate", help="greedy episodes of a run's latest checkpoint on held-out seeds")
+    c.add_argument("run")
+    c.add_argument("--episodes", type=int, default=10)
     c = sub.add_parser("logs", help="show a run's logs")
     c.add_argument("run")
     c.add_argument("service", nargs="?", help="e.g. learner, sampler, sampler1; default: all")
     c.add_argument("-n", type=int, default=40, help="lines per log")
 
     args = p.parse_args(argv)
-    return {"launch": _launch, "train": _train, "prepare": _prepare, "status": _status, "stop": _stop, "logs": _logs,
+    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "status": _status, "stop": _stop, "logs": _logs,
             "clean": _clean}[args.cmd](args)
 
 
@@ -149,6 +152,25 @@ def _clean(args) -> int:
         return 2
     killed, removed = launch.clean(run_dir)
     print(f"{run_dir.name}: killed {len(killed)} process(es), removed {len(removed)} shared-memory segment(s)")
+    return 0
+
+
+def _evaluate(args) -> int:
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    from services.evaluator import evaluate
+    from shared import config as config_mod
+    from shared.runtime import RUN_CONFIG
+
+    try:
+        result = evaluate(config_mod.load(run_dir / RUN_CONFIG), run_dir, args.episodes)
+    except FileNotFoundError as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 1
+    print(f"{run_dir.name}: {result['episodes']} greedy episodes of policy version {result['policy_version']} "
+          f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "
+          f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
     return 0
 
 

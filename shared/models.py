@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.namedarraytuple import leaves
+from shared.namedarraytuple import leaves, map_leaves
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
 _ENCODERS = ("auto", "mlp", "nature_cnn")
@@ -44,6 +44,11 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.encoder: {self.encoder!r} unknown; use one of {_ENCODERS}")
         if any(int(h) <= 0 for h in self.hidden_sizes):
             raise ValueError(f"ModelConfig.hidden_sizes: widths must be positive, got {self.hidden_sizes}")
+
+
+def obs_to(obs, device: torch.device):
+    """An observation tree (numpy or torch leaves) as torch tensors on ``device``."""
+    return map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
 
 
 def init_layer(layer: nn.Module, gain: float = HIDDEN_GAIN) -> nn.Module:

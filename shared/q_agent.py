@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.models import MLP, ModelConfig, make_encoder
-from shared.namedarraytuple import map_leaves, namedarraytuple
+from shared.models import MLP, ModelConfig, make_encoder, obs_to
+from shared.namedarraytuple import namedarraytuple
 
 QAgentInfo = namedarraytuple("QAgentInfo", ["value"])
 """Per env and step: max_a Q(obs, a) under the behaviour parameters (expected Q for C51)."""
@@ -113,13 +113,9 @@ class QAgent(nn.Module):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def _to_device(self, obs):
-        device = self.device
-        return map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
-
     def _head(self, obs) -> torch.Tensor:
         """Q [N, A] or C51 logits [N, A, atoms] for obs tree [N, ...], with grad."""
-        features = self.encoder(self._to_device(obs))
+        features = self.encoder(obs_to(obs, self.device))
         out = self.advantage(features).reshape(-1, self.n_actions, self.n_atoms)
         if self.value is not None:
             out = self.value(features).unsqueeze(1) + out - out.mean(dim=1, keepdim=True)

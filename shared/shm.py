@@ -114,6 +114,21 @@ def attach(descriptor: dict) -> tuple[Segment, object]:
     return seg, from_spec(descriptor["spec"], seg.mmap, fill=False)
 
 
+def attach_all(descriptors: list) -> tuple[list[Segment], list]:
+    """Attach several descriptors (e.g. a peer's slots); on any failure close what was attached and raise."""
+    segments, trees = [], []
+    try:
+        for desc in descriptors:
+            seg, tree = attach(desc)
+            segments.append(seg)
+            trees.append(tree)
+    except (ValueError, FileNotFoundError):
+        for seg in segments:
+            seg.close()
+        raise
+    return segments, trees
+
+
 def run_segments(run_id: str) -> list[Path]:
     _check_run_id(run_id)
     return sorted(SHM_DIR.glob(f"{PREFIX}{run_id}-*"))

@@ -90,17 +90,11 @@ class ActionServer:
 
     def _hello(self, peer: bytes, body: dict, now: float) -> None:
         self._detach(peer)
-        segments, slots = [], []
         try:
-            for desc in body["slots"]:
-                seg, tree = shm.attach(desc)
-                segments.append(seg)
-                slots.append(tree)
+            segments, slots = shm.attach_all(body["slots"])
         except (ValueError, FileNotFoundError) as e:
             log.warning("hello from %s rejected: %s", peer, e)
             self.m.bad_messages.inc()
-            for seg in segments:
-                seg.close()
             self.router.send("error", {"reason": f"bad slot descriptor: {e}"}, to=peer)
             return
         first = body["instance"] * self.envs_per_sampler + np.cumsum([0] + [len(t.action) for t in slots[:-1]])

@@ -134,12 +134,8 @@ class ReplayService:
             w.pending.append((body, time.monotonic()))
 
     def _hello_reader(self, peer: bytes, body: dict) -> None:
-        segments, slots = [], []
         try:
-            for desc in body["slots"]:
-                seg, tree = shm.attach(desc)
-                segments.append(seg)
-                slots.append(tree)
+            segments, slots = shm.attach_all(body["slots"])
         except (ValueError, FileNotFoundError) as e:
             log.warning("hello_reader rejected: %s", e)
             self.m.bad_messages.inc()
