@@ -5,7 +5,7 @@ Both are measured in the same run, three times each, and the medians compared:
 - baseline: gymnasium SyncVectorEnv of 2 x 16 CartPole-v1 envs with the 64x64 MLP policy
   called inline on all 32 observations every step (one process);
 - pipeline: 2 samplers x 16 envs (alternating groups), 1 action-server (same policy),
-  replay and a learner whose updates are cheap (A2C), under supervisord; steps/s from the
+  replay and a learner whose updates are cheap (A2C, T=64), under supervisord; steps/s from the
   samplers' Prometheus counter over a window after warm-up.
 
 Also reports the default PPO CartPole run's wall-clock from first batch to mean return 475.
@@ -54,8 +54,10 @@ def _sampler_steps(run: Run) -> float:
 
 
 def pipeline_steps_per_s(tmp_path) -> float:
-    run = Run.launch(tmp_path, "cartpole_a2c.toml", "sampler.count=2", "sampler.envs=16", "run.max_env_steps=100000000",
-              "run.target_return=1e9", "replay.release_on_sample=false", "replay.capacity=8")
+    # A2C with long segments: one cheap update per 2048 steps, so sampling is what is measured.
+    run = Run.launch(tmp_path, "cartpole_a2c.toml", "sampler.count=2", "sampler.envs=16", "sampler.horizon=64",
+                     "run.max_env_steps=100000000", "run.target_return=1e9", "replay.release_on_sample=false",
+                     "replay.capacity=8")
     try:
         run.wait_steps(20_000)
         s0, t0 = _sampler_steps(run), time.monotonic()
