@@ -43,9 +43,13 @@ def test_rate_limiter_holds_the_ratio_and_the_learner_waits_without_spinning(run
     page = run.metrics()
     inserts = metric_value(page, "rlpipe_replay_insert_steps_total")
     samples = metric_value(page, "rlpipe_replay_samples_total")  # items
-    # Reverb's invariant: |inserts * spi - samples| stays within the band (one insert + one sample wide).
+    # Reverb's invariant: |inserts * spi - samples| stays within the band (one insert + one sample
+    # wide), counted in table items. From metrics: inserted env steps include each writer's
+    # newest n_step steps whose n-step windows are not closed yet (not items yet), the first
+    # min_size_to_sample items are free, and a scrape may fall between a sample and its count.
     band = items_per_insert * spi + batch
-    assert abs(inserts * spi - samples) <= band + 500 * spi, (inserts, samples)
+    not_yet_items = 5 * 3 * 8 * spi  # n_step (config) x samplers x envs
+    assert abs(inserts * spi - samples) <= band + 500 * spi + not_yet_items + batch, (inserts, samples)
     assert samples / inserts == pytest.approx(spi, rel=0.1)
 
     # No sampler alive: the learner blocks on its poll timeout instead of spinning.
