@@ -10,7 +10,6 @@ Names follow ``rlpipe_<service>_<thing>_<unit>``; every series carries ``service
 from __future__ import annotations
 
 import os
-import time
 from types import SimpleNamespace
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -104,17 +103,3 @@ class _Partial:
 
     def labels(self, **rest):
         return self.fam.labels(service=self.service, instance=self.instance, **rest)
-
-
-class Stopwatch:
-    """Adds the seconds spent inside ``with`` blocks to a counter."""
-
-    def __init__(self, counter):
-        self.counter = counter
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.counter.inc(time.perf_counter() - self.t0)

@@ -82,7 +82,6 @@ class Sampler:
             self.ring, self.ring_descriptor = from_spec(rspec), None
         self.k = 0  # ring slot being filled
         self.serial = 0  # segments announced so far
-        self.steps = 0
         self.episodes: list[list[float]] = []  # [return, length] finished in the current segment
         self.pending: int | None = None  # segment waiting for its bootstrap values
 
@@ -121,7 +120,6 @@ class Sampler:
                 versions.append(version)
                 self._step_envs(g, env, slot, step)
                 actions.request(g)
-        self.steps += self.cfg.horizon * self.cfg.envs
         self.pending = (self.k, min(versions), max(versions), self.episodes)
         self.episodes = []
         self.k = (self.k + 1) % self.cfg.ring
