@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from services.learner.learner import Learner
-from services.replay.tables import make_table
+from services.replay.tables import make_table, sample_batch
 from services.sampler.sampler import Sampler
 from shared.config import Experiment
 from services.action_server.server import act
@@ -89,13 +89,10 @@ def train_serial(exp: Experiment) -> dict:
                 break
             s.collect_segment(actions, sink)
             while learner.finished() is None:
-                dropped = 0
-                if on_policy(exp):
-                    dropped = len(table.drop_older_than(max(0, learner.version - exp.replay.max_policy_lag)))
-                if not table.can_sample(n):
+                info, dropped = sample_batch(table, batch, n, learner.min_version(), lag_bound=on_policy(exp))
+                if info is None:
                     break
-                info = table.sample_into(batch, n)
-                meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": dropped}
+                meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": len(dropped)}
                 counters["env_steps"], counters["episodes"] = 0, []
                 priorities = learner.train(batch, meta)
                 if priorities is not None:

@@ -142,10 +142,10 @@ class ActionServer:
     def serve_batch(self) -> None:
         """Answer up to max_batch pending requests with one forward pass."""
         batch, self.pending = self.pending[: self.cfg.max_batch], self.pending[self.cfg.max_batch:]
-        slots = [self.peers[r.peer].slots[r.slot] for r in batch]
+        peers = [self.peers[r.peer] for r in batch]
+        slots = [p.slots[r.slot] for p, r in zip(peers, batch)]
         sizes = [len(s.action) for s in slots]
         obs = zip_map(lambda *xs: np.concatenate(xs), *[s.observation for s in slots])
-        peers = [self.peers[r.peer] for r in batch]
         env_index = np.concatenate([np.arange(n) + p.first_env[r.slot] for p, r, n in zip(peers, batch, sizes)])
         action, info = act(self.agent, obs, env_index, self.env_steps, self.envs_total)
         start = 0

@@ -106,6 +106,10 @@ class Learner:
                 self.m.loss.labels(term=term).set(float(value))
         return priorities
 
+    def min_version(self) -> int:
+        """Oldest policy version a batch may hold (the on-policy lag bound; replay drops older)."""
+        return max(0, self.version - self.exp.replay.max_policy_lag)
+
     def mean_return(self) -> float:
         return float(np.mean(self.returns)) if self.returns else float("nan")
 
@@ -194,10 +198,9 @@ class Learner:
 
 def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:
     """Train until the run is finished; returns the result."""
-    min_version = lambda: max(0, learner.version - learner.exp.replay.max_policy_lag)  # noqa: E731
     params.publish(learner.version, learner.env_steps)
     for i in range(len(slots)):
-        source.request(i, min_version())
+        source.request(i, learner.min_version())
     while True:
         reason = learner.finished()
         if reason is not None:
@@ -214,7 +217,7 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
         if priorities is not None and "keys" in meta:
             source.update_priorities(meta, priorities)
         params.publish(learner.version, learner.env_steps)
-        source.request(i, min_version())
+        source.request(i, learner.min_version())
         learner.maybe_report()
         learner.maybe_checkpoint()
     learner.maybe_report(force=True)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 
+from services.replay.tables import sample_batch
 from shared import shm
 from shared.config import ReplayConfig
 from shared.namedarraytuple import drop_leading_dims
@@ -181,14 +182,14 @@ class ReplayService:
             return
         if self.reader is not None:
             for slot, body in list(self.reader.pending.items()):
-                if self.cfg.table == "queue":  # the on-policy lag bound
-                    dropped = self.table.drop_older_than(body["min_version"])
-                    self._release(dropped)
-                    self.dropped_unreported += len(dropped)
-                    self.m.dropped.inc(len(dropped))
-                if not self.table.can_sample(body["n"]):
+                info, dropped = sample_batch(self.table, self.reader.slots[slot], body["n"], body["min_version"],
+                                             lag_bound=self.cfg.table == "queue")
+                self._release(dropped)
+                self.dropped_unreported += len(dropped)
+                self.m.dropped.inc(len(dropped))
+                if info is None:
                     break
-                self._sample(slot, body)
+                self._reply_sampled(slot, body, info)
         self.m.size.set(self.table.size)
         if self.cfg.table == "prioritized":
             stats = self.table.selector.metrics()
@@ -209,9 +210,8 @@ class ReplayService:
         self.m.inserts.inc()
         self.m.insert_steps.inc(body["steps"])
 
-    def _sample(self, slot: int, body: dict) -> None:
+    def _reply_sampled(self, slot: int, body: dict, info: dict) -> None:
         reader = self.reader
-        info = self.table.sample_into(reader.slots[slot], body["n"])
         self._release(info["keys"])
         del reader.pending[slot]
         waited = time.monotonic() - reader.since.pop(slot)

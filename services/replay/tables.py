@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from shared.config import ReplayConfig
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
@@ -33,6 +35,19 @@ def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_sp
                                             error_buffer=error_buffer))
     limiter.check_no_deadlock(insert_size, sample_size)
     return Table(storage, selector, limiter, seed=seed)
+
+
+def sample_batch(table: Table, dest, n: int, min_version: int, lag_bound: bool):
+    """One learner request: drop items past the on-policy lag bound (``lag_bound``), then
+    fill ``dest`` with ``n`` items if the table can serve them now.
+
+    Returns (sample info or None, keys dropped for lag) — the replay service and serial
+    mode both serve the learner through this.
+    """
+    dropped = table.drop_older_than(min_version) if lag_bound else np.empty(0, np.int64)
+    if not table.can_sample(n):
+        return None, dropped
+    return table.sample_into(dest, n), dropped
 
 
 def samples_spec_T(samples_spec) -> int:
