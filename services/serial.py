@@ -12,7 +12,6 @@ import itertools
 import logging
 
 import numpy as np
-import torch
 
 from services.learner.learner import Learner
 from services.replay.tables import make_table, sample_batch
@@ -22,7 +21,7 @@ from services.action_server.server import act
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
 from shared.layout import segment_spec
 from shared.namedarraytuple import from_spec
-from shared.runtime import resolve_device
+from shared.runtime import torch_device
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +62,7 @@ class LocalSink:
 
 
 def train_serial(exp: Experiment) -> dict:
-    torch.set_num_threads(1)
-    device = resolve_device(exp.run.device)
+    device = torch_device(exp.run.device)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
     learner = Learner(exp, agent, make_algo(exp, agent), device, run_dir=None)

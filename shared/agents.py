@@ -8,7 +8,6 @@ is everything the learner publishes; ``step`` never changes it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import gymnasium as gym
 import numpy as np
@@ -16,25 +15,12 @@ import torch
 from torch import nn
 from torch.distributions import Categorical, Normal
 
-from shared.models import MLP, ModelConfig, make_encoder, obs_to
-from shared.namedarraytuple import namedarraytuple
-
-AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
-"""Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
+from shared.agent_config import AgentInfo, ModelConfig, PgAgentConfig, info_example
+from shared.models import MLP, make_encoder, obs_to
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
-
-
-@dataclass(frozen=True)
-class PgAgentConfig:
-    """Policy-gradient agent options beyond the encoder shape (``ModelConfig``)."""
-
-    init_log_std: float = 0.0
-    """Initial log standard deviation of the Gaussian policy (Box actions only)."""
-    shared_encoder: bool = False
-    """One encoder for policy and value (CleanRL's Atari agent) instead of two (its MLP agent)."""
 
 
 class PgAgent(nn.Module):
@@ -151,4 +137,4 @@ class PgAgent(nn.Module):
 
     def example_info(self) -> AgentInfo:
         """One env's AgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
-        return AgentInfo(log_prob=np.zeros((), np.float32), value=np.zeros((), np.float32))
+        return info_example(on_policy=True)

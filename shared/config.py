@@ -18,13 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from shared.agents import PgAgentConfig
-from shared.algos.dqn import DQNConfig
-from shared.algos.a2c import A2CConfig
-from shared.algos.ppo import PPOConfig
+from shared.agent_config import ModelConfig, PgAgentConfig, QAgentConfig
+from shared.algos.hparams import A2CConfig, DQNConfig, PPOConfig
 from shared.envs import EnvConfig, validate_env_config
-from shared.models import ModelConfig
-from shared.q_agent import QAgentConfig
 
 
 class ConfigError(ValueError):

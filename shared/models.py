@@ -9,41 +9,16 @@ CleanRL: orthogonal weights, zero biases, gain sqrt(2) for hidden layers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from shared.agent_config import ModelConfig
 from shared.namedarraytuple import leaves, map_leaves
 
-_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
-_ENCODERS = ("auto", "mlp", "nature_cnn")
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}  # keys: agent_config.ACTIVATIONS
 HIDDEN_GAIN = math.sqrt(2.0)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Shape of the network that encodes observations."""
-
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    """Widths of the MLP trunk after the (CNN-)flattened observation; () = no trunk."""
-    activation: str = "tanh"
-    """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
-    encoder: str = "auto"
-    """auto (Nature CNN for 3-D uint8 image leaves, flatten otherwise) | mlp | nature_cnn."""
-    uint8_scale: float = 1.0 / 255.0
-    """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
-
-    def __post_init__(self) -> None:
-        if self.activation not in _ACTIVATIONS:
-            raise ValueError(
-                f"ModelConfig.activation: {self.activation!r} unknown; use one of {sorted(_ACTIVATIONS)}"
-            )
-        if self.encoder not in _ENCODERS:
-            raise ValueError(f"ModelConfig.encoder: {self.encoder!r} unknown; use one of {_ENCODERS}")
-        if any(int(h) <= 0 for h in self.hidden_sizes):
-            raise ValueError(f"ModelConfig.hidden_sizes: widths must be positive, got {self.hidden_sizes}")
 
 
 def obs_to(obs, device: torch.device):

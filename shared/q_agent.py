@@ -9,74 +9,13 @@ return distribution (Bellemare et al. 2017). The target network is not part of t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
 
-from shared.models import MLP, ModelConfig, make_encoder, obs_to
-from shared.namedarraytuple import namedarraytuple
-
-QAgentInfo = namedarraytuple("QAgentInfo", ["value"])
-"""Per env and step: max_a Q(obs, a) under the behaviour parameters (expected Q for C51)."""
-
-
-@dataclass(frozen=True)
-class QAgentConfig:
-    """Q-agent options beyond the encoder shape (``ModelConfig``), exploration included.
-
-    Epsilon of env j (global index among N envs) after ``env_steps`` env steps of the run::
-
-        eps_final_j = eps_end                                   if apex_alpha == 0
-                    = apex_eps_base ** (1 + apex_alpha * j / (N - 1))   otherwise (j/(N-1) = 0 if N = 1)
-        eps_j       = eps_start + (eps_final_j - eps_start) * min(1, env_steps / eps_decay_steps)
-
-    i.e. every env anneals linearly from eps_start to its own final epsilon; with
-    eps_decay_steps = 0 the final values hold from the start (Ape-X's fixed epsilons,
-    Horgan et al. 2018, with apex_alpha = 7).
-    """
-
-    dueling: bool = False
-    """Dueling head: Q = V + A - mean_a A (per atom with distributional)."""
-    distributional: bool = False
-    """C51: a categorical distribution over n_atoms returns per action instead of one Q."""
-    n_atoms: int = 51
-    """Atoms of the C51 support (distributional only)."""
-    v_min: float = -10.0
-    """Lowest atom of the C51 support, in return units (discounted reward sums)."""
-    v_max: float = 10.0
-    """Highest atom of the C51 support, in return units."""
-    head_hidden_sizes: tuple[int, ...] = ()
-    """Hidden widths of each head stream (value and advantage each get their own) on the encoder."""
-    eps_start: float = 1.0
-    """Epsilon at env step 0."""
-    eps_end: float = 0.05
-    """Epsilon after eps_decay_steps env steps (every env's, unless apex_alpha > 0)."""
-    eps_decay_steps: int = 10_000
-    """Env steps (of the whole run, all envs) of the linear decay; 0 = final values at once."""
-    eps_eval: float = 0.001
-    """Epsilon of evaluation episodes."""
-    apex_alpha: float = 0.0
-    """0 = one epsilon for all envs; > 0 = Ape-X spread of final epsilons over envs (see class doc)."""
-    apex_eps_base: float = 0.4
-    """Base of the Ape-X spread: env 0 ends at this epsilon, env N-1 at base ** (1 + apex_alpha)."""
-
-    def __post_init__(self) -> None:
-        if self.distributional and (self.n_atoms < 2 or not self.v_min < self.v_max):
-            raise ValueError(
-                f"QAgentConfig: distributional needs n_atoms >= 2 and v_min < v_max, got "
-                f"n_atoms={self.n_atoms}, v_min={self.v_min}, v_max={self.v_max}"
-            )
-        for name in ("eps_start", "eps_end", "eps_eval", "apex_eps_base"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"QAgentConfig.{name}: must be in [0, 1], got {getattr(self, name)}")
-        if self.eps_decay_steps < 0 or self.apex_alpha < 0:
-            raise ValueError(
-                f"QAgentConfig: eps_decay_steps and apex_alpha must be >= 0, got "
-                f"{self.eps_decay_steps} and {self.apex_alpha}"
-            )
+from shared.agent_config import ModelConfig, QAgentConfig, QAgentInfo, info_example
+from shared.models import MLP, make_encoder, obs_to
 
 
 class QAgent(nn.Module):
@@ -168,4 +107,4 @@ class QAgent(nn.Module):
 
     def example_info(self) -> QAgentInfo:
         """One env's QAgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
-        return QAgentInfo(value=np.zeros((), np.float32))
+        return info_example(on_policy=False)

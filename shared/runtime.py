@@ -1,4 +1,8 @@
-"""What every service process does first: arguments, logging, signals, config, device."""
+"""What every service process does first: arguments, logging, signals, config; torch only where used.
+
+This module does not import torch: replay, metrics and samplers in server mode never load
+it (it costs ~2 s of CPU at start-up). Services that run a network call ``torch_device``.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-
-import torch
 
 from shared import config as config_mod
 
@@ -28,8 +30,6 @@ def start_service(service: str, argv=None) -> tuple[config_mod.Experiment, Path,
     args = service_args(service, argv)
     setup_logging(f"{service}{args.instance}")
     install_signal_handlers()
-    # One thread per process: the pipeline already runs one process per core's worth of work.
-    torch.set_num_threads(1)
     run_dir = Path(args.run_dir)
     exp = config_mod.load(run_dir / RUN_CONFIG)
     return exp, run_dir, args.instance
@@ -53,7 +53,14 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def resolve_device(name: str) -> torch.device:
+def torch_device(name: str, threads: int = 1):
+    """Import torch, set its intra-op threads and resolve ``run.device`` (auto: cuda if present).
+
+    One thread by default: the pipeline already runs one process per core's worth of work.
+    """
+    import torch
+
+    torch.set_num_threads(threads)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)

@@ -8,7 +8,7 @@ from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
 from shared.config import endpoint
 from shared.factory import env_probe, make_agent
-from shared.runtime import resolve_device, start_service
+from shared.runtime import torch_device, start_service
 from shared.sockets import Endpoint
 
 log = logging.getLogger("services.action_server")
@@ -16,7 +16,7 @@ log = logging.getLogger("services.action_server")
 
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("action_server", instance)
-    device = resolve_device(exp.run.device)
+    device = torch_device(exp.run.device)
     agent = make_agent(exp, env_probe(exp)).to(device).eval()
     ctx = zmq.Context()
     bad = lambda reason: m.bad_messages.inc()  # noqa: E731

@@ -11,14 +11,14 @@ from shared import shm
 from shared.config import endpoint
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.params import ParamWriter
-from shared.runtime import resolve_device, run_id_of, start_service
+from shared.runtime import torch_device, run_id_of, start_service
 
 log = logging.getLogger("services.learner")
 
 
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("learner", instance)
-    device = resolve_device(exp.run.device)
+    device = torch_device(exp.run.device)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
     algo = make_algo(exp, agent)

@@ -7,52 +7,12 @@ importance ratio); keep the policy lag small.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
-
-_OPTIMIZERS = ("rmsprop", "adam")
-
-
-@dataclass(frozen=True)
-class A2CConfig:
-    """A2C hyperparameters (defaults: Stable-Baselines3's A2C)."""
-
-    lr: float = 7e-4
-    """Learning rate at the start of the run."""
-    anneal_lr: bool = False
-    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
-    optimizer: str = "rmsprop"
-    """rmsprop | adam."""
-    rmsprop_alpha: float = 0.99
-    """RMSprop smoothing constant."""
-    optimizer_eps: float = 1e-5
-    """Epsilon of RMSprop or Adam."""
-    gamma: float = 0.99
-    """Discount factor."""
-    gae_lambda: float = 1.0
-    """GAE lambda; 1 = n-step returns bootstrapped at the segment end."""
-    reward_scale: float = 1.0
-    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
-    recompute_values: bool = True
-    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
-    value_coef: float = 1.0
-    """Weight of the value loss 0.5 * (V - R)^2 (1.0 here = SB3's vf_coef 0.5 on a plain MSE)."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus."""
-    normalize_advantage: bool = False
-    """Normalise advantages to zero mean, unit std over the batch."""
-    max_grad_norm: float = 0.5
-    """Clip the global gradient norm to this; 0 = no clipping."""
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in _OPTIMIZERS:
-            raise ValueError(f"A2CConfig.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
-
+from shared.algos.hparams import A2CConfig
 
 class A2C:
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""

@@ -17,48 +17,14 @@ writes to replay itself: |TD error| per item, or the per-item cross-entropy for 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shared.algos.distributional import project_distribution
+from shared.algos.hparams import DQNConfig
 from shared.q_agent import QAgent
 from shared.replay import Transition
-
-
-@dataclass(frozen=True)
-class DQNConfig:
-    """DQN hyperparameters (defaults: double DQN as tuned on CartPole-v1 with 5-step returns)."""
-
-    lr: float = 1e-3
-    """Adam learning rate at the start of the run."""
-    anneal_lr: bool = False
-    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
-    adam_eps: float = 1e-8
-    """Adam epsilon (Rainbow: 1.5e-4 with lr 6.25e-5)."""
-    batch_size: int = 128
-    """Transitions in one batch (the learner asks replay for this many per update)."""
-    double: bool = True
-    """Double DQN: the online net chooses the bootstrap action, the target net evaluates it."""
-    target_update_period: int = 100
-    """Updates between target-network updates."""
-    target_tau: float = 1.0
-    """Every period: target <- tau * online + (1 - tau) * target (1 = hard copy; period 1, tau < 1 = Polyak)."""
-    huber_delta: float = 1.0
-    """Huber loss threshold on the TD error (scalar Q only); 0 = squared error 0.5 * td^2."""
-    max_grad_norm: float = 10.0
-    """Clip the global gradient norm to this; 0 = no clipping."""
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.target_update_period < 1:
-            raise ValueError(
-                f"DQNConfig: batch_size and target_update_period must be >= 1, got "
-                f"{self.batch_size} and {self.target_update_period}"
-            )
-        if not 0.0 < self.target_tau <= 1.0:
-            raise ValueError(f"DQNConfig.target_tau: must be in (0, 1], got {self.target_tau}")
 
 
 class DQN:

@@ -7,51 +7,12 @@ for it like for PPO's own epochs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
-
-
-@dataclass(frozen=True)
-class PPOConfig:
-    """PPO hyperparameters (defaults: CleanRL's ppo.py)."""
-
-    lr: float = 2.5e-4
-    """Adam learning rate at the start of the run."""
-    anneal_lr: bool = True
-    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
-    adam_eps: float = 1e-5
-    """Adam epsilon."""
-    gamma: float = 0.99
-    """Discount factor."""
-    gae_lambda: float = 0.95
-    """GAE lambda (1 = Monte-Carlo returns, 0 = TD(0))."""
-    reward_scale: float = 1.0
-    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
-    recompute_values: bool = True
-    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
-    clip_eps: float = 0.2
-    """Clip range of the probability ratio."""
-    value_clip: float = 0.2
-    """Clip range of the value change around the V(s_t) used for GAE; 0 = no value clipping."""
-    value_coef: float = 0.5
-    """Weight of the value loss 0.5 * (V - R)^2."""
-    entropy_coef: float = 0.01
-    """Weight of the entropy bonus."""
-    epochs: int = 4
-    """Passes over each batch."""
-    minibatches: int = 4
-    """Minibatches per pass (the batch of T*B samples is split in this many)."""
-    normalize_advantage: bool = True
-    """Normalise advantages to zero mean, unit std per minibatch."""
-    max_grad_norm: float = 0.5
-    """Clip the global gradient norm to this; 0 = no clipping."""
-    target_kl: float = 0.0
-    """Stop the epochs early once a minibatch's approx KL exceeds this; 0 = never."""
+from shared.algos.hparams import PPOConfig
 
 
 class PPO:

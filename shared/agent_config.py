@@ -1,0 +1,120 @@
+"""What the agents are made of and what they emit, torch-free.
+
+The config dataclasses of the encoder (``ModelConfig``) and of each agent family, and the
+per-step agent-info layouts (namedarraytuples of numpy scalars) that size the samplers'
+shared-memory buffers. Samplers in server mode, replay and the launcher read these without
+importing torch; ``shared.models``, ``shared.agents`` and ``shared.q_agent`` build on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.namedarraytuple import namedarraytuple
+
+ACTIVATIONS = ("tanh", "relu")
+ENCODERS = ("auto", "mlp", "nature_cnn")
+
+AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
+"""Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
+QAgentInfo = namedarraytuple("QAgentInfo", ["value"])
+"""Per env and step: max_a Q(obs, a) under the behaviour parameters (expected Q for C51)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the network that encodes observations."""
+
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    """Widths of the MLP trunk after the (CNN-)flattened observation; () = no trunk."""
+    activation: str = "tanh"
+    """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
+    encoder: str = "auto"
+    """auto (Nature CNN for 3-D uint8 image leaves, flatten otherwise) | mlp | nature_cnn."""
+    uint8_scale: float = 1.0 / 255.0
+    """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"ModelConfig.activation: {self.activation!r} unknown; use one of {ACTIVATIONS}"
+            )
+        if self.encoder not in ENCODERS:
+            raise ValueError(f"ModelConfig.encoder: {self.encoder!r} unknown; use one of {ENCODERS}")
+        if any(int(h) <= 0 for h in self.hidden_sizes):
+            raise ValueError(f"ModelConfig.hidden_sizes: widths must be positive, got {self.hidden_sizes}")
+
+
+@dataclass(frozen=True)
+class PgAgentConfig:
+    """Policy-gradient agent options beyond the encoder shape (``ModelConfig``)."""
+
+    init_log_std: float = 0.0
+    """Initial log standard deviation of the Gaussian policy (Box actions only)."""
+    shared_encoder: bool = False
+    """One encoder for policy and value (CleanRL's Atari agent) instead of two (its MLP agent)."""
+
+
+@dataclass(frozen=True)
+class QAgentConfig:
+    """Q-agent options beyond the encoder shape (``ModelConfig``), exploration included.
+
+    Epsilon of env j (global index among N envs) after ``env_steps`` env steps of the run::
+
+        eps_final_j = eps_end                                   if apex_alpha == 0
+                    = apex_eps_base ** (1 + apex_alpha * j / (N - 1))   otherwise (j/(N-1) = 0 if N = 1)
+        eps_j       = eps_start + (eps_final_j - eps_start) * min(1, env_steps / eps_decay_steps)
+
+    i.e. every env anneals linearly from eps_start to its own final epsilon; with
+    eps_decay_steps = 0 the final values hold from the start (Ape-X's fixed epsilons,
+    Horgan et al. 2018, with apex_alpha = 7).
+    """
+
+    dueling: bool = False
+    """Dueling head: Q = V + A - mean_a A (per atom with distributional)."""
+    distributional: bool = False
+    """C51: a categorical distribution over n_atoms returns per action instead of one Q."""
+    n_atoms: int = 51
+    """Atoms of the C51 support (distributional only)."""
+    v_min: float = -10.0
+    """Lowest atom of the C51 support, in return units (discounted reward sums)."""
+    v_max: float = 10.0
+    """Highest atom of the C51 support, in return units."""
+    head_hidden_sizes: tuple[int, ...] = ()
+    """Hidden widths of each head stream (value and advantage each get their own) on the encoder."""
+    eps_start: float = 1.0
+    """Epsilon at env step 0."""
+    eps_end: float = 0.05
+    """Epsilon after eps_decay_steps env steps (every env's, unless apex_alpha > 0)."""
+    eps_decay_steps: int = 10_000
+    """Env steps (of the whole run, all envs) of the linear decay; 0 = final values at once."""
+    eps_eval: float = 0.001
+    """Epsilon of evaluation episodes."""
+    apex_alpha: float = 0.0
+    """0 = one epsilon for all envs; > 0 = Ape-X spread of final epsilons over envs (see class doc)."""
+    apex_eps_base: float = 0.4
+    """Base of the Ape-X spread: env 0 ends at this epsilon, env N-1 at base ** (1 + apex_alpha)."""
+
+    def __post_init__(self) -> None:
+        if self.distributional and (self.n_atoms < 2 or not self.v_min < self.v_max):
+            raise ValueError(
+                f"QAgentConfig: distributional needs n_atoms >= 2 and v_min < v_max, got "
+                f"n_atoms={self.n_atoms}, v_min={self.v_min}, v_max={self.v_max}"
+            )
+        for name in ("eps_start", "eps_end", "eps_eval", "apex_eps_base"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"QAgentConfig.{name}: must be in [0, 1], got {getattr(self, name)}")
+        if self.eps_decay_steps < 0 or self.apex_alpha < 0:
+            raise ValueError(
+                f"QAgentConfig: eps_decay_steps and apex_alpha must be >= 0, got "
+                f"{self.eps_decay_steps} and {self.apex_alpha}"
+            )
+
+
+def info_example(on_policy: bool):
+    """One env's agent info of numpy float32 zeros: AgentInfo (policy gradient) or QAgentInfo."""
+    if on_policy:
+        return AgentInfo(log_prob=np.zeros((), np.float32), value=np.zeros((), np.float32))
+    return QAgentInfo(value=np.zeros((), np.float32))

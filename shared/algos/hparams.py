@@ -1,0 +1,120 @@
+"""Hyperparameters of the algorithms: one frozen dataclass each, torch-free.
+
+They live apart from the losses so that every process can read and validate a config
+(the launcher, replay, metrics) without importing torch; the algorithm modules re-export
+their own class (``from shared.algos.ppo import PPOConfig`` keeps working).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """PPO hyperparameters (defaults: CleanRL's ppo.py)."""
+
+    lr: float = 2.5e-4
+    """Adam learning rate at the start of the run."""
+    anneal_lr: bool = True
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    adam_eps: float = 1e-5
+    """Adam epsilon."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 0.95
+    """GAE lambda (1 = Monte-Carlo returns, 0 = TD(0))."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
+    recompute_values: bool = True
+    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
+    clip_eps: float = 0.2
+    """Clip range of the probability ratio."""
+    value_clip: float = 0.2
+    """Clip range of the value change around the V(s_t) used for GAE; 0 = no value clipping."""
+    value_coef: float = 0.5
+    """Weight of the value loss 0.5 * (V - R)^2."""
+    entropy_coef: float = 0.01
+    """Weight of the entropy bonus."""
+    epochs: int = 4
+    """Passes over each batch."""
+    minibatches: int = 4
+    """Minibatches per pass (the batch of T*B samples is split in this many)."""
+    normalize_advantage: bool = True
+    """Normalise advantages to zero mean, unit std per minibatch."""
+    max_grad_norm: float = 0.5
+    """Clip the global gradient norm to this; 0 = no clipping."""
+    target_kl: float = 0.0
+    """Stop the epochs early once a minibatch's approx KL exceeds this; 0 = never."""
+
+
+_OPTIMIZERS = ("rmsprop", "adam")
+
+
+@dataclass(frozen=True)
+class A2CConfig:
+    """A2C hyperparameters (defaults: Stable-Baselines3's A2C)."""
+
+    lr: float = 7e-4
+    """Learning rate at the start of the run."""
+    anneal_lr: bool = False
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    optimizer: str = "rmsprop"
+    """rmsprop | adam."""
+    rmsprop_alpha: float = 0.99
+    """RMSprop smoothing constant."""
+    optimizer_eps: float = 1e-5
+    """Epsilon of RMSprop or Adam."""
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 1.0
+    """GAE lambda; 1 = n-step returns bootstrapped at the segment end."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
+    recompute_values: bool = True
+    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
+    value_coef: float = 1.0
+    """Weight of the value loss 0.5 * (V - R)^2 (1.0 here = SB3's vf_coef 0.5 on a plain MSE)."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    normalize_advantage: bool = False
+    """Normalise advantages to zero mean, unit std over the batch."""
+    max_grad_norm: float = 0.5
+    """Clip the global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in _OPTIMIZERS:
+            raise ValueError(f"A2CConfig.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
+
+
+@dataclass(frozen=True)
+class DQNConfig:
+    """DQN hyperparameters (defaults: double DQN as tuned on CartPole-v1 with 5-step returns)."""
+
+    lr: float = 1e-3
+    """Adam learning rate at the start of the run."""
+    anneal_lr: bool = False
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon (Rainbow: 1.5e-4 with lr 6.25e-5)."""
+    batch_size: int = 128
+    """Transitions in one batch (the learner asks replay for this many per update)."""
+    double: bool = True
+    """Double DQN: the online net chooses the bootstrap action, the target net evaluates it."""
+    target_update_period: int = 100
+    """Updates between target-network updates."""
+    target_tau: float = 1.0
+    """Every period: target <- tau * online + (1 - tau) * target (1 = hard copy; period 1, tau < 1 = Polyak)."""
+    huber_delta: float = 1.0
+    """Huber loss threshold on the TD error (scalar Q only); 0 = squared error 0.5 * td^2."""
+    max_grad_norm: float = 10.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.target_update_period < 1:
+            raise ValueError(
+                f"DQNConfig: batch_size and target_update_period must be >= 1, got "
+                f"{self.batch_size} and {self.target_update_period}"
+            )
+        if not 0.0 < self.target_tau <= 1.0:
+            raise ValueError(f"DQNConfig.target_tau: must be in (0, 1], got {self.target_tau}")
