@@ -11,13 +11,12 @@ from __future__ import annotations
 import itertools
 import logging
 
-import numpy as np
 
 from services.learner.learner import Learner
 from services.replay.tables import make_table, sample_batch
+from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
 from shared.config import Experiment
-from services.action_server.server import act
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
 from shared.layout import segment_spec
 from shared.namedarraytuple import from_spec
@@ -26,23 +25,25 @@ from shared.runtime import torch_device
 log = logging.getLogger(__name__)
 
 
-class LocalActions:
-    """ActionSource: runs the agent on a sampler's step slots right away."""
+class LearnerParams:
+    """ParamSource for serial mode: the agent is the learner's own, always at its version."""
 
-    def __init__(self, agent, sampler: Sampler, learner: Learner, envs_total: int):
-        self.agent, self.slots, self.learner, self.envs_total = agent, sampler.slots, learner, envs_total
-        base = sampler.instance * sampler.cfg.envs
-        self.env_index = [np.arange(g.start, g.stop) + base for g in sampler.groups]
+    def __init__(self, learner: Learner):
+        self.learner = learner
 
-    def request(self, group: int) -> None:
-        slot = self.slots[group]
-        action, info = act(self.agent, slot.observation, self.env_index[group], self.learner.env_steps,
-                           self.envs_total)
-        slot.action[:] = action
-        slot.agent_info[:] = info
-
-    def wait(self, group: int) -> int:
+    @property
+    def version(self) -> int:
         return self.learner.version
+
+    @property
+    def env_steps(self) -> int:
+        return self.learner.env_steps
+
+    def poll(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
 
 
 class LocalSink:
@@ -76,7 +77,7 @@ def train_serial(exp: Experiment) -> dict:
     samplers, parts = [], []
     for i in range(exp.sampler.count):
         s = Sampler(exp, i, run_id="serial", agent_info_example=agent.example_info(), shared_memory=False)
-        actions = LocalActions(agent, s, learner, exp.sampler.count * exp.sampler.envs)
+        actions = LocalActions(agent, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs)
         sink = LocalSink(table, i, s.ring, counters)
         s.start(actions)
         samplers.append(s)

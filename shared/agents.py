@@ -71,7 +71,7 @@ class PgAgent(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        return self.v_head.device
 
     def _forward(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""

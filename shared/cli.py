@@ -44,13 +44,16 @@ def main(argv=None) -> int:
 
 
 def _load(args):
+    """The validated experiment with sampler.inference resolved (None after printing a config error)."""
     from shared import config as config_mod
 
     try:
-        return config_mod.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
+        exp = config_mod.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
     except config_mod.ConfigError as e:
         print(f"rlpipe: config error: {e}", file=sys.stderr)
         return None
+    exp, args.inference = config_mod.resolve_inference(exp)
+    return exp
 
 
 def _train(args) -> int:
@@ -86,8 +89,9 @@ def _launch(args) -> int:
     run_dir = launch.make_run_dir(exp)
     t0 = time.monotonic()
     launch.start(exp, run_dir)
+    servers = f", {exp.action_server.count} action-server(s)" if exp.sampler.inference == "server" else ""
     print(f"run {run_dir.name}: {exp.algo_name} on {exp.env.id}, {exp.sampler.count} sampler(s) x "
-          f"{exp.sampler.envs} envs, {exp.action_server.count} action-server(s)")
+          f"{exp.sampler.envs} envs{servers}, {args.inference}")
     print(f"run directory: {run_dir}")
     if exp.network.metrics_port:
         print(f"metrics: http://{exp.network.metrics_host}:{exp.network.metrics_port}/metrics")

@@ -60,7 +60,12 @@ class SamplerConfig:
     ring: int = 1
     """Segments in each sampler's ring; with all unreleased the sampler waits (back-pressure)."""
     alternating: bool = True
-    """Split the envs in two groups so one steps while the other waits for actions."""
+    """Server inference: split the envs in two groups so one steps while the other waits for actions."""
+    inference: str = "auto"
+    """local: each sampler acts with its own copy of the agent on the CPU and follows the learner's
+    parameter segment (rlpyt's parallel-CPU sampler; no action-server runs); server: the
+    action-server batches every sampler's observations on run.device; auto: server where a CUDA
+    device is present, local otherwise (what tests/bench measures faster on each)."""
     timeout_ms: int = 5000
     """How long to wait for an action-server or replay reply before reconnecting."""
 
@@ -136,6 +141,8 @@ class NetworkConfig:
     metrics_host: str = "127.0.0.1"
     """Address the Prometheus endpoint binds to."""
 
+
+INFERENCE = ("auto", "local", "server")
 
 # algo.name -> (algorithm config, agent config, on-policy?)
 ALGOS: dict[str, tuple[type, type, bool]] = {
@@ -274,7 +281,9 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
-    if exp.sampler.alternating and exp.sampler.envs < 2:
+    if exp.sampler.inference not in INFERENCE:
+        raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
+    if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
         raise ConfigError(f"sampler.envs = {exp.sampler.envs}: alternating mode needs >= 2 (or set sampler.alternating = false)")
     on_policy = ALGOS[exp.algo_name][2]
     tables = ("queue",) if on_policy else ("uniform", "prioritized")
@@ -315,6 +324,22 @@ def _check(exp: Experiment, check_ports: bool) -> None:
             host = net.metrics_host if name == "network.metrics_port" else net.host
             if not port_free(host, port):
                 raise ConfigError(f"{name} = {port}: port already in use on {host}; pick another")
+
+
+def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:
+    """``exp`` with ``sampler.inference = "auto"`` made local or server, and why (for the launch line).
+
+    auto is server when the run's device is CUDA: an explicit ``run.device = "cuda..."``, or
+    ``auto`` on a machine with an NVIDIA driver (checked without importing torch).
+    """
+    chosen = exp.sampler.inference
+    if chosen != "auto":
+        return exp, f"inference {chosen}"
+    cuda = exp.run.device.startswith("cuda") or (exp.run.device == "auto" and Path("/proc/driver/nvidia/version").exists())
+    chosen = "server" if cuda else "local"
+    why = "a CUDA device is present" if cuda else "no CUDA device"
+    return dataclasses.replace(exp, sampler=dataclasses.replace(exp.sampler, inference=chosen)), \
+        f"inference {chosen} (auto: {why})"
 
 
 def port_free(host: str, port: int) -> bool:

@@ -244,7 +244,8 @@ def make_env(cfg: EnvConfig) -> tuple[gym.Env, EpisodeTracker]:
             kwargs.setdefault("obs_type", "grayscale")
         elif limit:
             kwargs["max_episode_steps"] = limit
-        env = gym.make(cfg.id, **kwargs)
+        # EnvGroup checks every observation itself; gymnasium's passive checker would only add a layer.
+        env = gym.make(cfg.id, disable_env_checker=True, **kwargs)
     needs_ale = [w for w in ("atari", "episodic_life") if w in wrappers]
     if needs_ale and not atari.is_ale(env):
         raise ValueError(

@@ -17,6 +17,12 @@ def env_probe(exp: Experiment) -> EnvGroup:
 
 
 def make_agent(exp: Experiment, probe: EnvGroup):
+    """The run's agent, initialised from ``run.seed``: every process that builds it (learner,
+    local samplers, action-servers) holds the same version-0 parameters, so samplers can act
+    before the learner has published anything."""
+    import torch
+
+    torch.manual_seed(exp.run.seed)
     if on_policy(exp):
         from shared.agents import PgAgent
 

@@ -59,8 +59,9 @@ def make_run_dir(exp: Experiment) -> Path:
 
 def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
     services = [("replay", "replay", 1, 10, "true"), ("learner", "learner", 1, 20, "unexpected"),
-                ("action_server", "action_server", exp.action_server.count, 30, "true"),
                 ("sampler", "sampler", exp.sampler.count, 40, "true")]
+    if exp.sampler.inference == "server":
+        services.insert(2, ("action_server", "action_server", exp.action_server.count, 30, "true"))
     if exp.network.metrics_port:
         services.insert(0, ("metrics", "metrics", 1, 5, "true"))
     programs = "".join(PROGRAM.format(name=name, service=service, count=count, priority=priority,

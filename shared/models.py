@@ -12,12 +12,13 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shared.agent_config import ModelConfig
 from shared.namedarraytuple import leaves, map_leaves
 
-_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}  # keys: agent_config.ACTIVATIONS
+_ACTIVATIONS = {"tanh": (nn.Tanh, torch.tanh), "relu": (nn.ReLU, torch.relu)}  # keys: agent_config.ACTIVATIONS
 HIDDEN_GAIN = math.sqrt(2.0)
 
 
@@ -50,18 +51,33 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
+        module, fn = _ACTIVATIONS[activation]
+        # (linear, activation or None) in order: forward calls them directly, since the
+        # module-call machinery costs more than a small layer's matmul (the sampler's hot path).
+        self._plan: list[tuple[nn.Linear, object]] = []
         last = in_dim
         for width in hidden_sizes:
-            layers += [init_layer(nn.Linear(last, width)), _ACTIVATIONS[activation]()]
+            layers += [init_layer(nn.Linear(last, width)), module()]
+            self._plan.append((layers[-2], fn))
             last = width
         if output_size is not None:
             layers.append(init_layer(nn.Linear(last, output_size), output_gain))
+            self._plan.append((layers[-1], None))
             last = output_size
-        self.net = nn.Sequential(*layers)
+        self.net = nn.Sequential(*layers)  # owns the parameters (state_dict keys net.<i>.weight)
         self.out_dim = last
 
+    @property
+    def device(self) -> torch.device:
+        """Where the first layer's weight lives (cheap: agents ask on every step)."""
+        return self.net[0].weight.device
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+        for linear, fn in self._plan:
+            x = F.linear(x, linear.weight, linear.bias)
+            if fn is not None:
+                x = fn(x)
+        return x
 
 
 class NatureCNN(nn.Module):
@@ -104,7 +120,8 @@ class _Flatten(nn.Module):
         self.out_dim = int(np.prod(shape, dtype=np.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(x.shape[0], self.out_dim).float() * self.scale
+        x = x.reshape(x.shape[0], self.out_dim).float()
+        return x if self.scale == 1.0 else x * self.scale
 
 
 class Encoder(nn.Module):
@@ -120,13 +137,19 @@ class Encoder(nn.Module):
         self.parts = nn.ModuleList(parts)
         self.trunk = trunk
         self.out_dim = trunk.out_dim
+        # One vector leaf taken as is (classic control): a float32 [N, d] batch goes straight
+        # to the trunk, skipping the per-leaf machinery on the acting hot path.
+        self._vector_only = (len(parts) == 1 and isinstance(parts[0], _Flatten) and parts[0].scale == 1.0
+                             and len(leaf_shapes[0]) == 1)
 
     def forward(self, obs) -> torch.Tensor:
+        if self._vector_only and isinstance(obs, torch.Tensor) and obs.dim() == 2 and obs.dtype == torch.float32:
+            return self.trunk(obs)
         xs = [x for _, x in leaves(obs)]
         if len(xs) != len(self.parts):
             raise ValueError(f"Encoder: observation has {len(xs)} leaves, expected {len(self.parts)}")
         lead = xs[0].shape[: xs[0].dim() - len(self.leaf_shapes[0])]
-        n = int(np.prod(lead, dtype=np.int64))
+        n = math.prod(lead)
         feats = [part(x.reshape(n, *shape)) for part, x, shape in zip(self.parts, xs, self.leaf_shapes)]
         out = self.trunk(torch.cat(feats, dim=-1) if len(feats) > 1 else feats[0])
         return out.reshape(*lead, self.out_dim)

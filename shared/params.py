@@ -1,13 +1,20 @@
-"""Parameter versions in shared memory: the learner writes, action-servers read.
+"""Parameter versions in shared memory: the learner writes, action-servers and samplers read.
 
 The segment holds two copies of the agent's state_dict (every tensor a leaf with its own
-dtype) and, per copy, a seqlock pair ``stamp[i] = (version written before, after)``. The
-learner writes version v into copy v % 2 and then announces v; a reader copies copy v % 2
-and keeps it only if both stamps equal v before and after the copy, so a torn read (the
-learner already overwriting with v + 2) is detected instead of silently used.
+dtype) and, per copy, a seqlock pair ``stamp[i] = (version written before, after)`` and the
+run's env steps at that version (epsilon schedules follow them). The learner writes
+version v into copy v % 2 and then announces v; a reader copies copy v % 2 and keeps it
+only if both stamps equal v before and after the copy, so a torn read (the learner already
+overwriting with v + 2) is detected instead of silently used.
+
+Action-servers learn of versions from the learner's announcements (``ParamReader``);
+local-inference samplers look at the stamps themselves before every step
+(``ParamFollower``: two int64 reads, no message, no syscall).
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -15,7 +22,7 @@ import torch
 from shared import shm
 from shared.namedarraytuple import leaves, namedarraytuple, spec_of, with_leading_dims
 
-ParamSlot = namedarraytuple("ParamSlot", ["stamp", "tensors"])
+ParamSlot = namedarraytuple("ParamSlot", ["stamp", "env_steps", "tensors"])
 
 
 def _field(key: str) -> str:
@@ -26,7 +33,7 @@ def state_spec(module: torch.nn.Module):
     """Spec of ParamSlot for ``module``'s state_dict, with a leading copy dimension of 2."""
     state = module.state_dict()
     cls = namedarraytuple("State", [_field(k) for k in state])
-    example = ParamSlot(np.zeros(2, np.int64), cls(*(t.detach().cpu().numpy() for t in state.values())))
+    example = ParamSlot(np.zeros(2, np.int64), np.int64(0), cls(*(t.detach().cpu().numpy() for t in state.values())))
     return with_leading_dims(spec_of(example), [2])
 
 
@@ -40,13 +47,14 @@ class ParamWriter:
         self.segment, self.slots, self.descriptor = shm.allocate(segment_name, spec)
         self.slots.stamp[:] = -1
 
-    def write(self, version: int) -> None:
+    def write(self, version: int, env_steps: int = 0) -> None:
         i = version % 2
         stamp = self.slots.stamp[i]
         stamp[0] = version
         # Index each leaf here: self.slots[i] would turn 0-d entries (num_batches_tracked) into copies.
         for (_, arr), t in zip(leaves(self.slots.tensors), self.module.state_dict().values()):
             arr[i] = t.detach().cpu().numpy()
+        self.slots.env_steps[i] = env_steps
         stamp[1] = version
 
     def close(self) -> None:
@@ -72,31 +80,44 @@ def _stale_version(name: str, spec) -> int:
 
 
 class ParamReader:
-    """Peer side (action-server): ``read(version, descriptor)`` loads a published version."""
+    """Peer side: ``read(version, descriptor)`` loads a published version into ``module``.
+
+    ``version`` and ``env_steps`` are those of the last version loaded (-1 and 0 before any).
+    """
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
         self.segment = None
         self.nonce = None
         self.slots = None
+        self.version = -1
+        self.env_steps = 0
 
     def read(self, version: int, descriptor: dict) -> bool:
         """Load ``version`` into the module; False if the copy was torn or stale (a newer one follows)."""
         if descriptor.get("nonce") != self.nonce:
-            self._attach(descriptor)
+            self.attach(descriptor)
         i = version % 2
         stamp = self.slots.stamp[i]
         if stamp[1] != version:
             return False
         staged = [np.array(arr[i]) for _, arr in leaves(self.slots.tensors)]  # copies; 0-d stays an array
+        env_steps = int(self.slots.env_steps[i])
         if stamp[0] != version:
             return False
         with torch.no_grad():
             for t, arr in zip(self.module.state_dict().values(), staged):
                 t.copy_(torch.from_numpy(arr))
+        self.version, self.env_steps = version, env_steps
         return True
 
-    def _attach(self, descriptor: dict) -> None:
+    def close(self) -> None:
+        if self.segment is not None:
+            self.slots = None
+            self.segment.close()
+            self.segment = None
+
+    def attach(self, descriptor: dict) -> None:
         # Check before attaching, so a rejected descriptor leaves the current segment in use.
         if descriptor.get("spec") != state_spec(self.module):
             raise ValueError(f"parameter segment {descriptor.get('name')} does not match this agent's state_dict "
@@ -105,3 +126,54 @@ class ParamReader:
             self.segment.close()
         self.segment, self.slots = shm.attach(descriptor)
         self.nonce = descriptor.get("nonce")
+        self.version = -1  # a restarted learner's segment: take whatever version it holds
+
+
+class ParamFollower:
+    """Follows the newest version in a learner's parameter segment by name, without messages.
+
+    ``poll()`` (every step of a local-inference sampler) compares the segment's stamps with
+    the version held and loads a newer one. Until the learner's segment exists the module
+    keeps its own parameters; every ``recheck_s`` the segment's inode is compared with the
+    attached one, so a learner that restarted (and recreated its segment) is followed again.
+    """
+
+    def __init__(self, module: torch.nn.Module, segment_name: str, recheck_s: float = 1.0):
+        self.reader = ParamReader(module)
+        self.descriptor = {"name": segment_name, "nonce": None, "spec": state_spec(module)}
+        self.recheck_s = recheck_s
+        self.t_check = -float("inf")
+
+    @property
+    def version(self) -> int:
+        return self.reader.version
+
+    @property
+    def env_steps(self) -> int:
+        return self.reader.env_steps
+
+    def poll(self) -> bool:
+        """Load the newest complete version if it is newer than the one held; True if loaded."""
+        now = time.monotonic()
+        if now - self.t_check >= self.recheck_s:
+            self.t_check = now
+            ino = shm.inode(self.descriptor["name"])
+            if ino is not None and ino != self.reader.nonce:
+                self.descriptor["nonce"] = ino
+        if self.descriptor["nonce"] is None:
+            return False
+        if self.reader.slots is not None and self.descriptor["nonce"] == self.reader.nonce:
+            newest = int(self.reader.slots.stamp[:, 1].max())
+            if newest <= self.reader.version:
+                return False
+        else:
+            try:
+                self.reader.attach(self.descriptor)
+            except FileNotFoundError:  # gone between stat and open: the next recheck finds the new one
+                self.descriptor["nonce"] = None
+                return False
+            newest = int(self.reader.slots.stamp[:, 1].max())
+        return newest >= 0 and self.reader.read(newest, self.descriptor)
+
+    def close(self) -> None:
+        self.reader.close()

@@ -50,7 +50,7 @@ class QAgent(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.parameters()).device
+        return self.advantage.device
 
     def _head(self, obs) -> torch.Tensor:
         """Q [N, A] or C51 logits [N, A, atoms] for obs tree [N, ...], with grad."""

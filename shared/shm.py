@@ -47,6 +47,7 @@ class Segment:
         self.name = name
         self.size = size
         self.owner = owner
+        self.inode = os.fstat(fd).st_ino
         self.mmap = mmap.mmap(fd, size)
         os.close(fd)
 
@@ -127,6 +128,16 @@ def attach_all(descriptors: list) -> tuple[list[Segment], list]:
             seg.close()
         raise
     return segments, trees
+
+
+def inode(name: str) -> int | None:
+    """Inode of segment ``name`` now (None if absent): differs from ``Segment.inode`` once the
+    owner has recreated the segment (a restarted process), so a peer knows to attach again."""
+    _check_name(name)
+    try:
+        return os.stat(SHM_DIR / name).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def run_segments(run_id: str) -> list[Path]:

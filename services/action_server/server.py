@@ -19,7 +19,8 @@ import zmq
 
 from shared import shm
 from shared.config import ActionServerConfig
-from shared.namedarraytuple import map_leaves, numpify, torchify, zip_map
+from shared.acting import act
+from shared.namedarraytuple import map_leaves, zip_map
 from shared.params import ParamReader
 from shared.sockets import Endpoint
 
@@ -42,21 +43,6 @@ class Request:
     slot: int
     step: int
     t_arrival: float
-
-
-def act(agent, obs, env_index: np.ndarray, env_steps: int, envs_total: int):
-    """Actions and agent info (numpy) for observations [N, ...] of the envs ``env_index``.
-
-    Agents that explore per env (``agent.epsilon``, the DQN family) get each row's epsilon
-    for the run's current env step; policy-gradient agents sample from their policy.
-    """
-    with torch.no_grad():
-        if hasattr(agent, "epsilon"):
-            epsilon = torch.as_tensor(agent.epsilon(env_steps, env_index, envs_total), dtype=torch.float32)
-            action, info = agent.step(torchify(obs), epsilon)
-        else:
-            action, info = agent.step(torchify(obs))
-    return numpify(action), numpify(info)
 
 
 class ActionServer:

@@ -70,7 +70,7 @@ class PublishedParams:
         self.ep = Endpoint(ctx, zmq.PUB, address, bind=True, name="learner0")
 
     def publish(self, version: int, env_steps: int) -> None:
-        self.writer.write(version)
+        self.writer.write(version, env_steps)
         self.ep.send("params", {"version": version, "segment": self.writer.descriptor, "env_steps": env_steps})
 
     def close(self) -> None:

@@ -8,28 +8,45 @@ import zmq
 from services.sampler.sampler import Sampler, run_loop
 from services.sampler.transport import RemoteActions, RemoteSink
 from shared import metrics as metrics_mod
-from shared.factory import env_probe, make_agent
+from shared import shm
+from shared.agent_config import info_example
 from shared.config import endpoint
-from shared.runtime import start_service, run_id_of
+from shared.factory import env_probe, make_agent, on_policy
+from shared.runtime import run_id_of, start_service, torch_device
 
 log = logging.getLogger("services.sampler")
+
+
+def local_actions(exp, sampler: Sampler, run_id: str):
+    """Local inference: a copy of the agent on the CPU that follows the learner's parameter segment."""
+    from services.sampler.local import LocalActions
+    from shared.params import ParamFollower
+
+    torch_device("cpu")
+    agent = make_agent(exp, env_probe(exp)).eval()
+    params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"))
+    return LocalActions(agent, sampler, params, exp.sampler.count * exp.sampler.envs)
 
 
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("sampler", instance)
     ctx = zmq.Context()
-    sampler = Sampler(exp, instance, run_id_of(run_dir), make_agent(exp, env_probe(exp)).example_info(), metrics=m)
+    run_id = run_id_of(run_dir)
+    sampler = Sampler(exp, instance, run_id, info_example(on_policy(exp)), metrics=m)
     name = f"sampler{instance}"
     actions = sink = None
     try:
-        server = instance % exp.action_server.count
-        actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,
-                                sampler.slot_descriptors, exp.sampler.timeout_ms, m)
+        if exp.sampler.inference == "local":
+            actions = local_actions(exp, sampler, run_id)
+        else:
+            server = instance % exp.action_server.count
+            actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,
+                                    sampler.slot_descriptors, exp.sampler.timeout_ms, m)
         sink = RemoteSink(ctx, endpoint(exp, run_dir, "replay"), name, instance, sampler.ring_descriptor,
                           secrets.randbits(48), exp.sampler.ring, exp.sampler.timeout_ms, m)
         m.healthy.set(1)
-        log.info("sampler %d: %d envs of %s in %d group(s), T=%d", instance, exp.sampler.envs, exp.env.id,
-                 len(sampler.groups), exp.sampler.horizon)
+        log.info("sampler %d: %d envs of %s in %d group(s), T=%d, %s inference", instance, exp.sampler.envs,
+                 exp.env.id, len(sampler.groups), exp.sampler.horizon, exp.sampler.inference)
         run_loop(sampler, actions, sink)
     finally:
         for part in (actions, sink):

@@ -60,7 +60,8 @@ class Sampler:
                  shared_memory: bool = True):
         cfg = exp.sampler
         self.cfg, self.instance, self.metrics = cfg, instance, metrics
-        self.groups = group_slices(cfg.envs, cfg.alternating)
+        # Alternating pays only while another process computes the actions.
+        self.groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
         seed = exp.run.seed + 10_007 * instance
         self.envs = [EnvGroup(exp.env, g.stop - g.start, seed + g.start) for g in self.groups]
         self.example = step_example(self.envs[0].example_observation(), self.envs[0].example_action(), agent_info_example)
