@@ -54,7 +54,7 @@ class LocalSink:
 
     def announce(self, index: int, meta: dict) -> None:
         segment = self.ring[index]
-        self.table.insert(self.instance, segment.samples, segment.bootstrap_value)
+        self.table.insert(self.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation)
         self.counters["env_steps"] += meta["steps"]
         self.counters["episodes"].extend(meta["episodes"])
 

@@ -13,7 +13,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 from torch import nn
-from torch.distributions import Categorical, Normal
+from torch.distributions import Normal
 
 from shared.agent_config import AgentInfo, ModelConfig, PgAgentConfig, info_example
 from shared.models import MLP, make_encoder, obs_to
@@ -79,9 +79,6 @@ class PgAgent(nn.Module):
         v_features = pi_features if self.v_encoder is None else self.v_encoder(obs)
         return self.pi_head(pi_features), self.v_head(v_features).squeeze(-1)
 
-    def _split_logits(self, out: torch.Tensor) -> list[Categorical]:
-        return [Categorical(logits=chunk) for chunk in torch.split(out, self.nvec, dim=-1)]
-
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
         obs = obs_to(obs, self.device)
@@ -129,10 +126,14 @@ class PgAgent(nn.Module):
             log_prob = dist.log_prob(action).flatten(1).sum(-1)
             entropy = dist.entropy().flatten(1).sum(-1)
         else:
+            # Closed forms, not Categorical objects: their construction and argument checks
+            # cost more than the small networks' backward pass.
             idx = action.long().reshape(action.shape[0], len(self.nvec))
-            dists = self._split_logits(out)
-            log_prob = sum(d.log_prob(idx[:, j]) for j, d in enumerate(dists))
-            entropy = sum(d.entropy() for d in dists)
+            log_prob, entropy = 0.0, 0.0
+            for j, chunk in enumerate(torch.split(out, self.nvec, dim=-1)):
+                logp = torch.log_softmax(chunk, -1)
+                log_prob = log_prob + logp.gather(-1, idx[:, j:j + 1]).squeeze(-1)
+                entropy = entropy - (logp.exp() * logp).sum(-1)
         return log_prob, entropy, value
 
     def example_info(self) -> AgentInfo:

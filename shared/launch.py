@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import xmlrpc.client
 from datetime import datetime
 from pathlib import Path
 
@@ -28,10 +29,10 @@ numprocs={count}
 priority={priority}
 autorestart={autorestart}
 exitcodes=0
-startsecs=2
+startsecs=1
 startretries=10
 stopsignal=TERM
-stopwaitsecs=15
+stopwaitsecs=5
 stopasgroup=true
 killasgroup=true
 redirect_stderr=true
@@ -75,10 +76,23 @@ def start(exp: Experiment, run_dir: Path) -> None:
     conf.write_text(supervisord_conf(exp, run_dir))
     subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True)
     deadline = time.monotonic() + 30  # supervisord daemonizes: wait until it answers
-    while supervisorctl(run_dir, "pid", capture=True).returncode != 0:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"supervisord for {run_dir} did not come up; see {run_dir}/logs/supervisord.log")
-        time.sleep(0.1)
+    while True:
+        try:
+            rpc(run_dir).supervisor.getState()
+            return
+        except (OSError, xmlrpc.client.Error):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"supervisord for {run_dir} did not come up; see {run_dir}/logs/supervisord.log") \
+                    from None
+            time.sleep(0.02)
+
+
+def rpc(run_dir: Path) -> xmlrpc.client.ServerProxy:
+    """supervisord's XML-RPC interface over the run's unix socket (no supervisorctl process to start)."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    url = f"unix://{config_mod.socket_dir(run_dir) / 'supervisor.sock'}"
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(None, None, url))
 
 
 def supervisorctl(run_dir: Path, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
@@ -99,10 +113,16 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
     """Stop every process of the run (services first, then supervisord); True once all are gone."""
     pid = supervisord_pid(run_dir)
     if pid is not None:
-        supervisorctl(run_dir, "shutdown", capture=True)
+        try:
+            server = rpc(run_dir).supervisor
+            # Every service gets SIGTERM at once; shutdown alone would stop them group by group.
+            server.stopAllProcesses(False)
+            server.shutdown()
+        except (OSError, xmlrpc.client.Error):
+            supervisorctl(run_dir, "shutdown", capture=True)
         deadline = time.monotonic() + timeout_s
         while supervisord_pid(run_dir) is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.02)
     deadline = time.monotonic() + 5  # children may still be exiting when supervisord is gone
     while service_pids(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)

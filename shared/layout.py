@@ -34,8 +34,11 @@ def slot_spec(example: Samples, envs: int):
 
 
 def segment_spec(example: Samples, horizon: int, envs: int):
-    """OnPolicyBatch with samples [T, B] and bootstrap_value [B]: one segment, or one batch."""
-    spec = spec_of(OnPolicyBatch(samples=example, bootstrap_value=np.float32(0)))
+    """OnPolicyBatch with samples [T, B], bootstrap_value [B] and bootstrap_observation [B, ...]:
+    one segment, or one batch."""
+    spec = spec_of(OnPolicyBatch(samples=example, bootstrap_value=np.float32(0),
+                                 bootstrap_observation=example.observation))
     spec["fields"][0][1] = with_leading_dims(spec["fields"][0][1], [horizon, envs])
-    spec["fields"][1][1] = with_leading_dims(spec["fields"][1][1], [envs])
+    for field in spec["fields"][1:]:
+        field[1] = with_leading_dims(field[1], [envs])
     return spec

@@ -37,9 +37,7 @@ _BOOL = (bool,)
 # body.get() for those.
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # sampler <-> action-server
-    "hello_actor": {"instance": _INT, "slots": _LIST},  # slots: shm descriptors
-    "obs": {"slot": _INT, "step": _INT},
-    "act": {"slot": _INT, "step": _INT, "version": _INT},
+    "hello_actor": {"instance": _INT, "slots": _LIST},  # slots: shm descriptors; then steps go by doorbell
     # sampler <-> replay
     "hello_writer": {"instance": _INT, "ring": _DICT, "incarnation": _INT},
     "segment": {"index": _INT, "serial": _INT, "steps": _INT, "episodes": _LIST, "version_min": _INT, "version_max": _INT},

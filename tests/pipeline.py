@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
@@ -92,6 +93,17 @@ class Run:
 
     def close(self) -> None:
         launch.clean(self.dir)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def maps_torch(pid: int) -> bool:
+    """Whether process ``pid`` has torch's shared library mapped (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def instances(metrics_text: str, name: str) -> set[str]:

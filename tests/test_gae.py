@@ -139,7 +139,7 @@ def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
     agent = SumValueAgent()
     bootstrap = torch.tensor([7.0, 8.0])
     adv, ret, used = batch_advantages(
-        agent, OnPolicyBatch(samples, bootstrap), gamma, lam, reward_scale=0.5, recompute_values=False
+        agent, OnPolicyBatch(samples, bootstrap, torch.zeros(B, 2)), gamma, lam, reward_scale=0.5, recompute_values=False
     )
 
     assert len(agent.calls) == 1 and agent.calls[0].tolist() == [[0.25, 0.5]]
@@ -153,7 +153,7 @@ def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
     assert torch.equal(used, value)
 
 
-def test_batch_advantages_recomputes_values_with_the_current_net_but_keeps_the_bootstrap():
+def test_batch_advantages_recomputes_values_and_the_bootstrap_with_the_current_net():
     T, B, gamma, lam = 3, 2, 0.9, 0.8
     no = torch.zeros(T, B, dtype=torch.bool)
     observation = torch.arange(T * B * 2, dtype=torch.float32).reshape(T, B, 2) / 10
@@ -163,11 +163,13 @@ def test_batch_advantages_recomputes_values_with_the_current_net_but_keeps_the_b
         agent_info=AgentInfo(torch.zeros(T, B), torch.full((T, B), 100.0)),  # stale: unused
         policy_version=torch.zeros(T, B, dtype=torch.int64),
     )
-    bootstrap = torch.tensor([7.0, 8.0])
-    adv, ret, used = batch_advantages(SumValueAgent(), OnPolicyBatch(samples, bootstrap), gamma, lam)
+    stale_bootstrap = torch.tensor([7.0, 8.0])  # the acting network's: unused
+    bootstrap_observation = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
+    adv, ret, used = batch_advantages(SumValueAgent(), OnPolicyBatch(samples, stale_bootstrap, bootstrap_observation),
+                                      gamma, lam)
     fresh = observation.sum(-1)
     torch.testing.assert_close(used, fresh)
-    next_value = torch.cat([fresh[1:], bootstrap[None]])
+    next_value = torch.cat([fresh[1:], bootstrap_observation.sum(-1)[None]])
     ref_adv, _ = reference_gae(
         samples.reward.numpy(), fresh.numpy(), next_value.numpy(), no.numpy(), no.numpy(), gamma, lam
     )
@@ -184,7 +186,7 @@ def test_batch_advantages_skips_the_value_pass_without_truncation():
         policy_version=torch.zeros(T, B, dtype=torch.int64),
     )
     agent = SumValueAgent()
-    _, ret, _ = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B)), 1.0, 1.0, recompute_values=False)
+    _, ret, _ = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B), torch.zeros(B, 1)), 1.0, 1.0, recompute_values=False)
     assert agent.calls == []
     np.testing.assert_allclose(ret.numpy(), [[2.0, 2.0], [1.0, 1.0]])
 

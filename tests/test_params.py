@@ -142,3 +142,48 @@ def test_restarted_writer_learns_the_crashed_ones_highest_version(run_id):
         second.close()
         first.segment.close()
     assert not (shm.SHM_DIR / name).exists()
+
+
+def test_follower_waits_for_the_segment_then_loads_each_newer_version_with_its_env_steps(run_id):
+    name = shm.segment_name(run_id, "learner", 0, "params")
+    learner, actor = make_net(0), make_net(1)
+    before = {k: v.clone() for k, v in actor.state_dict().items()}
+    follower = params.ParamFollower(actor, name, recheck_s=0.0)
+    assert not follower.poll() and follower.version == -1  # no learner yet: the actor keeps its own parameters
+    assert all(torch.equal(before[k], v) for k, v in actor.state_dict().items())
+    writer = params.ParamWriter(learner, name)
+    try:
+        for version in range(3):
+            train_a_little(learner, version + 1)
+            writer.write(version, env_steps=1000 * version)
+            assert follower.poll()
+            assert (follower.version, follower.env_steps) == (version, 1000 * version)
+            assert_same_state(learner, actor)
+            assert not follower.poll()  # nothing newer: no copy
+        # A torn copy (the learner is half-way through version 4 in copy 0) is not taken.
+        writer.slots.stamp[0][0] = 4
+        writer.slots.stamp[0][1] = 4
+        writer.slots.stamp[0][0] = 6
+        assert not follower.poll() and follower.version == 2
+    finally:
+        writer.close()
+        follower.close()
+
+
+def test_follower_follows_a_restarted_learner_to_its_new_segment(run_id):
+    name = shm.segment_name(run_id, "learner", 0, "params")
+    first, actor = make_net(0), make_net(1)
+    writer = params.ParamWriter(first, name)
+    follower = params.ParamFollower(actor, name, recheck_s=0.0)
+    writer.write(5, env_steps=50)
+    assert follower.poll() and follower.version == 5
+    writer.segment.close()  # killed: the segment stays until the new learner replaces it
+    restarted = make_net(7)
+    second = params.ParamWriter(restarted, name)
+    try:
+        second.write(second.previous_version + 1, env_steps=60)
+        assert follower.poll() and (follower.version, follower.env_steps) == (6, 60)
+        assert_same_state(restarted, actor)
+    finally:
+        second.close()
+        follower.close()

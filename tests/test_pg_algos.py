@@ -148,7 +148,7 @@ def bandit_batch(agent, T, B, reward_fn, seed):
         agent_info=AgentInfo(info.log_prob.reshape(T, B), info.value.reshape(T, B)),
         policy_version=torch.zeros(T, B, dtype=torch.int64),
     )
-    return OnPolicyBatch(samples, torch.zeros(B))
+    return OnPolicyBatch(samples, torch.zeros(B), obs_t[-1])
 
 
 def match_context(context, action):
@@ -272,7 +272,7 @@ def train_cartpole(algo_name, cfg, T, total_steps, seed, target, n_envs=32):
                 buf.final_observation[t, i] = infos["final_obs"][i]
                 finished.append(episode_return[i])
                 episode_return[i] = 0.0
-        batch = OnPolicyBatch(torchify(buf), agent.value(torch.as_tensor(obs)).detach())
+        batch = OnPolicyBatch(torchify(buf), agent.value(torch.as_tensor(obs)).detach(), torch.as_tensor(obs))
         algo.update(batch, progress=version * T * n_envs / total_steps)
         curve.append(np.mean(finished[-100:]) if len(finished) >= 100 else -np.inf)
         if curve[-1] >= target:

@@ -10,19 +10,28 @@ import time
 import pytest
 
 from shared import launch
-from tests.pipeline import CONFIGS, instances, metric_value, rlpipe
+from tests.pipeline import CONFIGS, cpu_seconds, instances, maps_torch, metric_value, rlpipe
 
 pytestmark = pytest.mark.learning
 
 
-def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs):
+@pytest.mark.parametrize("inference", ["local", "server"])
+def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inference):
     """The default experiment reaches 475 within 200k steps although a sampler and the
     learner are killed with SIGKILL mid-run; supervisord restarts both, the learner resumes
-    from its checkpoint with increasing policy versions; `rlpipe stop` leaves nothing."""
-    run = runs("cartpole_ppo.toml", "learner.checkpoint_interval_s=2.0")
+    from its checkpoint with increasing policy versions; `rlpipe stop` leaves nothing.
+    In server mode the action-server notices the killed sampler through its doorbell at
+    once, long before its peer timeout."""
+    run = runs("cartpole_ppo.toml", "learner.checkpoint_interval_s=2.0", f"sampler.inference={inference}",
+               "action_server.peer_timeout_s=60")
     run.wait_steps(25_000)
     sampler_pid = run.pid("sampler0")
     os.kill(sampler_pid, signal.SIGKILL)
+    t_kill = time.monotonic()
+    if inference == "server":
+        run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_action_server_peers_lost_total") >= 1, 10,
+                     "the action-server to notice the killed sampler")
+        assert time.monotonic() - t_kill < 10  # well within peer_timeout_s = 60: the doorbell closed
     run.wait_for(lambda: run.status().get("sampler0", ("", None))[1] not in (None, sampler_pid), 30,
                  "supervisord to restart sampler0")
 
@@ -55,7 +64,7 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs):
 
 def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(runs):
     run = runs("cartpole_ppo.toml", "action_server.peer_timeout_s=2.0", "replay.peer_timeout_s=2.0",
-               "run.target_return=1000.0")
+               "run.target_return=1000.0", "sampler.inference=server")
     run.wait_steps(5_000)
     # A sampler that goes away is reported by the action-server and replay, which keep serving.
     launch.supervisorctl(run.dir, "stop", "sampler:sampler1", capture=True)
@@ -72,9 +81,27 @@ def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(r
     assert run.segments() == []
 
 
+def test_an_idle_pipeline_waits_without_spinning_and_only_networks_load_torch(runs):
+    """With the learner stopped nothing can move: every process must sleep in its bounded
+    waits (< 5% of a core each), not spin. Replay, metrics and server-mode samplers never
+    load torch (it costs seconds of start-up); the action-server does."""
+    run = runs("cartpole_ppo.toml", "sampler.inference=server", "run.target_return=1000.0")
+    run.wait_steps(3_000)
+    pids = {name: pid for name, (state, pid) in run.status().items() if state == "RUNNING"}
+    assert {name for name in pids if not maps_torch(pids[name])} == {"replay0", "metrics0", "sampler0", "sampler1"}
+    launch.supervisorctl(run.dir, "stop", "learner:learner0", capture=True)
+    time.sleep(2.0)
+    del pids["learner0"]
+    before, t0 = {name: cpu_seconds(pid) for name, pid in pids.items()}, time.monotonic()
+    time.sleep(6.0)
+    for name, pid in pids.items():
+        share = (cpu_seconds(pid) - before[name]) / (time.monotonic() - t0)
+        assert share < 0.05, f"{name} used {share:.0%} of a core while the pipeline was idle"
+
+
 def test_sampler_count_follows_config_and_metrics_show_instances(runs):
-    """A2C with 3 samplers reaches 200; the endpoint shows 3 sampler instances."""
-    run = runs("cartpole_a2c.toml", "sampler.count=3")
+    """A2C with 3 samplers and an action-server reaches 200; the endpoint shows 3 sampler instances."""
+    run = runs("cartpole_a2c.toml", "sampler.count=3", "sampler.inference=server")
     run.wait_steps(5_000)
     page = run.metrics()
     assert instances(page, "rlpipe_sampler_up") == {"0", "1", "2"}

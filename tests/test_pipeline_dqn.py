@@ -9,18 +9,15 @@ import time
 import pytest
 
 from shared import launch
-from tests.pipeline import instances, metric_value
+from tests.pipeline import cpu_seconds, instances, metric_value
 
 pytestmark = pytest.mark.learning
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def test_dqn_cartpole_reaches_475_within_100k_steps(runs):
-    result = runs("cartpole_dqn.toml").wait_result(300)
+@pytest.mark.parametrize("inference", ["local", "server"])
+def test_dqn_cartpole_reaches_475_within_100k_steps(runs, inference):
+    """Epsilon-greedy with the run's env steps in both places the policy can act."""
+    result = runs("cartpole_dqn.toml", f"sampler.inference={inference}").wait_result(300)
     assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 100_000, result
 
 

@@ -183,10 +183,10 @@ def test_on_policy_queue_order_backpressure_and_policy_lag():
     table = Table(storage, Fifo(), RateLimiter())
     segs = [_segment(i % 2, np.arange(7 * i, 7 * i + T), B, rng) for i in range(5)]
     for i in range(3):
-        table.insert(i % 2, segs[i], np.full(B, i, np.float32))
+        table.insert(i % 2, segs[i], np.full(B, i, np.float32), segs[i].observation[-1])
     assert not table.can_insert(0)
     with pytest.raises(RuntimeError, match="can_insert"):
-        table.insert(0, segs[3], np.zeros(B, np.float32))
+        table.insert(0, segs[3], np.zeros(B, np.float32), segs[3].observation[-1])
     dest = from_spec(storage.batch_spec(2))
     assert type(dest) is OnPolicyBatch
     info = table.sample_into(dest, 2)
@@ -197,9 +197,11 @@ def test_on_policy_queue_order_backpressure_and_policy_lag():
         np.testing.assert_array_equal(dest.samples.reward[:, cols], segs[i].reward)
         np.testing.assert_array_equal(dest.samples.agent_info.value[:, cols], segs[i].agent_info.value)
     np.testing.assert_array_equal(dest.bootstrap_value, [0, 0, 1, 1])
+    for i in range(2):
+        np.testing.assert_array_equal(dest.bootstrap_observation.vec[i * B:(i + 1) * B], segs[i].observation.vec[-1])
     assert table.can_insert(1)
-    table.insert(1, segs[3], np.full(B, 3, np.float32))  # reuses a freed slot
-    table.insert(0, segs[4], np.full(B, 4, np.float32))
+    table.insert(1, segs[3], np.full(B, 3, np.float32), segs[3].observation[-1])  # reuses a freed slot
+    table.insert(0, segs[4], np.full(B, 4, np.float32), segs[4].observation[-1])
     # the learner is at version 4 with max lag 1: segment 2 (version 2) is too old
     assert len(table.drop_older_than(3)) == 1 and table.dropped_stale == 1
     info = table.sample_into(dest, 2)
@@ -257,5 +259,5 @@ def test_storage_lives_in_a_given_buffer():
     qspec = SegmentStorage(spec, {0: 2})
     qbuf = bytearray(qspec.nbytes)
     queue = SegmentStorage(spec, {0: 2}, buffer=qbuf)
-    queue.write(0, seg, np.ones(2, np.float32))
+    queue.write(0, seg, np.ones(2, np.float32), seg.observation[-1])
     np.testing.assert_array_equal(from_spec(queue.storage_spec, qbuf, fill=False).bootstrap_value[:2], 1.0)

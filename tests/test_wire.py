@@ -45,7 +45,7 @@ def valid_body(mtype: str) -> dict:
 
 
 def header(**changes) -> dict:
-    h = {"v": wire.PROTOCOL_VERSION, "type": "obs", "from": "sampler0", "seq": 7, "body": {"slot": 0, "step": 3},
+    h = {"v": wire.PROTOCOL_VERSION, "type": "sample", "from": "learner0", "seq": 7, "body": {"slot": 0, "n": 3, "min_version": 0},
          "arrays": []}
     h.update(changes)
     return {k: v for k, v in h.items() if v is not DROP}
@@ -81,7 +81,7 @@ def test_arrays_round_trip_byte_exact(dtype):
     arrays = [(rng.standard_normal(s) * 100).astype(dtype) for s in SHAPES]
     arrays.append(np.asfortranarray(arrays[-1]))  # non-contiguous input: packed contiguous
     arrays.append(arrays[-2][:, ::2])
-    frames = wire.pack("obs", {"slot": 1, "step": 2}, "s", 1, arrays)
+    frames = wire.pack("sample", {"slot": 1, "n": 2, "min_version": 0}, "s", 1, arrays)
     assert len(frames) == 1 + len(arrays)
     for received in (frames, on_the_wire(frames)):
         out = wire.unpack(received).arrays
@@ -97,21 +97,21 @@ def test_arrays_round_trip_byte_exact(dtype):
     ([msgpack.packb(header())[:-3]], "header is not valid msgpack"),
     ([msgpack.packb(header()) + b"\x00"], "header is not valid msgpack"),  # trailing bytes
     ([msgpack.packb({1: 2})], "header is not valid msgpack"),  # non-string map keys
-    ([msgpack.packb(header(body={"slot": 0, "step": 3, "pad": "x" * wire.MAX_HEADER_BYTES}))],
+    ([msgpack.packb(header(body={"slot": 0, "n": 3, "min_version": 0, "pad": "x" * wire.MAX_HEADER_BYTES}))],
      f"exceeds the {wire.MAX_HEADER_BYTES}-byte limit"),
     ([msgpack.packb([1, 2])], "header must be a map, got list"),
     ([msgpack.packb(header(v=2))], "protocol version 2, this service speaks 1"),
     ([msgpack.packb(header(v=DROP))], "protocol version None"),
     ([msgpack.packb(header(v=True))], "protocol version True"),
-    ([msgpack.packb(header(type="bogus"))], "unknown message type 'bogus' .known: act, error, hello_actor"),
-    ([msgpack.packb(header(type=["obs"]))], "header 'type' must be a str, got list"),
+    ([msgpack.packb(header(type="bogus"))], "unknown message type 'bogus' .known: error, hello_actor"),
+    ([msgpack.packb(header(type=["sample"]))], "header 'type' must be a str, got list"),
     ([msgpack.packb(header(type=DROP))], "header 'type' must be a str, got NoneType"),
     ([msgpack.packb(header(seq="7"))], "header needs 'seq' \\(int\\) and 'from' \\(str\\)"),
     ([msgpack.packb(header(seq=True))], "header needs 'seq' \\(int\\)"),
     ([msgpack.packb(header(**{"from": 3}))], "'from' \\(str\\)"),
-    ([msgpack.packb(header(body=[1]))], "'obs' message: body must be a map"),
-    ([msgpack.packb(header(arrays="x"))], "'obs' message: header lists \\? arrays but 0 extra frames came"),
-    ([msgpack.packb(header()), b"12345678"], "'obs' message: header lists 0 arrays but 1 extra frames came"),
+    ([msgpack.packb(header(body=[1]))], "'sample' message: body must be a map"),
+    ([msgpack.packb(header(arrays="x"))], "'sample' message: header lists \\? arrays but 0 extra frames came"),
+    ([msgpack.packb(header()), b"12345678"], "'sample' message: header lists 0 arrays but 1 extra frames came"),
     ([msgpack.packb(header(arrays=[{"dtype": "<f8", "shape": [1]}]))], "header lists 1 arrays but 0 extra frames"),
     ([msgpack.packb(header(arrays=[{"dtype": "<f8", "shape": [3]}])), b"\x00" * 23],
      "array frame has 23 bytes, spec .* needs 24"),
@@ -136,7 +136,7 @@ def test_bad_frames_are_rejected_naming_the_fault(frames, message):
 ])
 def test_bad_array_specs_are_rejected(spec):
     frames = [msgpack.packb(header(arrays=[spec])), b"\x00" * 8]
-    with pytest.raises(wire.WireError, match="'obs' message: bad array spec"):
+    with pytest.raises(wire.WireError, match="'sample' message: bad array spec"):
         wire.unpack(frames)
 
 
@@ -225,22 +225,22 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address):
     raw.connect(address)
     raw.send_multipart([b"\xc1\xc1garbage"])
     raw.send_multipart([msgpack.packb(header(v=99))])
-    raw.send_multipart([msgpack.packb(header(type=["obs"]))])
+    raw.send_multipart([msgpack.packb(header(type=["sample"]))])
     raw.send_multipart([b""])
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
-    raw.send_multipart(wire.pack("obs", {"slot": 2, "step": 5}, "raw", 1, [arr]), copy=False)
+    raw.send_multipart(wire.pack("sample", {"slot": 2, "n": 5, "min_version": 0}, "raw", 1, [arr]), copy=False)
     got = server.recv(timeout_ms=5000)
     assert got is not None
     peer, msg = got
-    assert peer == b"raw" and (msg.type, msg.body, msg.seq) == ("obs", {"slot": 2, "step": 5}, 1)
+    assert peer == b"raw" and (msg.type, msg.body, msg.seq) == ("sample", {"slot": 2, "n": 5, "min_version": 0}, 1)
     np.testing.assert_array_equal(msg.arrays[0], arr)
     assert len(bad) == 4
     assert "not valid msgpack" in bad[0] and "protocol version 99" in bad[1]
     assert "'type' must be a str" in bad[2] and "not valid msgpack" in bad[3]
-    server.send("act", {"slot": 2, "step": 5, "version": 3}, to=peer)
+    server.send("sampled", {"slot": 2, "n": 5, "env_steps": 3, "episodes": [], "dropped": 0}, to=peer)
     assert raw.poll(5000)
     reply = wire.unpack(raw.recv_multipart())
-    assert (reply.type, reply.sender, reply.seq, reply.body["version"]) == ("act", "server", 1, 3)
+    assert (reply.type, reply.sender, reply.seq, reply.body["env_steps"]) == ("sampled", "server", 1, 3)
     raw.send_multipart([b"junk"])
     assert server.recv(timeout_ms=50) is None and len(bad) == 5  # garbage alone: a bounded wait, no message
     raw.close(linger=0)
@@ -250,20 +250,20 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address):
 def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx, address):
     server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server")
     client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
-    client.send("obs", {"slot": 0, "step": 1})
+    client.send("sample", {"slot": 0, "n": 1, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
     assert peer == b"sampler0" and msg.seq == 1
-    server.send("act", {"slot": 0, "step": 1, "version": 1}, to=peer)
+    server.send("sampled", {"slot": 0, "n": 1, "env_steps": 1, "episodes": [], "dropped": 0}, to=peer)
     assert client.sock.poll(5000)  # a reply is queued on the old socket...
     old = client.sock
     client.reconnect()
     assert old.closed and client.sock is not old
     assert client.recv(timeout_ms=50) is None  # ...and went with it
-    client.send("obs", {"slot": 0, "step": 2})
+    client.send("sample", {"slot": 0, "n": 2, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
-    assert peer == b"sampler0" and (msg.body["step"], msg.seq) == (2, 2)  # sequence numbers go on
-    server.send("act", {"slot": 0, "step": 2, "version": 2}, to=peer)
+    assert peer == b"sampler0" and (msg.body["n"], msg.seq) == (2, 2)  # sequence numbers go on
+    server.send("sampled", {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}, to=peer)
     got = client.recv(timeout_ms=5000)
-    assert got is not None and got[1].body == {"slot": 0, "step": 2, "version": 2}
+    assert got is not None and got[1].body == {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}
     client.close()
     server.close()

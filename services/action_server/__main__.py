@@ -6,7 +6,7 @@ import zmq
 
 from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
-from shared.config import endpoint
+from shared.config import endpoint, socket_dir
 from shared.factory import env_probe, make_agent
 from shared.runtime import torch_device, start_service
 from shared.sockets import Endpoint
@@ -24,10 +24,12 @@ def run(exp, run_dir, instance: int) -> None:
                       name=f"action_server{instance}", on_bad=bad)
     params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
                       on_bad=bad)
-    server = ActionServer(exp.action_server, agent, router, params, m, exp.sampler.envs,
+    server = ActionServer(exp.action_server, agent, router, params, m, socket_dir(run_dir), exp.sampler.envs,
                           exp.sampler.count * exp.sampler.envs)
     m.healthy.set(1)
     log.info("action-server %d on %s, device %s", instance, router.address, device)
+    if exp.sampler.inference != "server":
+        log.warning("sampler.inference = %s: no sampler will use this action-server", exp.sampler.inference)
     try:
         server.run()
     finally:

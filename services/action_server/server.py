@@ -1,10 +1,15 @@
 """The action-server: batched inference for many samplers' step slots.
 
-Samplers say hello with the descriptors of their step slots (shared memory), then send
-"obs ready in slot s, step n". The server gathers the requests that are waiting (up to
-``max_batch``, waiting at most ``max_wait_ms`` for more), runs the agent once on their
-concatenated observations, writes actions and agent info back into each slot and replies
-"act". It follows the learner's parameter versions (PUB/SUB + shared memory).
+Samplers say hello over ZeroMQ with the descriptors of their step slots (shared memory);
+the server attaches them and opens the sampler's doorbell (``shared.doorbell``). From then
+on every step goes through the doorbell: the sampler rings "slot s holds step n"; the
+server gathers the requests that are waiting (up to ``max_batch``, waiting at most
+``max_wait_ms`` for more), runs the agent once on their concatenated observations,
+writes actions and agent info back into each slot and rings back "slot s, step n, version
+v". It follows the learner's parameter versions (PUB/SUB + shared memory).
+
+A sampler whose doorbell closes (its process exited or was killed) is detached at once; one
+that stays silent for ``peer_timeout_s`` is detached too.
 """
 
 from __future__ import annotations
@@ -12,14 +17,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import zmq
 
 from shared import shm
-from shared.config import ActionServerConfig
 from shared.acting import act
+from shared.config import ActionServerConfig
+from shared.doorbell import PeerGone, ServerBell
 from shared.namedarraytuple import map_leaves, zip_map
 from shared.params import ParamReader
 from shared.sockets import Endpoint
@@ -33,6 +40,7 @@ class Peer:
     instance: int
     segments: list
     slots: list
+    bell: ServerBell
     last_seen: float
     first_env: list  # global index of each slot's first env (for per-env exploration)
 
@@ -47,64 +55,79 @@ class Request:
 
 class ActionServer:
     def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
-                 metrics, envs_per_sampler: int = 1, envs_total: int = 1):
-        """``envs_per_sampler``/``envs_total`` give every env a global index, for agents whose
-        exploration depends on it (``agent.epsilon(env_steps, env_index, envs_total)``)."""
+                 metrics, bell_dir: Path, envs_per_sampler: int = 1, envs_total: int = 1):
+        """``bell_dir`` holds the samplers' doorbells; ``envs_per_sampler``/``envs_total`` give
+        every env a global index, for agents whose exploration depends on it
+        (``agent.epsilon(env_steps, env_index, envs_total)``)."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
-        self.envs_per_sampler, self.envs_total = envs_per_sampler, envs_total
+        self.bell_dir, self.envs_per_sampler, self.envs_total = Path(bell_dir), envs_per_sampler, envs_total
         self.reader = ParamReader(agent)
-        self.version = -1
-        self.env_steps = 0
         self.peers: dict[bytes, Peer] = {}
+        self.by_fd: dict[int, bytes] = {}
         self.pending: list[Request] = []
+        self.poller = zmq.Poller()
+        self.poller.register(router.sock, zmq.POLLIN)
+        if params is not None:
+            self.poller.register(params.sock, zmq.POLLIN)
 
-    # ------------------------------------------------------------ messages
+    # ------------------------------------------------------------ control plane
 
     def handle(self, peer: bytes, msg) -> None:
-        now = time.monotonic()
         if msg.type == "hello_actor":
-            self._hello(peer, msg.body, now)
-        elif msg.type == "obs":
-            known = self.peers.get(peer)
-            if known is None or not 0 <= msg.body["slot"] < len(known.slots):
-                self.router.send("error", {"reason": "unknown sampler or slot: send hello_actor first"}, to=peer)
-                return
-            known.last_seen = now
-            self.pending.append(Request(peer, msg.body["slot"], msg.body["step"], now))
+            self._hello(peer, msg.body)
         else:
             self.router.send("error", {"reason": f"action-server does not take {msg.type!r} messages"}, to=peer)
 
-    def _hello(self, peer: bytes, body: dict, now: float) -> None:
+    def _hello(self, peer: bytes, body: dict) -> None:
         self._detach(peer)
+        name = f"sampler{body['instance']}"
         try:
             segments, slots = shm.attach_all(body["slots"])
         except (ValueError, FileNotFoundError) as e:
-            log.warning("hello from %s rejected: %s", peer, e)
-            self.m.bad_messages.inc()
-            self.router.send("error", {"reason": f"bad slot descriptor: {e}"}, to=peer)
+            self._reject(peer, f"bad slot descriptor: {e}")
+            return
+        try:
+            bell = ServerBell(self.bell_dir, name)
+        except PeerGone as e:
+            for seg in segments:
+                seg.close()
+            self._reject(peer, str(e))
             return
         first = body["instance"] * self.envs_per_sampler + np.cumsum([0] + [len(t.action) for t in slots[:-1]])
-        self.peers[peer] = Peer(body["instance"], segments, slots, now, [int(f) for f in first])
-        self.pending = [r for r in self.pending if r.peer != peer]
+        self.peers[peer] = Peer(body["instance"], segments, slots, bell, time.monotonic(), [int(f) for f in first])
+        self.by_fd[bell.fileno()] = peer
+        self.poller.register(bell.fileno(), zmq.POLLIN)
         self.m.peers.set(len(self.peers))
         log.info("sampler %d attached (%d slots)", body["instance"], len(slots))
         self.router.send("welcome", {"peer": peer.decode(errors="replace")}, to=peer)
 
+    def _reject(self, peer: bytes, reason: str) -> None:
+        log.warning("hello from %s rejected: %s", peer, reason)
+        self.m.bad_messages.inc()
+        self.router.send("error", {"reason": reason}, to=peer)
+
     def _detach(self, peer: bytes) -> None:
         old = self.peers.pop(peer, None)
-        if old is not None:
-            for seg in old.segments:
-                seg.close()
-            self.pending = [r for r in self.pending if r.peer != peer]
-            self.m.peers.set(len(self.peers))
+        if old is None:
+            return
+        self.poller.unregister(old.bell.fileno())
+        del self.by_fd[old.bell.fileno()]
+        old.bell.close()
+        for seg in old.segments:
+            seg.close()
+        self.pending = [r for r in self.pending if r.peer != peer]
+        self.m.peers.set(len(self.peers))
+
+    def _lost(self, peer: bytes, why: str) -> None:
+        log.warning("sampler %d lost (%s): detaching its slots", self.peers[peer].instance, why)
+        self.m.peers_lost.inc()
+        self._detach(peer)
 
     def check_peers(self) -> None:
         now = time.monotonic()
         for peer, p in list(self.peers.items()):
             if now - p.last_seen > self.cfg.peer_timeout_s:
-                log.warning("sampler %d silent for %.1f s: detaching its slots", p.instance, now - p.last_seen)
-                self.m.peers_lost.inc()
-                self._detach(peer)
+                self._lost(peer, f"silent for {now - p.last_seen:.1f} s")
 
     def follow_params(self) -> None:
         """Load the newest parameter version announced (older announcements are skipped)."""
@@ -112,18 +135,44 @@ class ActionServer:
         for _, msg in self.params.drain():
             # A restarted learner (new segment nonce) may number on from below what we hold.
             restarted = msg.type == "params" and msg.body["segment"].get("nonce") != self.reader.nonce
-            if msg.type == "params" and (msg.body["version"] > self.version or restarted):
+            if msg.type == "params" and (msg.body["version"] > self.reader.version or restarted):
                 latest = msg
         if latest is not None:
             try:
                 if self.reader.read(latest.body["version"], latest.body["segment"]):
-                    self.version = latest.body["version"]
-                    self.env_steps = latest.body["env_steps"]
-                    self.m.policy_version.set(self.version)
+                    self.m.policy_version.set(self.reader.version)
             except (ValueError, FileNotFoundError) as e:
                 log.warning("cannot load parameters version %d: %s", latest.body["version"], e)
 
-    # ------------------------------------------------------------ inference
+    # ------------------------------------------------------------ the step path
+
+    def _ring(self, peer: bytes) -> None:
+        """Take the requests waiting on one sampler's doorbell."""
+        p = self.peers[peer]
+        try:
+            requests = p.bell.read()
+        except PeerGone as e:
+            self._lost(peer, str(e))
+            return
+        now = time.monotonic()
+        p.last_seen = now
+        for slot, step in requests:
+            if slot < len(p.slots):
+                self.pending.append(Request(peer, slot, step, now))
+            else:
+                log.warning("sampler %d rang for slot %d of %d: ignored", p.instance, slot, len(p.slots))
+                self.m.bad_messages.inc()
+
+    def poll(self, timeout_ms: float) -> None:
+        """Wait up to ``timeout_ms`` for anything (messages, parameters, doorbells) and take it."""
+        for what, _ in self.poller.poll(timeout_ms):
+            if what is self.router.sock:
+                for peer, msg in self.router.drain():
+                    self.handle(peer, msg)
+            elif self.params is not None and what is self.params.sock:
+                self.follow_params()
+            elif what in self.by_fd:
+                self._ring(self.by_fd[what])
 
     def serve_batch(self) -> None:
         """Answer up to max_batch pending requests with one forward pass."""
@@ -133,13 +182,21 @@ class ActionServer:
         sizes = [len(s.action) for s in slots]
         obs = zip_map(lambda *xs: np.concatenate(xs), *[s.observation for s in slots])
         env_index = np.concatenate([np.arange(n) + p.first_env[r.slot] for p, r, n in zip(peers, batch, sizes)])
-        action, info = act(self.agent, obs, env_index, self.env_steps, self.envs_total)
+        action, info = act(self.agent, obs, env_index, self.reader.env_steps, self.envs_total)
         start = 0
-        for r, slot, n in zip(batch, slots, sizes):
+        version = max(self.reader.version, 0)
+        lost = []
+        for r, p, slot, n in zip(batch, peers, slots, sizes):
             slot.action[:] = action[start:start + n]
             slot.agent_info[:] = map_leaves(lambda a: a[start:start + n], info)
             start += n
-            self.router.send("act", {"slot": r.slot, "step": r.step, "version": max(self.version, 0)}, to=r.peer)
+            try:
+                p.bell.reply(r.slot, r.step, version)
+            except PeerGone as e:
+                lost.append((r.peer, str(e)))
+        for peer, why in lost:
+            if peer in self.peers:
+                self._lost(peer, why)
         now = time.monotonic()
         for r in batch:
             self.m.latency.observe(now - r.t_arrival)
@@ -147,35 +204,26 @@ class ActionServer:
         self.m.batch_size.observe(len(batch))
         self.m.batch_envs.observe(sum(sizes))
 
+    def _gather(self) -> None:
+        """With some requests in, wait up to max_wait_ms for the other samplers' to join the batch."""
+        deadline = time.monotonic() + self.cfg.max_wait_ms / 1000.0
+        expected = min(sum(len(p.slots) for p in self.peers.values()), self.cfg.max_batch)
+        while len(self.pending) < expected:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.poll(left * 1000.0)
+
     def run(self, should_stop=lambda: False) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router.sock, zmq.POLLIN)
-        poller.register(self.params.sock, zmq.POLLIN)
         last_check = time.monotonic()
         while not should_stop():
-            events = dict(poller.poll(0 if self.pending else POLL_MS))
-            if self.params.sock in events:
-                self.follow_params()
-            if self.router.sock in events:
-                self._gather()
+            self.poll(0 if self.pending else POLL_MS)
             if self.pending:
+                self._gather()
                 self.serve_batch()
             if time.monotonic() - last_check > 1.0:
                 self.check_peers()
                 last_check = time.monotonic()
-
-    def _gather(self) -> None:
-        """Take every waiting request; then wait up to max_wait_ms while others may still come."""
-        deadline = time.monotonic() + self.cfg.max_wait_ms / 1000.0
-        expected = sum(len(p.slots) for p in self.peers.values())
-        while True:
-            for peer, msg in self.router.drain():
-                self.handle(peer, msg)
-            left = deadline - time.monotonic()
-            if len(self.pending) >= min(expected, self.cfg.max_batch) or left <= 0:
-                return
-            if not self.router.sock.poll(left * 1000.0, zmq.POLLIN):
-                return
 
     def close(self) -> None:
         for peer in list(self.peers):

@@ -198,7 +198,7 @@ class ReplayService:
 
     def _insert(self, w: Writer, body: dict) -> None:
         segment = w.ring[body["index"]]
-        keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value)
+        keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation)
         w.last_serial = body["serial"]
         if self.cfg.release_on_sample and self.cfg.table == "queue":
             for key in keys:

@@ -10,7 +10,7 @@ from services.sampler.transport import RemoteActions, RemoteSink
 from shared import metrics as metrics_mod
 from shared import shm
 from shared.agent_config import info_example
-from shared.config import endpoint
+from shared.config import endpoint, socket_dir
 from shared.factory import env_probe, make_agent, on_policy
 from shared.runtime import run_id_of, start_service, torch_device
 
@@ -41,7 +41,7 @@ def run(exp, run_dir, instance: int) -> None:
         else:
             server = instance % exp.action_server.count
             actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,
-                                    sampler.slot_descriptors, exp.sampler.timeout_ms, m)
+                                    sampler.slot_descriptors, socket_dir(run_dir), exp.sampler.timeout_ms, m)
         sink = RemoteSink(ctx, endpoint(exp, run_dir, "replay"), name, instance, sampler.ring_descriptor,
                           secrets.randbits(48), exp.sampler.ring, exp.sampler.timeout_ms, m)
         m.healthy.set(1)

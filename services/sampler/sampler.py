@@ -126,9 +126,11 @@ class Sampler:
         self.k = (self.k + 1) % self.cfg.ring
 
     def _bootstrap(self, pending, cols: slice, slot) -> None:
+        """The observation after the pending segment's last step (now in the slot) and its value."""
         info = slot.agent_info
-        value = info.value if "value" in info else 0.0
-        self.ring[pending[0]].bootstrap_value[cols] = value
+        segment = self.ring[pending[0]]
+        segment.bootstrap_value[cols] = info.value if "value" in info else 0.0
+        segment.bootstrap_observation[cols] = slot.observation
 
     def _announce(self, sink: SegmentSink, pending) -> None:
         k, vmin, vmax, episodes = pending

@@ -1,4 +1,4 @@
-"""The sampler's sockets: to its action-server (DEALER) and to replay (DEALER).
+"""The sampler's links: to its action-server (DEALER + doorbell) and to replay (DEALER).
 
 Both follow the Lazy Pirate habit: a reply that does not come within ``timeout_ms`` makes
 the sampler drop the socket, open a new one, say hello again (the peer may have restarted
@@ -13,17 +13,25 @@ import time
 
 import zmq
 
+from shared.doorbell import STEP_MOD, PeerGone, SamplerBell
 from shared.sockets import Endpoint
 
 log = logging.getLogger(__name__)
 
 
 class RemoteActions:
-    """ActionSource over a DEALER socket to one action-server."""
+    """ActionSource served by one action-server: hello over a DEALER socket, then the doorbell.
+
+    Each step rings the action-server's doorbell (``shared.doorbell``) and waits for its
+    answer there: no socket round trip per step. A doorbell that closes (the action-server
+    died) or stays silent for ``timeout_ms`` makes the sampler say hello again on a fresh
+    socket and ring again for what was outstanding.
+    """
 
     def __init__(self, ctx: zmq.Context, address: str, name: str, instance: int, slot_descriptors: list,
-                 timeout_ms: int, metrics):
+                 bell_dir, timeout_ms: int, metrics):
         self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=lambda r: metrics.bad_messages.inc())
+        self.bell = SamplerBell(bell_dir, name)
         self.instance, self.descriptors, self.timeout_ms, self.metrics = instance, slot_descriptors, timeout_ms, metrics
         self.step = [0] * len(slot_descriptors)
         self.outstanding: set[int] = set()
@@ -31,49 +39,71 @@ class RemoteActions:
         self._hello()
 
     def _hello(self) -> None:
+        """Say hello until an action-server welcomes us and its end of the doorbell is open."""
         while True:
             self.ep.send("hello_actor", {"instance": self.instance, "slots": self.descriptors})
             reply = self.ep.recv(self.timeout_ms)
             if reply is not None and reply[1].type == "welcome":
-                return
-            log.warning("action-server at %s did not welcome us within %d ms; retrying", self.ep.address, self.timeout_ms)
+                try:
+                    self.bell.connect()
+                    return
+                except PeerGone as e:
+                    log.warning("action-server at %s welcomed us but %s", self.ep.address, e)
+            elif reply is not None and reply[1].type == "error":
+                log.warning("action-server at %s refused our hello: %s", self.ep.address, reply[1].body["reason"])
+            else:
+                log.warning("action-server at %s did not welcome us within %d ms; retrying", self.ep.address,
+                            self.timeout_ms)
             self._reconnect()
 
     def _reconnect(self) -> None:
         self.metrics.reconnects.labels(peer="action_server").inc()
+        self.bell.disconnect()
         self.ep.reconnect()
 
     def request(self, group: int) -> None:
         self.step[group] += 1
         self.outstanding.add(group)
-        self.ep.send("obs", {"slot": group, "step": self.step[group]})
+        try:
+            self.bell.ring(group, self.step[group])
+        except PeerGone as e:
+            log.warning("action-server gone (%s); saying hello again", e)
+            self._recover()
 
     def wait(self, group: int) -> int:
         t0 = time.perf_counter()
         while group not in self.ready:
-            reply = self.ep.recv(self.timeout_ms)
-            if reply is None:
-                log.warning("no actions from %s within %d ms; reconnecting", self.ep.address, self.timeout_ms)
+            try:
+                replies = self.bell.wait(self.timeout_ms)
+            except PeerGone as e:
+                log.warning("action-server gone (%s); saying hello again", e)
                 self._recover()
                 continue
-            msg = reply[1]
-            if msg.type == "act" and msg.body["slot"] in self.outstanding and msg.body["step"] == self.step[msg.body["slot"]]:
-                self.outstanding.discard(msg.body["slot"])
-                self.ready[msg.body["slot"]] = msg.body["version"]
-            elif msg.type == "error":
-                log.warning("action-server says: %s", msg.body["reason"])
+            if not replies:
+                log.warning("no actions from %s within %d ms; saying hello again", self.ep.address, self.timeout_ms)
                 self._recover()
+            for slot, step, version in replies:
+                if slot in self.outstanding and step == self.step[slot] % STEP_MOD:
+                    self.outstanding.discard(slot)
+                    self.ready[slot] = version
         self.metrics.wait.labels(on="actions").inc(time.perf_counter() - t0)
         return self.ready.pop(group)
 
     def _recover(self) -> None:
-        self._reconnect()
-        self._hello()
-        for g in sorted(self.outstanding):
-            self.ep.send("obs", {"slot": g, "step": self.step[g]})
+        """New socket, hello, and ring again for every outstanding group (the slots still hold their observations)."""
+        while True:
+            self._reconnect()
+            self._hello()
+            try:
+                for g in sorted(self.outstanding):
+                    self.bell.ring(g, self.step[g])
+                return
+            except PeerGone as e:
+                log.warning("action-server gone again (%s)", e)
 
     def close(self) -> None:
         self.ep.close()
+        self.bell.close()
 
 
 class RemoteSink:

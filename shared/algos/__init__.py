@@ -11,11 +11,13 @@ it. Every leaf is a torch tensor with leading dims [T, B] (B = all env columns):
 - ``agent_info``: ``shared.agents.AgentInfo`` of the behaviour policy at sampling time.
 - ``policy_version`` (int64): the parameter version that chose the action.
 
-``OnPolicyBatch.bootstrap_value`` (float32 [B]) is the behaviour value of the observation
-that follows step T-1.
+``OnPolicyBatch.bootstrap_observation`` ([B, ...]) is the observation that follows step
+T-1 and ``bootstrap_value`` (float32 [B]) its behaviour value; with recomputed values the
+learner evaluates the observation itself, so every value in GAE comes from one network.
 """
 
 from shared.namedarraytuple import namedarraytuple
+from shared.replay import OnPolicyBatch  # noqa: F401  (declared once, beside the tables that store it)
 
 Samples = namedarraytuple(
     "Samples",
@@ -30,4 +32,4 @@ Samples = namedarraytuple(
         "policy_version",
     ],
 )
-OnPolicyBatch = namedarraytuple("OnPolicyBatch", ["samples", "bootstrap_value"])
+

@@ -59,16 +59,11 @@ class A2C:
             ratio = log_ratio.exp()
             approx_kl = ((ratio - 1.0) - log_ratio).mean()
             clip_fraction = ((ratio - 1.0).abs() > 0.2).float().mean()
-        return {
-            "policy_loss": float(policy_loss.detach()),
-            "value_loss": float(value_loss.detach()),
-            "entropy": float(entropy.detach()),
-            "approx_kl": float(approx_kl),
-            "clip_fraction": float(clip_fraction),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "explained_variance": explained_variance(data.old_value, data.returns),
-        }
+        values = torch.stack([policy_loss, value_loss, entropy, approx_kl, clip_fraction, grad_norm]).detach().tolist()
+        stats = dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), values))
+        stats["lr"] = lr
+        stats["explained_variance"] = explained_variance(data.old_value, data.returns)
+        return stats
 
     def state_dict(self) -> dict:
         """Optimizer state, for checkpoints (the agent's parameters are saved separately)."""

@@ -98,15 +98,11 @@ class DQN:
         if self.updates % cfg.target_update_period == 0:
             self._update_target()
 
-        return {
-            "loss": float(loss.detach()),
-            "q_mean": float(q_taken.detach().mean()),
-            "target_mean": float(target_value.mean()),
-            "td_abs_mean": float(td_abs.mean()),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "priorities": priorities.float().cpu().numpy(),
-        }
+        values = torch.stack([loss, q_taken.mean(), target_value.mean(), td_abs.mean(), grad_norm]).detach().tolist()
+        stats = dict(zip(("loss", "q_mean", "target_mean", "td_abs_mean", "grad_norm"), values))
+        stats["lr"] = lr
+        stats["priorities"] = priorities.float().cpu().numpy()
+        return stats
 
     @torch.no_grad()
     def _update_target(self) -> None:

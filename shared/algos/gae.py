@@ -67,12 +67,12 @@ def batch_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GAE advantages, returns and the V(s_t) used, all [T, B], on ``agent``'s device.
 
-    V(s_t) comes from the current value net (``recompute_values``, one forward pass) or
-    is the behaviour value stored at sampling time. The bootstrap is always the stored
-    behaviour value (the batch does not carry the observation after step T-1). Where a
-    step was truncated (and not terminated) V(final observation) comes from the current
-    value net, in one forward pass over those steps only. Rewards are multiplied by
-    ``reward_scale`` (the value net learns scaled returns).
+    V(s_t) and the bootstrap V(s_T) come from the current value net (``recompute_values``:
+    one forward pass over the segment and its bootstrap observation), or are the behaviour
+    values stored at sampling time; never a mix, so the advantages do not compare values of
+    two networks. Where a step was truncated (and not terminated) V(final observation)
+    comes from the current value net, in one forward pass over those steps only. Rewards
+    are multiplied by ``reward_scale`` (the value net learns scaled returns).
 
     Why recompute: batches from asynchronous samplers are 1-2 versions stale, and early in
     training the value net moves fast; stale V(s_t) then bias every advantage. Measured on
@@ -80,8 +80,12 @@ def batch_advantages(
     against ~120k with stored ones.
     """
     s = batch.samples
-    value = agent.value(s.observation).float() if recompute_values else s.agent_info.value.float()
-    next_value = torch.cat([value[1:], batch.bootstrap_value.float()[None]], dim=0)
+    if recompute_values:
+        value = agent.value(s.observation).float()
+        bootstrap = agent.value(batch.bootstrap_observation).float()
+    else:
+        value, bootstrap = s.agent_info.value.float(), batch.bootstrap_value.float()
+    next_value = torch.cat([value[1:], bootstrap[None]], dim=0)
     cut = s.truncated & ~s.terminated
     if bool(cut.any()):
         next_value[cut] = agent.value(s.final_observation[cut]).float()

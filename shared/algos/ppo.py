@@ -39,11 +39,14 @@ class PPO:
         )
         n = data.advantage.shape[0]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        sums = dict.fromkeys(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), 0.0)
-        steps = 0
+        # Diagnostics stay tensors until the end: one host sync per update, not per step.
+        per_step = []
         for _ in range(cfg.epochs):
-            for idx in torch.tensor_split(torch.randperm(n, device=data.advantage.device), cfg.minibatches):
-                mb = data[idx]
+            # One minibatch is the whole batch: the mean loss does not depend on the order.
+            parts = [None] if cfg.minibatches == 1 else torch.tensor_split(
+                torch.randperm(n, device=data.advantage.device), cfg.minibatches)
+            for idx in parts:
+                mb = data if idx is None else data[idx]
                 log_prob, entropy, value = self.agent.evaluate(mb.observation, mb.action)
                 log_ratio = log_prob - mb.old_log_prob
                 ratio = log_ratio.exp()
@@ -71,19 +74,12 @@ class PPO:
                 grad_norm = nn.utils.clip_grad_norm_(self.agent.parameters(), max_norm)
                 self.optimizer.step()
 
-                for key, val in (
-                    ("policy_loss", policy_loss),
-                    ("value_loss", value_loss),
-                    ("entropy", entropy),
-                    ("approx_kl", approx_kl),
-                    ("clip_fraction", clip_fraction),
-                    ("grad_norm", grad_norm),
-                ):
-                    sums[key] += float(val.detach())
-                steps += 1
+                per_step.append(torch.stack([policy_loss, value_loss, entropy, approx_kl, clip_fraction,
+                                             grad_norm]).detach())
             if cfg.target_kl > 0 and float(approx_kl) > cfg.target_kl:
                 break
-        stats = {key: total / steps for key, total in sums.items()}
+        means = torch.stack(per_step).mean(0).tolist()
+        stats = dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), means))
         stats["lr"] = lr
         stats["explained_variance"] = explained_variance(data.old_value, data.returns)
         return stats

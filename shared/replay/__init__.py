@@ -23,5 +23,7 @@ Transition = namedarraytuple(
 )
 """One n-step transition per row: target = return_ + bootstrap_discount * V(bootstrap_observation)."""
 
-OnPolicyBatch = namedarraytuple("OnPolicyBatch", ["samples", "bootstrap_value"])
-"""n whole segments side by side: samples [T, n * B] (the Samples structure), bootstrap_value [n * B] f32."""
+OnPolicyBatch = namedarraytuple("OnPolicyBatch", ["samples", "bootstrap_value", "bootstrap_observation"])
+"""n whole segments side by side: samples [T, n * B] (the Samples structure); the observation
+after each column's last step, bootstrap_observation [n * B, ...], and its behaviour value
+bootstrap_value [n * B] f32."""

@@ -281,9 +281,9 @@ class TransitionStorage:
         """Always True: a ring makes room by overwriting the writer's oldest steps."""
         return True
 
-    def write(self, writer_id: int, samples, bootstrap_value=None) -> tuple[np.ndarray, np.ndarray]:
-        """Append one segment [T, B_w] (T <= rows - n_step); ``bootstrap_value`` is unused here
-        (transitions bootstrap from bootstrap_observation)."""
+    def write(self, writer_id: int, samples, bootstrap_value=None, bootstrap_observation=None) -> tuple[np.ndarray, np.ndarray]:
+        """Append one segment [T, B_w] (T <= rows - n_step); the segment's bootstrap is unused
+        here (n-step transitions bootstrap from the observations they store)."""
         ring, n = self.ring, self.config.n_step
         T = _check_segment(samples, self.step_spec, ring.width(writer_id), f"segment of writer {writer_id}")
         if T + n > ring.rows:
@@ -391,6 +391,7 @@ class SegmentStorage:
             "fields": [
                 ["samples", with_leading_dims(self.step_spec, [self.T, n * self.B])],
                 ["bootstrap_value", {"dtype": _F32, "shape": [n * self.B]}],
+                ["bootstrap_observation", with_leading_dims(_field(self.step_spec, "observation"), [n * self.B])],
             ],
         }
 
@@ -400,7 +401,7 @@ class SegmentStorage:
     def can_write(self, writer_id: int) -> bool:
         return not self.occupied.all()
 
-    def write(self, writer_id: int, samples, bootstrap_value) -> tuple[np.ndarray, np.ndarray]:
+    def write(self, writer_id: int, samples, bootstrap_value, bootstrap_observation) -> tuple[np.ndarray, np.ndarray]:
         if writer_id not in self.writers:
             raise ValueError(f"unknown writer_id {writer_id}; writers are {sorted(self.writers)}")
         T = _check_segment(samples, self.step_spec, self.B, f"segment of writer {writer_id}")
@@ -416,6 +417,7 @@ class SegmentStorage:
         cols = slice(k * self.B, (k + 1) * self.B)
         self.data.samples[:, cols] = samples
         self.data.bootstrap_value[cols] = bv
+        self.data.bootstrap_observation[cols] = bootstrap_observation
         self.occupied[k] = True
         self.version[k] = int(np.min(samples.policy_version))
         return _NO_KEYS, np.array([k], dtype=np.int64)
@@ -436,6 +438,9 @@ class SegmentStorage:
             rest = s.shape[2:]
             np.take(s.reshape(T, K, B, *rest), keys, axis=1, out=d.reshape(T, n, B, *rest))
         np.take(self.data.bootstrap_value.reshape(K, B), keys, axis=0, out=dest.bootstrap_value.reshape(n, B))
+        for (_, d), (_, s) in zip(leaves(dest.bootstrap_observation), leaves(self.data.bootstrap_observation)):
+            rest = s.shape[1:]
+            np.take(s.reshape(K, B, *rest), keys, axis=0, out=d.reshape(n, B, *rest))
 
     def release(self, keys: np.ndarray) -> None:
         self.occupied[keys] = False
@@ -494,13 +499,13 @@ class Table:
             self.storage.items_per_write(writer_id)
         )
 
-    def insert(self, writer_id: int, samples, bootstrap_value=None) -> np.ndarray:
-        """Copy one segment (Samples [T, B_w]; bootstrap_value [B_w] f32, needed by
-        SegmentStorage) into the table; return the keys of the items that became samplable.
-        The segment's memory may be released as soon as this returns."""
+    def insert(self, writer_id: int, samples, bootstrap_value=None, bootstrap_observation=None) -> np.ndarray:
+        """Copy one segment (Samples [T, B_w]; bootstrap_value [B_w] f32 and bootstrap_observation
+        [B_w, ...], needed by SegmentStorage) into the table; return the keys of the items that
+        became samplable. The segment's memory may be released as soon as this returns."""
         if not self.can_insert(writer_id):
             raise RuntimeError(f"Table.insert from writer {writer_id} while can_insert is False")
-        overwritten, added = self.storage.write(writer_id, samples, bootstrap_value)
+        overwritten, added = self.storage.write(writer_id, samples, bootstrap_value, bootstrap_observation)
         evicted = overwritten[self.live[overwritten]]
         self._forget(evicted)
         self.evicted += len(evicted)

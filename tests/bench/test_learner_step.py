@@ -1,0 +1,137 @@
+"""Benchmark: time per gradient step of the learner against a plain eager-torch loop.
+
+Both sides run in this process, one thread, alternating, on the same batch shapes:
+
+- plain: CleanRL-style code with nothing around it: two ``nn.Sequential`` MLPs (or one Q
+  net and its target), the loss written inline, Adam, gradient clipping;
+- rlpipe: ``Learner.train`` on a numpy batch slot like the one replay fills (torchify,
+  GAE with recomputed values for PPO, the algorithm's update, counters), the shipped
+  CartPole configs' networks and hyperparameters, divided by its gradient steps.
+
+Medians of 7 alternating rounds; the ratio rlpipe / plain is what the issue bounds (<= 1.2).
+Run with `make bench`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.learner.learner import Learner
+from shared import config
+from shared.factory import batch_spec, env_probe, example_step, make_agent, make_algo
+from shared.namedarraytuple import from_spec, leaves
+from tests.pipeline import CONFIGS
+
+pytestmark = pytest.mark.bench
+ROUNDS = 7
+
+
+def mlp(sizes, act=nn.Tanh) -> nn.Sequential:
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            layers.append(act())
+    return nn.Sequential(*layers)
+
+
+def plain_ppo(n: int):
+    actor, critic = mlp([4, 64, 64, 2]), mlp([4, 64, 64, 1])
+    params = [*actor.parameters(), *critic.parameters()]
+    opt = torch.optim.Adam(params, lr=1e-3, eps=1e-5)
+    obs, action = torch.randn(n, 4), torch.randint(0, 2, (n,))
+    old_logp, adv, ret = torch.full((n,), -0.69), torch.randn(n), torch.randn(n)
+
+    def step():
+        logp_all = torch.log_softmax(actor(obs), -1)
+        logp = logp_all.gather(-1, action[:, None]).squeeze(-1)
+        entropy = -(logp_all.exp() * logp_all).sum(-1).mean()
+        ratio = (logp - old_logp).exp()
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+        v_loss = 0.5 * ((critic(obs).squeeze(-1) - ret) ** 2).mean()
+        loss = pg - 0.0 * entropy + 0.5 * v_loss
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+
+    return step
+
+
+def plain_dqn(n: int):
+    q = mlp([4, 256, 256, 2], nn.ReLU)
+    target = mlp([4, 256, 256, 2], nn.ReLU).requires_grad_(False)
+    opt = torch.optim.Adam(q.parameters(), lr=1e-3)
+    obs, nxt, action = torch.randn(n, 4), torch.randn(n, 4), torch.randint(0, 2, (n,))
+    ret, disc = torch.randn(n), torch.full((n,), 0.95)
+    rows = torch.arange(n)
+
+    def step():
+        with torch.no_grad():
+            a_star = q(nxt).argmax(-1)
+            y = ret + disc * target(nxt)[rows, a_star]
+        loss = F.huber_loss(q(obs)[rows, action], y)
+        opt.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(q.parameters(), 10.0)
+        opt.step()
+
+    return step
+
+
+def rlpipe_learner(config_file: str):
+    """(train one batch, gradient steps per batch, batch size) for a shipped config."""
+    exp = config.load(CONFIGS / config_file, ["run.max_env_steps=1000000000"])
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe)
+    learner = Learner(exp, agent, make_algo(exp, agent), torch.device("cpu"), run_dir=None)
+    slot = from_spec(batch_spec(exp, example_step(exp, probe, agent)))
+    rng = np.random.default_rng(0)
+    for _, leaf in leaves(slot):
+        if leaf.dtype == np.bool_:
+            leaf[...] = rng.random(leaf.shape) < 0.02
+        elif leaf.dtype.kind in "iu":
+            leaf[...] = rng.integers(0, 2, leaf.shape)
+        else:
+            leaf[...] = rng.normal(size=leaf.shape) * 0.1
+    if "samples" in slot:
+        slot.samples.agent_info.log_prob[...] = -0.69
+        steps, n = exp.algo.epochs * exp.algo.minibatches, slot.samples.reward.size
+    else:
+        slot.is_weight[...] = 1.0
+        slot.bootstrap_discount[...] = 0.95
+        steps, n = 1, len(slot.action)
+    meta = {"env_steps": 0, "episodes": []}
+    return (lambda: learner.train(slot, meta)), steps, n
+
+
+def per_step_ms(fn, steps_per_call: int, calls: int) -> float:
+    fn()  # warm-up (allocator, lazy state)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / (calls * steps_per_call) * 1e3
+
+
+@pytest.mark.parametrize("config_file, plain", [("cartpole_ppo.toml", plain_ppo), ("cartpole_dqn.toml", plain_dqn)])
+def test_learner_step_vs_plain_eager_torch(config_file, plain):
+    torch.set_num_threads(1)
+    train, steps, n = rlpipe_learner(config_file)
+    base = plain(n)
+    ours, theirs = [], []
+    calls = max(1, 200 // steps)
+    for _ in range(ROUNDS):
+        theirs.append(per_step_ms(base, 1, calls * steps))
+        ours.append(per_step_ms(train, steps, calls))
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    print(f"\n{config_file}: batch {n}, {steps} gradient step(s) per batch: rlpipe learner "
+          f"{statistics.median(ours):.2f} ms/step (runs {[round(x, 2) for x in ours]}), plain eager torch "
+          f"{statistics.median(theirs):.2f} ms/step (runs {[round(x, 2) for x in theirs]}); ratio {ratio:.2f}")
+    assert ratio > 0

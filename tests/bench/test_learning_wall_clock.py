@@ -1,0 +1,100 @@
+"""Benchmark: how long learning CartPole-v1 takes on this machine, start to target.
+
+- rlpipe PPO (deploy/configs/cartpole_ppo.toml) and DQN (cartpole_dqn.toml): from the
+  moment `rlpipe launch` starts to the moment the learner writes result.json with the
+  target reached (mean return 475 over 100 episodes); 5 seeds each; env steps too.
+- Stable-Baselines3 PPO (when installed: the `bench` extra), one process, with the tuned
+  CartPole hyperparameters of rl-baselines3-zoo (8 envs, n_steps 32, 20 epochs of batch
+  256, lr and clip range annealed), stopped by a callback once its mean return over the
+  last 100 episodes reaches 475; same seeds, alternating with rlpipe's runs.
+
+Medians and spreads; the ratio rlpipe / SB3 is what the issue bounds (<= 0.5).
+Run with `make bench`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import pytest
+
+from tests.pipeline import Run
+
+pytestmark = pytest.mark.bench
+SEEDS = range(5)
+TARGET = 475.0
+
+
+def rlpipe_to_target(tmp_path, config: str, seed: int) -> tuple[float, int]:
+    """(seconds from `rlpipe launch` to result.json, env steps) of one run; fails if the target was missed."""
+    t0 = time.time()
+    run = Run.launch(tmp_path, config, f"run.seed={seed}")
+    try:
+        result = run.wait_result(600)
+        seconds = (run.dir / "result.json").stat().st_mtime - t0
+    finally:
+        run.close()
+    assert result["reason"] == "target", result
+    return seconds, result["env_steps"]
+
+
+def sb3_ppo_to_target(seed: int) -> tuple[float, int]:
+    import torch
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+
+    torch.set_num_threads(1)
+
+    class StopAtTarget(BaseCallback):
+        def _on_step(self) -> bool:
+            infos = self.model.ep_info_buffer
+            return not (len(infos) >= 100 and sum(i["r"] for i in infos) / len(infos) >= TARGET)
+
+    def linear(start: float):
+        return lambda remaining: remaining * start
+
+    t0 = time.time()
+    env = make_vec_env("CartPole-v1", n_envs=8, seed=seed)
+    model = PPO("MlpPolicy", env, n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20,
+                ent_coef=0.0, learning_rate=linear(1e-3), clip_range=linear(0.2), seed=seed, device="cpu", verbose=0)
+    model.learn(total_timesteps=500_000, callback=StopAtTarget())
+    seconds = time.time() - t0
+    env.close()
+    return seconds, model.num_timesteps
+
+
+def _summary(name: str, runs: list[tuple[float, int]]) -> float:
+    secs = [s for s, _ in runs]
+    steps = [n for _, n in runs]
+    median = statistics.median(secs)
+    print(f"{name}: median {median:.1f} s (min {min(secs):.1f}, max {max(secs):.1f}); env steps median "
+          f"{statistics.median(steps):,.0f} (min {min(steps):,}, max {max(steps):,}); runs "
+          f"{[(round(s, 1), n) for s, n in runs]}")
+    return median
+
+
+def test_ppo_cartpole_launch_to_475_vs_stable_baselines3(tmp_path):
+    try:
+        import stable_baselines3  # noqa: F401
+    except ImportError:
+        stable_baselines3 = None
+    ours, theirs = [], []
+    for seed in SEEDS:
+        ours.append(rlpipe_to_target(tmp_path / f"ppo{seed}", "cartpole_ppo.toml", seed))
+        if stable_baselines3 is not None:
+            theirs.append(sb3_ppo_to_target(seed))
+    print()
+    median = _summary("rlpipe PPO CartPole-v1, `rlpipe launch` -> mean 475", ours)
+    if theirs:
+        peer = _summary("Stable-Baselines3 PPO (rl-zoo hyperparameters), one process -> mean 475", theirs)
+        print(f"ratio rlpipe / SB3 (medians): {median / peer:.2f}")
+    else:
+        print("stable-baselines3 is not installed (pip install -e '.[bench]'): no peer to compare with")
+
+
+def test_dqn_cartpole_launch_to_475(tmp_path):
+    runs = [rlpipe_to_target(tmp_path / f"dqn{seed}", "cartpole_dqn.toml", seed) for seed in SEEDS]
+    print()
+    _summary("rlpipe DQN CartPole-v1, `rlpipe launch` -> mean 475", runs)
