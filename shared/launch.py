@@ -122,7 +122,8 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
             supervisorctl(run_dir, "shutdown", capture=True)
         deadline = time.monotonic() + timeout_s
         while supervisord_pid(run_dir) is not None and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.05)
+            _nudge(run_dir)
     deadline = time.monotonic() + 5  # children may still be exiting when supervisord is gone
     while service_pids(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -130,6 +131,15 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
     if stopped:
         shutil.rmtree(config_mod.socket_dir(run_dir), ignore_errors=True)
     return stopped
+
+
+def _nudge(run_dir: Path) -> None:
+    """Wake supervisord's event loop with a request: once its last child is reaped it exits
+    at its next loop turn, which otherwise may come only with its 1 s poll timeout."""
+    try:
+        rpc(run_dir).supervisor.getState()
+    except (OSError, xmlrpc.client.Error):
+        pass  # already gone
 
 
 def service_pids(run_dir: Path) -> list[int]:

@@ -11,9 +11,12 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
+from typing import Callable, NoReturn
 
 from shared import config as config_mod
+from shared import shm
 
 RUN_CONFIG = "config.toml"
 
@@ -33,6 +36,30 @@ def start_service(service: str, argv=None) -> tuple[config_mod.Experiment, Path,
     run_dir = Path(args.run_dir)
     exp = config_mod.load(run_dir / RUN_CONFIG)
     return exp, run_dir, args.instance
+
+
+def serve(service: str, run: Callable[[config_mod.Experiment, Path, int], None]) -> NoReturn:
+    """A service's process: ``run(exp, run_dir, instance)``, then exit at once.
+
+    The exit skips the interpreter's teardown of its modules (torch's alone takes up to a
+    second, which every `rlpipe stop` would wait for): by then ``run``'s finally blocks have
+    closed its sockets, and the segments it still owns are unlinked here. A SIGTERM
+    (SystemExit) exits with its code; any other exception is logged and exits 1.
+    """
+    code = 0
+    try:
+        run(*start_service(service))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported, then the process ends as it would have
+        traceback.print_exc()
+        code = 1
+    finally:
+        shm.unlink_all_owned()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def setup_logging(name: str) -> None:

@@ -8,7 +8,7 @@ from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
 from shared.config import endpoint, socket_dir
 from shared.factory import env_probe, make_agent
-from shared.runtime import torch_device, start_service
+from shared.runtime import serve, torch_device
 from shared.sockets import Endpoint
 
 log = logging.getLogger("services.action_server")
@@ -40,4 +40,4 @@ def run(exp, run_dir, instance: int) -> None:
 
 
 if __name__ == "__main__":
-    run(*start_service("action_server"))
+    serve("action_server", run)

@@ -11,7 +11,7 @@ from shared import shm
 from shared.config import endpoint
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.params import ParamWriter
-from shared.runtime import torch_device, run_id_of, start_service
+from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.learner")
 
@@ -55,4 +55,4 @@ def run(exp, run_dir, instance: int) -> None:
 
 
 if __name__ == "__main__":
-    run(*start_service("learner"))
+    serve("learner", run)

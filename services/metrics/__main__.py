@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from shared.runtime import start_service
+from shared.runtime import serve
 
 log = logging.getLogger("services.metrics")
 _PID = re.compile(r"_(\d+)\.db$")
@@ -48,4 +48,4 @@ def run(exp, run_dir, instance: int) -> None:
 
 
 if __name__ == "__main__":
-    run(*start_service("metrics"))
+    serve("metrics", run)

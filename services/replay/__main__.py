@@ -9,7 +9,7 @@ from services.replay.tables import make_table
 from shared import metrics as metrics_mod
 from shared.config import endpoint
 from shared.factory import batch_items
-from shared.runtime import start_service
+from shared.runtime import serve
 from shared.sockets import Endpoint
 
 log = logging.getLogger("services.replay")
@@ -33,4 +33,4 @@ def run(exp, run_dir, instance: int) -> None:
 
 
 if __name__ == "__main__":
-    run(*start_service("replay"))
+    serve("replay", run)

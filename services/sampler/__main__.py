@@ -12,7 +12,7 @@ from shared import shm
 from shared.agent_config import info_example
 from shared.config import endpoint, socket_dir
 from shared.factory import env_probe, make_agent, on_policy
-from shared.runtime import run_id_of, start_service, torch_device
+from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.sampler")
 
@@ -57,4 +57,4 @@ def run(exp, run_dir, instance: int) -> None:
 
 
 if __name__ == "__main__":
-    run(*start_service("sampler"))
+    serve("sampler", run)
