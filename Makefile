@@ -18,6 +18,7 @@ test: install
 	$(PYTHON) -m pytest -q tests --ignore=tests/bench
 
 bench: install
+	$(PIP) install -q -e ".[bench]"
 	$(PYTHON) -m pytest -q -s tests/bench -m bench
 
 clean-runs:
