@@ -62,7 +62,7 @@ def _stale_version(name: str, spec) -> int:
     increasing for every reader and every stamp in replay.
     """
     try:
-        seg, slots = shm.attach({"name": name, "spec": spec})
+        seg, slots = shm.attach({"name": name, "spec": spec}, None)  # our own name
     except (FileNotFoundError, ValueError):
         return -1
     version = int(slots.stamp.max())
@@ -72,10 +72,11 @@ def _stale_version(name: str, spec) -> int:
 
 
 class ParamReader:
-    """Peer side (action-server): ``read(version, descriptor)`` loads a published version."""
+    """Peer side (action-server): ``read(version, descriptor)`` loads a published version
+    from a segment of ``owner`` (the run's learner)."""
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, owner: shm.Owner):
+        self.module, self.owner = module, owner
         self.segment = None
         self.nonce = None
         self.slots = None
@@ -103,5 +104,5 @@ class ParamReader:
                              "(was the learner started with another config?)")
         if self.segment is not None:
             self.segment.close()
-        self.segment, self.slots = shm.attach(descriptor)
+        self.segment, self.slots = shm.attach(descriptor, self.owner)
         self.nonce = descriptor.get("nonce")
