@@ -100,6 +100,8 @@ class Endpoint:
             except wire.WireError as e:
                 log.warning("%s: rejected a message from %s: %s", self.name, _who(peer), e)
                 self.on_bad("wire")
+                if peer is not None:
+                    self.send("error", {"reason": f"bad message: {e}"[:ERROR_REPLY_CHARS]}, to=peer)
                 if time.monotonic() >= deadline:
                     return None
 
