@@ -45,9 +45,12 @@ def main(argv=None) -> int:
 
 def _load(args):
     from shared import config as config_mod
+    from shared.factory import check_buildable
 
     try:
-        return config_mod.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
+        exp = config_mod.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
+        check_buildable(exp)
+        return exp
     except config_mod.ConfigError as e:
         print(f"rlpipe: config error: {e}", file=sys.stderr)
         return None
@@ -99,6 +102,10 @@ def _launch(args) -> int:
     except KeyboardInterrupt:
         result = None
         print("\ninterrupted: stopping the run")
+    except launch.ServiceCrashLoop as e:
+        launch.stop(run_dir)
+        print(f"rlpipe: {e}: run stopped. Last lines of {e.log_path}:\n{e.log_tail()}", file=sys.stderr)
+        return 1
     launch.stop(run_dir)
     took = time.monotonic() - t0
     if result is None:
