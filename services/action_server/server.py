@@ -18,10 +18,11 @@ import torch
 import zmq
 
 from shared import shm
+from shared.auth import check_secret
 from shared.config import ActionServerConfig
-from shared.namedarraytuple import map_leaves, numpify, torchify, zip_map
+from shared.namedarraytuple import drop_leading_dims, map_leaves, numpify, torchify, zip_map
 from shared.params import ParamReader
-from shared.sockets import Endpoint
+from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
 POLL_MS = 100
@@ -30,6 +31,7 @@ POLL_MS = 100
 @dataclass
 class Peer:
     instance: int
+    incarnation: int
     segments: list
     slots: list
     last_seen: float
@@ -61,12 +63,14 @@ def act(agent, obs, env_index: np.ndarray, env_steps: int, envs_total: int):
 
 class ActionServer:
     def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
-                 metrics, envs_per_sampler: int = 1, envs_total: int = 1):
+                 metrics, run_id: str, secret: str, slot_item_spec, envs_per_sampler: int = 1, envs_total: int = 1):
         """``envs_per_sampler``/``envs_total`` give every env a global index, for agents whose
-        exploration depends on it (``agent.epsilon(env_steps, env_index, envs_total)``)."""
+        exploration depends on it (``agent.epsilon(env_steps, env_index, envs_total)``);
+        ``run_id``/``secret`` say who belongs to the run; ``slot_item_spec``: one env's StepSlot."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
         self.envs_per_sampler, self.envs_total = envs_per_sampler, envs_total
-        self.reader = ParamReader(agent)
+        self.run_id, self.secret, self.slot_item_spec = run_id, secret, slot_item_spec
+        self.reader = ParamReader(agent, shm.Owner(run_id, "learner"))
         self.version = -1
         self.env_steps = 0
         self.peers: dict[bytes, Peer] = {}
@@ -80,25 +84,31 @@ class ActionServer:
             self._hello(peer, msg.body, now)
         elif msg.type == "obs":
             known = self.peers.get(peer)
-            if known is None or not 0 <= msg.body["slot"] < len(known.slots):
-                self.router.send("error", {"reason": "unknown sampler or slot: send hello_actor first"}, to=peer)
-                return
+            if known is None or not msg.body["slot"] < len(known.slots):
+                raise Rejected("state", "unknown sampler or slot: send hello_actor first")
             known.last_seen = now
             self.pending.append(Request(peer, msg.body["slot"], msg.body["step"], now))
         else:
-            self.router.send("error", {"reason": f"action-server does not take {msg.type!r} messages"}, to=peer)
+            raise Rejected("state", f"action-server does not take {msg.type!r} messages")
 
     def _hello(self, peer: bytes, body: dict, now: float) -> None:
-        self._detach(peer)
+        check_secret(body, self.secret)
+        if any(p.instance == body["instance"] and p.incarnation >= body["incarnation"]
+               for other, p in self.peers.items() if other != peer):
+            raise Rejected("auth", f"sampler {body['instance']} is bound to another routing id; a restarted sampler "
+                           "must say hello with a newer incarnation")
+        if any(not isinstance(d.get("spec"), dict) or drop_leading_dims(d["spec"], 1) != self.slot_item_spec
+               for d in body["slots"]):
+            raise Rejected("descriptor", "bad slot descriptor: its layout is not this agent's StepSlot (same config?)")
         try:
-            segments, slots = shm.attach_all(body["slots"])
+            segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "sampler", body["instance"]))
         except (ValueError, FileNotFoundError) as e:
-            log.warning("hello from %s rejected: %s", peer, e)
-            self.m.bad_messages.inc()
-            self.router.send("error", {"reason": f"bad slot descriptor: {e}"}, to=peer)
-            return
+            raise Rejected("descriptor", f"bad slot descriptor: {e}") from None
+        self._detach(peer)
+        for other in [o for o, p in self.peers.items() if p.instance == body["instance"]]:
+            self._detach(other)  # the sampler's previous incarnation
         first = body["instance"] * self.envs_per_sampler + np.cumsum([0] + [len(t.action) for t in slots[:-1]])
-        self.peers[peer] = Peer(body["instance"], segments, slots, now, [int(f) for f in first])
+        self.peers[peer] = Peer(body["instance"], body["incarnation"], segments, slots, now, [int(f) for f in first])
         self.pending = [r for r in self.pending if r.peer != peer]
         self.m.peers.set(len(self.peers))
         log.info("sampler %d attached (%d slots)", body["instance"], len(slots))
@@ -184,7 +194,7 @@ class ActionServer:
         expected = sum(len(p.slots) for p in self.peers.values())
         while True:
             for peer, msg in self.router.drain():
-                self.handle(peer, msg)
+                self.router.serve(self.handle, peer, msg)
             left = deadline - time.monotonic()
             if len(self.pending) >= min(expected, self.cfg.max_batch) or left <= 0:
                 return
