@@ -90,13 +90,13 @@ def _priority(x) -> bool:
     return isinstance(x, _NUM) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
-# list field -> (what each element must be, test, most elements)
-LISTS: dict[str, tuple[str, object, int]] = {
-    "slots": ("a descriptor map", lambda x: isinstance(x, dict), MAX_DESCRIPTORS),
-    "episodes": (f"[return, length] with |return| <= {MAX_RETURN:g} and length >= 1", _episode, MAX_EPISODES),
-    "keys": ("an int in 0..2**63-1", _key, MAX_ITEMS),
-    "generations": ("an int in 0..2**63-1", _key, MAX_ITEMS),
-    "priorities": ("a finite number >= 0", _priority, MAX_ITEMS),
+# list field -> (what each element must be, test, fewest and most elements)
+LISTS: dict[str, tuple[str, object, int, int]] = {
+    "slots": ("a descriptor map", lambda x: isinstance(x, dict), 1, MAX_DESCRIPTORS),
+    "episodes": (f"[return, length] with |return| <= {MAX_RETURN:g} and length >= 1", _episode, 0, MAX_EPISODES),
+    "keys": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
+    "generations": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
+    "priorities": ("a finite number >= 0", _priority, 0, MAX_ITEMS),
 }
 # message type -> list fields that must have one length
 SAME_LENGTH = {"priorities": ("keys", "generations", "priorities")}
@@ -178,9 +178,9 @@ def _check_body(mtype, body: dict) -> None:
             if not lo <= value <= hi:
                 raise WireError(f"{mtype!r} message: field {name!r} = {value} is outside {lo}..{hi}")
         elif name in LISTS:
-            what, ok, most = LISTS[name]
-            if len(value) > most:
-                raise WireError(f"{mtype!r} message: field {name!r} has {len(value)} entries, at most {most}")
+            what, ok, least, most = LISTS[name]
+            if not least <= len(value) <= most:
+                raise WireError(f"{mtype!r} message: field {name!r} has {len(value)} entries, want {least}..{most}")
             bad = next((i for i, x in enumerate(value) if not ok(x)), None)
             if bad is not None:
                 raise WireError(f"{mtype!r} message: {name}[{bad}] = {value[bad]!r:.60} must be {what}")

@@ -159,9 +159,11 @@ def test_the_reader_role_cannot_be_taken_by_another_peer(hub):
     learner, other = hub.client("learner0"), hub.client("learner0")
     learner.send("hello_reader", {"slots": hub.batch_slots(), "incarnation": 5, "secret": SECRET})
     wait_for(lambda: hub.service.reader is not None, "the learner to attach")
-    other.send("hello_reader", {"slots": [], "incarnation": 5, "secret": SECRET})
+    other.send("hello_reader", {"slots": [{"name": "x"}], "incarnation": 5, "secret": SECRET})
     [reply] = replies(other, 1)
     assert "learner is bound to another routing id" in reply.body["reason"]
+    raw_send(other, "hello_reader", {"slots": [], "incarnation": 6, "secret": SECRET})  # took the role before
+    assert replies(other, 1)[0].type == "error" and hub.bad == ["auth", "wire"]
     assert hub.service.reader.peer == learner.identity and len(hub.service.reader.slots) == 1
     other.send("sample", {"slot": 0, "n": 4, "min_version": 0})
     [reply] = replies(other, 1)
@@ -181,6 +183,7 @@ def test_the_reader_role_cannot_be_taken_by_another_peer(hub):
      "descriptor"),  # a null spec
     ("hello_writer", {"instance": 1, "incarnation": 1, "secret": SECRET, "ring": {"name": 5, "spec": {}}},
      "descriptor"),
+    ("hello_writer", {"instance": 1, "incarnation": 1, "secret": SECRET, "ring": {"name": "x"}}, "descriptor"),
     ("hello_reader", {"slots": [{"name": None, "spec": None}], "incarnation": 1, "secret": SECRET}, "descriptor"),
     ("sample", {"slot": 0, "n": 4, "min_version": 0}, "state"),
     ("release", {"index": 0}, "state"),

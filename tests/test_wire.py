@@ -39,7 +39,7 @@ def field_values(name: str, types: tuple):
         return st.lists(st.tuples(st.floats(-wire.MAX_RETURN, wire.MAX_RETURN) | st.integers(-10**6, 10**6),
                                   st.integers(1, 2**63 - 1)).map(list), max_size=4)
     if name == "slots":
-        return st.lists(st.dictionaries(st.text(max_size=8), JSONISH, max_size=3), max_size=4)
+        return st.lists(st.dictionaries(st.text(max_size=8), JSONISH, max_size=3), min_size=1, max_size=4)
     return st.one_of(*(VALUES[t] for t in types))
 
 
@@ -60,7 +60,7 @@ def body_of(mtype: str):
 def valid_body(mtype: str) -> dict:
     """One fixed valid body for ``mtype``."""
     example = {int: 1, str: "s", list: [], dict: {}, bool: True, float: 1.0}
-    return {f: example[types[0]] for f, types in wire.SCHEMAS[mtype].items()}
+    return {f: [{}] if f == "slots" else example[types[0]] for f, types in wire.SCHEMAS[mtype].items()}
 
 
 def header(**changes) -> dict:
@@ -219,13 +219,14 @@ def test_every_int_field_has_a_range():
     ("sampled", "episodes", [[1e308, 3]] * 100, r"episodes\[0\]"),  # a mean of these is inf
     ("sampled", "episodes", [[True, 3]], r"episodes\[0\]"),
     ("sampled", "episodes", [[1.0, 2.5]], r"episodes\[0\]"),
-    ("sampled", "episodes", [[1.0, 1]] * (wire.MAX_EPISODES + 1), "field .episodes. has 65537 entries, at most 65536"),
+    ("sampled", "episodes", [[1.0, 1]] * (wire.MAX_EPISODES + 1), "field .episodes. has 65537 entries, want 0..65536"),
     ("priorities", "keys", [2**64 - 1], r"keys\[0\] = 18446744073709551615 must be an int"),
     ("priorities", "keys", [-1], r"keys\[0\] = -1"),
     ("priorities", "priorities", [float("nan")], r"priorities\[0\] = nan must be a finite number"),
     ("priorities", "priorities", [-1.0], r"priorities\[0\] = -1.0"),
     ("hello_actor", "slots", [None], r"slots\[0\] = None must be a descriptor map"),
-    ("hello_reader", "slots", [{}] * (wire.MAX_DESCRIPTORS + 1), "field .slots. has 17 entries, at most 16"),
+    ("hello_reader", "slots", [{}] * (wire.MAX_DESCRIPTORS + 1), "field .slots. has 17 entries, want 1..16"),
+    ("hello_reader", "slots", [], "field .slots. has 0 entries, want 1..16"),  # took the reader role before
 ])
 def test_hostile_list_values_are_rejected(mtype, field, value, message):
     body = {**valid_body(mtype), field: value}

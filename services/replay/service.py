@@ -120,7 +120,7 @@ class ReplayService:
                            "sampler must say hello with a newer incarnation")
         try:
             validate_spec(body["ring"].get("spec"), "ring.spec")
-            spec = drop_leading_dims(body["ring"]["spec"], 1)
+            spec = drop_leading_dims(body["ring"].get("spec"), 1)
         except ValueError as e:
             raise Rejected("descriptor", f"bad ring descriptor: {e}") from None
         if not isinstance(spec, dict) or "fields" not in spec:
