@@ -1,4 +1,5 @@
-"""Who belongs to a run: the per-run secret that every hello carries.
+"""Who belongs to a run: the per-run secret that every hello carries, and over TCP the
+run's CURVE key pair.
 
 ``rlpipe launch`` writes ``<run dir>/secret`` (32 random bytes as hex, mode 0600) before
 any service starts; every service reads it at start and every hello carries it. A hello
@@ -6,6 +7,12 @@ without the run's secret is rejected, so a process of another run, or another us
 process that can reach a TCP port, cannot attach descriptors, replace the learner or take
 a sampler's role. Only a process that can read the run directory as the run's user can
 say hello (ARCHITECTURE rule 5; docs/architecture.md, threat model).
+
+Over TCP (``network.transport = "tcp"``) every socket also speaks ZeroMQ CURVE: launch
+writes the run's server key pair into ``<run dir>/curve/`` (mode 0700); bound sockets are
+CURVE servers with its secret key, connecting ones CURVE clients of its public key with a
+fresh key pair each. A client that does not have the run's server key cannot complete the
+handshake, so it cannot send or receive anything, and nothing travels in clear text.
 """
 
 from __future__ import annotations
@@ -16,9 +23,13 @@ import secrets
 import stat
 from pathlib import Path
 
-from shared.sockets import Rejected
+import zmq
+import zmq.auth
+
+from shared.sockets import CurveKeys, Rejected
 
 SECRET_FILE = "secret"
+CURVE_DIR = "curve"
 
 
 def write_secret(run_dir: Path) -> None:
@@ -48,3 +59,21 @@ def check_secret(body: dict, secret: str) -> None:
     if not hmac.compare_digest(body["secret"].encode(), secret.encode()):
         raise Rejected("auth", "wrong run secret: this peer is not part of the run (another run's process, or one "
                        "started by hand without the run directory's secret file)")
+
+
+def write_curve_keys(run_dir: Path) -> None:
+    """Create the run's CURVE server key pair in ``<run dir>/curve/`` (0700; the secret file 0600)."""
+    keys = Path(run_dir) / CURVE_DIR
+    keys.mkdir(mode=0o700)
+    _, secret_file = zmq.auth.create_certificates(keys, "server")
+    os.chmod(secret_file, 0o600)
+
+
+def read_curve_keys(run_dir: Path) -> CurveKeys:
+    """The run's server key pair, for servers and clients alike (clients use its public key)."""
+    path = Path(run_dir) / CURVE_DIR / "server.key_secret"
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"{path}: no CURVE keys for this TCP run ({e}); start runs with `rlpipe launch`") from None
+    return CurveKeys(server_public=public, server_secret=secret)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from shared import config as config_mod
 from shared import shm
-from shared.auth import write_secret
+from shared.auth import write_curve_keys, write_secret
 from shared.config import Experiment
 from shared.runtime import RUN_CONFIG
 
@@ -66,6 +66,8 @@ def make_run_dir(exp: Experiment) -> Path:
     make_private_dir(config_mod.socket_base())
     config_mod.socket_dir(run_dir).mkdir(mode=0o700)
     write_secret(run_dir)
+    if exp.network.transport == "tcp":
+        write_curve_keys(run_dir)
     (run_dir / RUN_CONFIG).write_text(config_mod.dumps(exp))
     return run_dir.resolve()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -27,6 +28,24 @@ from shared import wire
 LINGER_MS = 0  # nothing queued for a dead peer is worth blocking shutdown for
 ERROR_REPLY_CHARS = 400
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A run's CURVE server key pair (z85 bytes); see shared/auth.py."""
+
+    server_public: bytes
+    server_secret: bytes
+
+
+_curve: CurveKeys | None = None
+
+
+def use_curve(keys: CurveKeys | None) -> None:
+    """Make every tcp:// socket this process opens from now on speak CURVE with ``keys``
+    (called once at service start for TCP runs); None turns it off."""
+    global _curve
+    _curve = keys
 
 
 class Rejected(ValueError):
@@ -50,6 +69,13 @@ def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same name takes over
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+    if _curve is not None and endpoint.startswith("tcp://"):
+        if bind:
+            sock.curve_server = True
+            sock.curve_secretkey = _curve.server_secret
+        else:
+            sock.curve_serverkey = _curve.server_public
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
     if bind:
         sock.bind(endpoint)
     else:
