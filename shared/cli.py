@@ -45,15 +45,28 @@ def main(argv=None) -> int:
 
 def _load(args):
     from shared import config as config_mod
-    from shared.factory import check_buildable
 
     try:
-        exp = config_mod.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
-        check_buildable(exp)
-        return exp
+        return config_mod.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
     except config_mod.ConfigError as e:
         print(f"rlpipe: config error: {e}", file=sys.stderr)
         return None
+
+
+def _buildable(exp):
+    """``exp`` if its agent can be built for its env, else None after a one-line config error:
+    a model that cannot exist must not reach the services (they would crash in a loop)."""
+    from shared import config as config_mod
+    from shared.factory import check_buildable
+
+    if exp is None:
+        return None
+    try:
+        check_buildable(exp)
+    except config_mod.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return None
+    return exp
 
 
 def _train(args) -> int:
@@ -71,7 +84,7 @@ def _train(args) -> int:
 
 
 def _prepare(args) -> int:
-    exp = _load(args)
+    exp = _buildable(_load(args))
     if exp is None:
         return 2
     from shared import launch
@@ -81,7 +94,7 @@ def _prepare(args) -> int:
 
 
 def _launch(args) -> int:
-    exp = _load(args)
+    exp = _buildable(_load(args))
     if exp is None:
         return 2
     from shared import launch
