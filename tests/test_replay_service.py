@@ -203,6 +203,18 @@ def test_each_message_that_crashed_replay_is_answered_and_the_data_stays(hub, mt
     assert hub.service.table.size > size
 
 
+def test_a_sampler_the_config_does_not_have_is_refused_before_it_is_registered(hub):
+    stranger = hub.client("sampler5")
+    hello_writer(hub, stranger, instance=5)  # a valid ring of "sampler 5" in a run of 2 samplers
+    [reply] = replies(stranger, 1)
+    assert "unknown writer_id 5" in reply.body["reason"] and hub.bad == ["value"]
+    assert 5 not in hub.service.writers
+    sampler = hub.client("sampler0")
+    hello_writer(hub, sampler)
+    sampler.send("segment", segment(1))
+    assert replies(sampler, 1)[0].type == "release"
+
+
 def test_batch_slots_of_the_wrong_layout_get_an_error_not_a_crash(hub):
     sampler, learner = hub.client("sampler0"), hub.client("learner0")
     hello_writer(hub, sampler)

@@ -131,19 +131,21 @@ class ReplayService:
             seg, ring = shm.attach(body["ring"], shm.Owner(self.run_id, "sampler", body["instance"]))
         except (ValueError, FileNotFoundError) as e:
             raise Rejected("descriptor", f"bad ring descriptor: {e}") from None
-        if self.table is None:
-            try:
-                table = self.table_factory(spec)
-            except Exception:
-                seg.close()
-                raise
-            self.segment_spec, self.table = spec, table
+        try:
+            table = self.table if self.table is not None else self.table_factory(spec)
+            table.reset_writer(body["instance"])  # ValueError for a sampler the run's config does not have
+        except ValueError as e:
+            seg.close()
+            raise Rejected("value", f"hello_writer: {e}") from None
+        except Exception:
+            seg.close()
+            raise
+        self.segment_spec, self.table = spec, table
         if known is not None:
             log.info("sampler %d restarted: dropping %d segment(s) announced by its previous incarnation",
                      known.instance, len(known.pending))
             known.segment.close()
         self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now)
-        self.table.reset_writer(body["instance"])
         log.info("sampler %d attached", body["instance"])
 
     def _segment(self, peer: bytes, body: dict) -> None:
