@@ -20,7 +20,7 @@ import zmq
 from shared import shm
 from shared.auth import check_secret
 from shared.config import ActionServerConfig
-from shared.namedarraytuple import drop_leading_dims, map_leaves, numpify, torchify, zip_map
+from shared.namedarraytuple import drop_leading_dims, leaves, map_leaves, numpify, torchify, zip_map
 from shared.params import ParamReader
 from shared.sockets import Endpoint, Rejected
 
@@ -104,6 +104,12 @@ class ActionServer:
             segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "sampler", body["instance"]))
         except (ValueError, FileNotFoundError) as e:
             raise Rejected("descriptor", f"bad slot descriptor: {e}") from None
+        envs = sum(len(next(leaves(t))[1]) for t in slots)
+        if (body["instance"] + 1) * self.envs_per_sampler > self.envs_total or envs != self.envs_per_sampler:
+            for seg in segments:
+                seg.close()
+            raise Rejected("value", f"sampler {body['instance']} with {envs} envs is not one of this run's "
+                           f"{self.envs_total // self.envs_per_sampler} samplers of {self.envs_per_sampler} envs")
         self._detach(peer)
         for other in [o for o, p in self.peers.items() if p.instance == body["instance"]]:
             self._detach(other)  # the sampler's previous incarnation
