@@ -60,13 +60,13 @@ class Rejected(ValueError):
 def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity: bytes | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
-    # ZeroMQ checks this per frame, before buffering it: no peer makes us hold more than wire accepts.
+    # ZeroMQ checks this per frame as it decodes, and drops a peer that sends more than wire accepts.
     sock.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_HEADER_BYTES, wire.MAX_FRAME_BYTES))
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished peers silently
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same name takes over
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting with its (unguessable) identity gets its route back
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     if _curve is not None and endpoint.startswith("tcp://"):

@@ -48,16 +48,16 @@ def test_a_client_without_the_run_key_gets_nothing_through(ctx, run_keys):
     address = f"tcp://127.0.0.1:{free_port()}"
     server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="replay0")
     client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")  # has the run's key
-    client.send("obs", {"slot": 0, "step": 1})
+    client.send("release", {"index": 1})
     peer, msg = server.recv(timeout_ms=5000)
-    server.send("act", {"slot": 0, "step": 1, "version": 1}, to=peer)
-    assert client.recv(timeout_ms=5000)[1].type == "act"
+    server.send("release", {"index": 2}, to=peer)
+    assert client.recv(timeout_ms=5000)[1].body == {"index": 2}
     strangers = [plain_dealer(ctx, address), plain_dealer(ctx, address, zmq.curve_keypair()[0])]
     for s in strangers:
-        s.send_multipart(wire.pack("obs", {"slot": 0, "step": 2}, "x", 1))
+        s.send_multipart(wire.pack("release", {"index": 3}, "x", 1))
     assert server.recv(timeout_ms=1000) is None  # neither clear text nor the wrong server key gets in
-    client.send("obs", {"slot": 0, "step": 3})
-    assert server.recv(timeout_ms=5000)[1].body["step"] == 3
+    client.send("release", {"index": 4})
+    assert server.recv(timeout_ms=5000)[1].body == {"index": 4}
 
 
 def test_a_tcp_run_learns_over_curve_and_a_keyless_client_gets_nothing(runs, ctx):

@@ -33,7 +33,7 @@ def test_a_dict_observation_with_an_8x8_image_learns_with_encoder_auto():
 
 def test_a_model_that_cannot_be_built_fails_at_launch_in_one_line(tmp_path):
     out = rlpipe("launch", str(CONFIGS / "cartpole_ppo.toml"), "--set", IMAGE_ENV, "--set", 'model.encoder="nature_cnn"',
-                 "--set", f"run.runs_dir='{tmp_path}'")
+                 "--set", f"run.runs_dir='{tmp_path}'", "--set", "network.metrics_port=0")
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rlpipe: config error: [model] encoder = 'nature_cnn'"), lines

@@ -300,26 +300,26 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address, ca
     raw.connect(address)
     raw.send_multipart([b"\xc1\xc1garbage"])
     raw.send_multipart([msgpack.packb(header(v=99))])
-    raw.send_multipart([msgpack.packb(header(type=["obs"]))])
+    raw.send_multipart([msgpack.packb(header(type=["sample"]))])
     raw.send_multipart([b""])
     arr = np.arange(12, dtype=np.float32).reshape(3, 4)
-    raw.send_multipart(wire.pack("obs", {"slot": 2, "step": 5}, "raw", 1, [arr]), copy=False)
+    raw.send_multipart(wire.pack("sample", {"slot": 2, "n": 5, "min_version": 0}, "raw", 1, [arr]), copy=False)
     got = server.recv(timeout_ms=5000)
     assert got is not None
     peer, msg = got
-    assert peer == b"raw" and (msg.type, msg.body, msg.seq) == ("obs", {"slot": 2, "step": 5}, 1)
+    assert peer == b"raw" and (msg.type, msg.body, msg.seq) == ("sample", {"slot": 2, "n": 5, "min_version": 0}, 1)
     np.testing.assert_array_equal(msg.arrays[0], arr)
     assert bad == ["wire"] * 4
     logged = [r.getMessage() for r in caplog.records]
     assert "not valid msgpack" in logged[0] and "protocol version 99" in logged[1]
     assert "'type' must be a str" in logged[2] and "not valid msgpack" in logged[3]
-    server.send("act", {"slot": 2, "step": 5, "version": 3}, to=peer)
+    server.send("sampled", {"slot": 2, "n": 5, "env_steps": 3, "episodes": [], "dropped": 0}, to=peer)
     replies = []
-    while raw.poll(5000) and len(replies) < 5:
+    while len(replies) < 5 and raw.poll(5000):
         replies.append(wire.unpack(raw.recv_multipart()))
-    assert [r.type for r in replies] == ["error"] * 4 + ["act"]  # each bad message answered, naming the fault
+    assert [r.type for r in replies] == ["error"] * 4 + ["sampled"]  # each bad message answered, naming the fault
     assert replies[1].body["reason"] == "bad message: protocol version 99, this service speaks 1"
-    assert (replies[4].sender, replies[4].seq, replies[4].body["version"]) == ("server", 5, 3)
+    assert (replies[4].sender, replies[4].seq, replies[4].body["env_steps"]) == ("server", 5, 3)
     raw.send_multipart([b"junk"])
     assert server.recv(timeout_ms=50) is None and len(bad) == 5  # garbage alone: a bounded wait, no message
     raw.close(linger=0)
@@ -329,21 +329,21 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address, ca
 def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx, address):
     server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server")
     client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
-    client.send("obs", {"slot": 0, "step": 1})
+    client.send("sample", {"slot": 0, "n": 1, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
     assert peer == client.identity and peer.startswith(b"sampler0.") and msg.seq == 1
-    server.send("act", {"slot": 0, "step": 1, "version": 1}, to=peer)
+    server.send("sampled", {"slot": 0, "n": 1, "env_steps": 1, "episodes": [], "dropped": 0}, to=peer)
     assert client.sock.poll(5000)  # a reply is queued on the old socket...
     old = client.sock
     client.reconnect()
     assert old.closed and client.sock is not old
     assert client.recv(timeout_ms=50) is None  # ...and went with it
-    client.send("obs", {"slot": 0, "step": 2})
+    client.send("sample", {"slot": 0, "n": 2, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
-    assert peer == client.identity and (msg.body["step"], msg.seq) == (2, 2)  # same route, sequence numbers go on
-    server.send("act", {"slot": 0, "step": 2, "version": 2}, to=peer)
+    assert peer == client.identity and (msg.body["n"], msg.seq) == (2, 2)  # same route, sequence numbers go on
+    server.send("sampled", {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}, to=peer)
     got = client.recv(timeout_ms=5000)
-    assert got is not None and got[1].body == {"slot": 0, "step": 2, "version": 2}
+    assert got is not None and got[1].body == {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}
     client.close()
     server.close()
 
@@ -352,16 +352,16 @@ def test_a_peer_that_claims_a_name_cannot_take_its_route(ctx, address):
     server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server")
     client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
     assert client.identity != Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0").identity
-    client.send("obs", {"slot": 0, "step": 1})
+    client.send("segment", {"index": 0, "serial": 1, "steps": 8, "episodes": [], "version_min": 0, "version_max": 0})
     peer, _ = server.recv(timeout_ms=5000)
     thief = ctx.socket(zmq.DEALER)
     thief.setsockopt(zmq.LINGER, 0)
     thief.setsockopt(zmq.IDENTITY, b"sampler0")  # the name the old code used as routing id
     thief.connect(address)
-    thief.send_multipart(wire.pack("obs", {"slot": 0, "step": 9}, "sampler0", 1))
+    thief.send_multipart(wire.pack("release", {"index": 9}, "sampler0", 1))
     assert server.recv(timeout_ms=5000)[0] == b"sampler0"  # another route, not the sampler's
-    server.send("act", {"slot": 0, "step": 1, "version": 1}, to=peer)
-    assert client.recv(timeout_ms=5000)[1].body["step"] == 1
+    server.send("release", {"index": 0}, to=peer)
+    assert client.recv(timeout_ms=5000)[1].body == {"index": 0}
     assert not thief.poll(100)
     thief.close(linger=0)
 
@@ -377,17 +377,17 @@ def test_serve_answers_and_counts_whatever_one_message_raises_and_goes_on(ctx, a
             raise Rejected("value", "slot 1 is not yours")
         if msg.body["slot"] == 2:
             raise OverflowError("Python int too large to convert to C long")
-        handled.append(msg.body["step"])
+        handled.append(msg.body["n"])
 
     for slot in (1, 2, 2, 0):
-        client.send("obs", {"slot": slot, "step": slot + 10})
+        client.send("sample", {"slot": slot, "n": slot + 10, "min_version": 0})
     for _ in range(4):
         server.serve(handler, *server.recv(timeout_ms=5000))
     assert handled == [10] and bad == ["value", "internal", "internal"]
     replies = [client.recv(timeout_ms=5000)[1] for _ in range(3)]
     assert [r.type for r in replies] == ["error"] * 3
-    assert replies[0].body["reason"] == "obs: slot 1 is not yours"
-    assert replies[1].body["reason"] == "obs: OverflowError: Python int too large to convert to C long"
+    assert replies[0].body["reason"] == "sample: slot 1 is not yours"
+    assert replies[1].body["reason"] == "sample: OverflowError: Python int too large to convert to C long"
 
 
 def test_frames_over_the_size_limit_are_dropped_by_zeromq(ctx, address, monkeypatch):
@@ -401,6 +401,6 @@ def test_frames_over_the_size_limit_are_dropped_by_zeromq(ctx, address, monkeypa
     raw.send_multipart([b"x" * 10_000])
     assert server.recv(timeout_ms=300) is None  # ZeroMQ closed that connection instead of buffering it
     client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="c")
-    client.send("obs", {"slot": 0, "step": 1})
-    assert server.recv(timeout_ms=5000)[1].body == {"slot": 0, "step": 1}
+    client.send("release", {"index": 1})
+    assert server.recv(timeout_ms=5000)[1].body == {"index": 1}
     raw.close(linger=0)
