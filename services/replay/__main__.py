@@ -10,7 +10,8 @@ from shared import metrics as metrics_mod
 from shared.auth import read_secret
 from shared.config import endpoint
 from shared.factory import batch_items
-from shared.runtime import run_id_of, start_service
+from shared.runtime import start_service
+from shared.runtime import run_id_of  # noqa: I001 (own line: start_service is being replaced on main)
 from shared.sockets import Endpoint
 
 log = logging.getLogger("services.replay")

@@ -249,9 +249,9 @@ class ReplayService:
         return True
 
     def _insert(self, w: Writer, body: dict) -> None:
-        segment = w.ring[body["index"]]
         if body["serial"] != w.last_serial + 1:
             self.table.reset_writer(w.instance)  # segments lost in between: no n-step window may span the gap
+        segment = w.ring[body["index"]]
         keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value)
         w.last_serial = body["serial"]
         if self.cfg.release_on_sample and self.cfg.table == "queue":
