@@ -7,11 +7,11 @@ import zmq
 from services.replay.service import ReplayService
 from services.replay.tables import make_table
 from shared import metrics as metrics_mod
+from shared import runtime
 from shared.auth import read_secret
 from shared.config import endpoint
 from shared.factory import batch_items
 from shared.runtime import start_service
-from shared.runtime import run_id_of  # noqa: I001 (own line: start_service is being replaced on main)
 from shared.sockets import Endpoint
 
 log = logging.getLogger("services.replay")
@@ -24,7 +24,7 @@ def run(exp, run_dir, instance: int) -> None:
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
                       on_bad=metrics_mod.bad_message_counter(m))
     service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed),
-                            router, m, run_id_of(run_dir), read_secret(run_dir))
+                            router, m, runtime.run_id_of(run_dir), read_secret(run_dir))
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
     try:
