@@ -56,6 +56,22 @@ def _load(args):
     return exp
 
 
+def _buildable(exp):
+    """``exp`` if its agent can be built for its env, else None after a one-line config error:
+    a model that cannot exist must not reach the services (they would crash in a loop)."""
+    from shared import config as config_mod
+    from shared.factory import check_buildable
+
+    if exp is None:
+        return None
+    try:
+        check_buildable(exp)
+    except config_mod.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return None
+    return exp
+
+
 def _train(args) -> int:
     if not args.serial:
         return _launch(args)
@@ -71,7 +87,7 @@ def _train(args) -> int:
 
 
 def _prepare(args) -> int:
-    exp = _load(args)
+    exp = _buildable(_load(args))
     if exp is None:
         return 2
     from shared import launch
@@ -81,7 +97,7 @@ def _prepare(args) -> int:
 
 
 def _launch(args) -> int:
-    exp = _load(args)
+    exp = _buildable(_load(args))
     if exp is None:
         return 2
     from shared import launch
@@ -103,6 +119,10 @@ def _launch(args) -> int:
     except KeyboardInterrupt:
         result = None
         print("\ninterrupted: stopping the run")
+    except launch.ServiceCrashLoop as e:
+        launch.stop(run_dir)
+        print(f"rlpipe: {e}: run stopped. Last lines of {e.log_path}:\n{e.log_tail()}", file=sys.stderr)
+        return 1
     launch.stop(run_dir)
     took = time.monotonic() - t0
     if result is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import socket
 import tempfile
 import tomllib
@@ -366,13 +367,23 @@ def endpoint(exp: Experiment, run_dir: Path, name: str) -> str:
     return f"ipc://{socket_dir(run_dir) / name}"
 
 
+def socket_base() -> Path:
+    """The per-user parent of the runs' socket directories: $XDG_RUNTIME_DIR/rlpipe (a
+    directory only the user can enter, per the XDG spec) or else <tmp>/rlpipe-<uid>;
+    ``launch.make_private_dir`` makes it 0700 and refuses one another user owns."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(xdg):
+        return Path(xdg) / "rlpipe"
+    return Path(tempfile.gettempdir()) / f"rlpipe-{os.getuid()}"
+
+
 def socket_dir(run_dir: Path) -> Path:
-    """Where a run's unix sockets live: <tmp>/rlpipe/<run id>.
+    """Where a run's unix sockets live: <socket_base()>/<run id>.
 
     Not inside the run directory: unix socket paths are limited to 107 bytes, which a run
     directory deep in a project tree exceeds.
     """
-    return Path(tempfile.gettempdir()) / "rlpipe" / Path(run_dir).resolve().name
+    return socket_base() / Path(run_dir).resolve().name
 
 
 # ---------------------------------------------------------------- writing

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.config import ALGOS, Experiment
+from shared.config import ALGOS, ConfigError, Experiment
 from shared.envs import EnvGroup
 from shared.layout import segment_spec, step_example
 
@@ -30,6 +30,20 @@ def make_agent(exp: Experiment, probe: EnvGroup):
     from shared.q_agent import QAgent
 
     return QAgent(probe.example_observation(), probe.action_space, exp.model, exp.agent)
+
+
+def check_buildable(exp: Experiment) -> None:
+    """Build the env and the agent as every service will, so that a model that cannot
+    exist is one ConfigError at launch instead of services crashing in a loop."""
+    probe = env_probe(exp)
+    try:
+        make_agent(exp, probe)
+    except (ValueError, RuntimeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"[model] encoder = {exp.model.encoder!r} cannot be built for the observations of "
+                          f"{exp.env.id}: {first} (try model.encoder = \"mlp\" or another env)") from None
+    finally:
+        probe.close()
 
 
 def make_algo(exp: Experiment, agent):

@@ -5,8 +5,11 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from shared import config as config_mod
 from shared import shm
+from shared.auth import write_curve_keys, write_secret
 from shared.config import Experiment
 from shared.runtime import RUN_CONFIG
 
@@ -44,18 +48,40 @@ environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1"
 
 
 def make_run_dir(exp: Experiment) -> Path:
+    """A fresh run directory ``<runs_dir>/<name>_<stamp>_<random>`` with the run's config and
+    secret, and its private socket directory. The random suffix makes run ids unguessable
+    and keeps two runs started in the same second apart."""
     stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
     base = "".join(c if c.isalnum() or c in "_." else "_" for c in exp.run.name)
     root = Path(exp.run.runs_dir)
-    run_dir, n = root / f"{base}_{stamp}", 1
-    while run_dir.exists() or config_mod.socket_dir(run_dir).exists():
-        n += 1
-        run_dir = root / f"{base}_{stamp}_{n}"
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        run_dir = root / f"{base}_{stamp}_{secrets.token_hex(3)}"
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            continue
     for sub in ("logs", "metrics", "checkpoints"):
-        (run_dir / sub).mkdir(parents=True)
-    config_mod.socket_dir(run_dir).mkdir(parents=True)
+        (run_dir / sub).mkdir()
+    make_private_dir(config_mod.socket_base())
+    config_mod.socket_dir(run_dir).mkdir(mode=0o700)
+    write_secret(run_dir)
+    if exp.network.transport == "tcp":
+        write_curve_keys(run_dir)
     (run_dir / RUN_CONFIG).write_text(config_mod.dumps(exp))
     return run_dir.resolve()
+
+
+def make_private_dir(path: Path) -> None:
+    """Make ``path`` a directory only we can enter (0700), or refuse one another user owns."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory of uid {os.getuid()} (owner uid {st.st_uid}): another user "
+                              "could reach this run's sockets; remove it, or set XDG_RUNTIME_DIR to a private directory")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
@@ -101,12 +127,13 @@ def supervisorctl(run_dir: Path, *args: str, capture: bool = False) -> subproces
 
 
 def supervisord_pid(run_dir: Path) -> int | None:
+    """The pid of this run's supervisord, if it runs: the pidfile's process must name this
+    run's config (a stale pidfile whose pid was reused by another process counts as gone)."""
     try:
         pid = int((run_dir / "supervisord.pid").read_text().strip())
-        os.kill(pid, 0)
-        return pid
-    except (FileNotFoundError, ValueError, ProcessLookupError):
+    except (FileNotFoundError, ValueError):
         return None
+    return pid if pid in service_pids(run_dir) else None
 
 
 def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
@@ -143,17 +170,35 @@ def _nudge(run_dir: Path) -> None:
 
 
 def service_pids(run_dir: Path) -> list[int]:
-    """Processes whose command line names this run directory (services, supervisord)."""
-    needle = str(run_dir).encode()
+    """Processes of this run: services whose ``--run-dir`` argument is this directory and
+    supervisord whose ``-c`` is its supervisord.conf. Arguments are compared as resolved
+    paths (relative ones against the process's cwd), never as substrings: run ``X`` is not
+    run ``X_2``."""
+    target = Path(run_dir).resolve()
     pids = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and int(proc.name) != os.getpid():
             try:
-                if needle in (proc / "cmdline").read_bytes():
+                if target in _run_dirs_named(proc):
                     pids.append(int(proc.name))
             except OSError:
-                pass
+                pass  # gone, or another user's
     return pids
+
+
+def _run_dirs_named(proc: Path) -> set[Path]:
+    argv = [a.decode(errors="surrogateescape") for a in (proc / "cmdline").read_bytes().split(b"\0")]
+    named = []
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--run-dir":
+            named.append(value)
+        elif flag == "-c" and Path(value).name == "supervisord.conf":
+            named.append(str(Path(value).parent))
+    named += [a.split("=", 1)[1] for a in argv if a.startswith("--run-dir=")]
+    if not named:
+        return set()
+    cwd = os.readlink(proc / "cwd")
+    return {(Path(cwd) / value).resolve() for value in named}
 
 
 def clean(run_dir: Path) -> tuple[list[int], list[str]]:
@@ -195,10 +240,75 @@ def read_result(run_dir: Path) -> dict | None:
         return None
 
 
+class ServiceCrashLoop(RuntimeError):
+    """Services of the run die again and again right after they start."""
+
+    def __init__(self, process: str, log_path: str, crashes: int):
+        super().__init__(f"{process} exited with an error within {CRASH_WINDOW_S:.0f} s of starting "
+                         f"({crashes} such exits in this run)")
+        self.process, self.log_path = process, log_path
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(cannot read {self.log_path}: {e.strerror})"
+
+
+CRASH_WINDOW_S = 20.0  # a process that dies this soon after it started has crashed at start-up
+CRASHES_TO_FAIL = 2  # quick crashes, of any processes of the run: a one-off may be a transient
+
+
+class CrashWatch:
+    """Counts quick deaths of the run's processes from supervisord's own log, which records
+    every spawn and every exit with its status (a process restarted at once leaves no trace of
+    its exit status in the process table). ``check()`` raises ServiceCrashLoop at the
+    CRASHES_TO_FAIL-th exit with an error status within CRASH_WINDOW_S of that process's
+    spawn, or when supervisord gave up on a process (FATAL). A process killed by a signal
+    (``kill -9``) is restarted by supervisord and does not count."""
+
+    _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:spawned: '(?P<spawned>[^']+)' with pid"
+                       r"|exited: (?P<exited>\S+) \(exit status (?P<status>\d+);|gave up: (?P<fatal>\S+) entered FATAL)")
+
+    def __init__(self, run_dir: Path):
+        self.log, self.logs = run_dir / "logs" / "supervisord.log", run_dir / "logs"
+        self.offset = 0
+        self.spawned: dict[str, datetime] = {}
+        self.crashes = 0
+
+    def check(self) -> None:
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self.offset)
+                text = f.read()
+        except FileNotFoundError:
+            return
+        text = text[:text.rfind(b"\n") + 1]  # whole lines only; the rest is read next time
+        self.offset += len(text)
+        for line in text.decode(errors="replace").splitlines():
+            m = self._LINE.match(line)
+            if m is None:
+                continue
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            if m.group("spawned"):
+                self.spawned[m.group("spawned")] = at
+            elif m.group("fatal"):
+                raise ServiceCrashLoop(m.group("fatal"), str(self.logs / f"{m.group('fatal')}.log"), self.crashes)
+            elif int(m.group("status")) != 0:
+                name = m.group("exited")
+                self.crashes += (at - self.spawned.get(name, at)).total_seconds() < CRASH_WINDOW_S
+                if self.crashes >= CRASHES_TO_FAIL:
+                    raise ServiceCrashLoop(name, str(self.logs / f"{name}.log"), self.crashes)
+
+
 def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
-    """Print progress rows as the learner writes them; return the result when the run ends."""
+    """Print progress rows as the learner writes them; return the result when the run ends.
+
+    Raises ServiceCrashLoop when a service keeps dying at start-up (the caller stops the run).
+    """
     shown = 0
     deadline = time.monotonic() + max_wall_s + 60
+    watch = CrashWatch(run_dir)
     while time.monotonic() < deadline:
         rows = read_progress(run_dir)
         for row in rows[shown:]:
@@ -213,6 +323,7 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
         if supervisord_pid(run_dir) is None:
             print("supervisord is gone: the run was stopped", file=out, flush=True)
             return None
+        watch.check()
         time.sleep(0.5)
     print(f"the run did not end within {max_wall_s + 60:.0f} s", file=out, flush=True)
     return None

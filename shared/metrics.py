@@ -65,7 +65,8 @@ _DEFS: dict[str, dict[str, tuple]] = {
 _COMMON = {
     "up": ("gauge", "up", "1 while the process runs", ()),
     "healthy": ("gauge", "healthy", "1 while the service's peers answer", ()),
-    "bad_messages": ("counter", "bad_messages_total", "Messages rejected by the wire protocol", ()),
+    "bad_messages": ("counter", "bad_messages_total", "Messages rejected or failed, by reason "
+                     "(wire, auth, descriptor, value, state, internal)", ("reason",)),
 }
 _families: dict[str, object] = {}
 
@@ -93,6 +94,11 @@ def for_service(service: str, instance: int) -> SimpleNamespace:
     m = SimpleNamespace(**out)
     m.up.set(1)
     return m
+
+
+def bad_message_counter(m: SimpleNamespace):
+    """``Endpoint(on_bad=...)`` for a service's metrics: counts each rejection by its reason."""
+    return lambda reason: m.bad_messages.labels(reason=reason).inc()
 
 
 class _Partial:

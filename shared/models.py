@@ -84,13 +84,18 @@ class NatureCNN(nn.Module):
     """Mnih et al. (2015) torso: 32x8x8/4, 64x4x4/2, 64x3x3/1, fc 512, relu throughout.
 
     Input [N, C, H, W] (or [N, H, W, C] with ``channels_last``), multiplied by ``scale``.
-    Output [N, 512].
+    Output [N, 512]. Images need H, W >= ``MIN_SIDE`` for the three kernels to fit.
     """
+
+    MIN_SIDE = 36  # 36 -> 8 -> 3 -> 1
 
     def __init__(self, image_shape: tuple[int, ...], channels_last: bool, scale: float = 1.0 / 255.0) -> None:
         super().__init__()
         self.channels_last, self.scale = channels_last, scale
-        c, h, w = (image_shape[2], image_shape[0], image_shape[1]) if channels_last else image_shape
+        c, h, w = _chw(image_shape, channels_last)
+        if min(h, w) < self.MIN_SIDE:
+            raise ValueError(f"model.encoder: a {h}x{w} image is smaller than the Nature CNN's "
+                             f"{self.MIN_SIDE}x{self.MIN_SIDE} minimum; use encoder = \"auto\" or \"mlp\"")
         self.conv = nn.Sequential(
             init_layer(nn.Conv2d(c, 32, 8, stride=4)),
             nn.ReLU(),
@@ -156,9 +161,18 @@ class Encoder(nn.Module):
 
 
 def _is_image(arr: np.ndarray, encoder: str) -> bool:
+    """Whether a leaf goes through the Nature CNN: every 3-D leaf for "nature_cnn"; for
+    "auto" only uint8 images big enough for its kernels (smaller ones are flattened)."""
     if encoder == "mlp" or arr.ndim != 3:
         return False
-    return encoder == "nature_cnn" or arr.dtype == np.uint8
+    if encoder == "nature_cnn":
+        return True
+    _, h, w = _chw(arr.shape, _channels_last(arr.shape))
+    return arr.dtype == np.uint8 and min(h, w) >= NatureCNN.MIN_SIDE
+
+
+def _chw(shape: tuple[int, ...], channels_last: bool) -> tuple[int, int, int]:
+    return (shape[2], shape[0], shape[1]) if channels_last else tuple(shape)
 
 
 def _channels_last(shape: tuple[int, ...]) -> bool:

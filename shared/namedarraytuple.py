@@ -15,6 +15,7 @@ can rebuild the structure on a shared-memory buffer without knowing the env or t
 from __future__ import annotations
 
 import keyword
+import math
 from collections import namedtuple
 from typing import Any, Callable, Iterator
 
@@ -160,7 +161,7 @@ def _leaf_specs(spec) -> Iterator[dict]:
 
 
 def _leaf_nbytes(leaf: dict) -> int:
-    return int(np.dtype(leaf["dtype"]).itemsize * int(np.prod(leaf["shape"], dtype=np.int64)))
+    return np.dtype(leaf["dtype"]).itemsize * math.prod(leaf["shape"])  # python ints: a huge shape cannot wrap
 
 
 def spec_nbytes(spec) -> int:
@@ -175,29 +176,40 @@ def _aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def validate_spec(spec, where: str = "spec") -> None:
+# What a spec that crosses a process boundary may hold: plain numbers of this host's byte
+# order (no objects, records, strings or sub-arrays), a few dims, a few levels of nesting.
+SPEC_DTYPES = frozenset(np.dtype(t).str for t in ("?", "u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f2", "f4", "f8"))
+SPEC_MAX_RANK = 8
+SPEC_MAX_DEPTH = 16
+
+
+def validate_spec(spec, where: str = "spec", _depth: int = 0) -> None:
     """Raise ValueError naming the offending part when ``spec`` is not a valid spec."""
     if spec is None:
         return
     if not isinstance(spec, dict):
         raise ValueError(f"{where}: expected a mapping, got {type(spec).__name__}")
+    if _depth > SPEC_MAX_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {SPEC_MAX_DEPTH} levels")
     if "fields" in spec:
         if not _is_name(spec.get("type")) or not isinstance(spec["fields"], list):
             raise ValueError(f"{where}: a structure needs 'type' (an identifier) and 'fields' (list)")
         for item in spec["fields"]:
             if not (isinstance(item, list) and len(item) == 2 and _is_name(item[0])):
                 raise ValueError(f"{where}: each field must be [name, spec] with an identifier name")
-            validate_spec(item[1], f"{where}.{item[0]}")
+            validate_spec(item[1], f"{where}.{item[0]}", _depth + 1)
         return
     try:
         # np.dtype(None) is float64 and object dtypes would map pointers: accept only dtype strings.
-        if not isinstance(spec["dtype"], str) or np.dtype(spec["dtype"]).hasobject:
-            raise TypeError(f"want a non-object dtype string, got {spec['dtype']!r}")
-    except (KeyError, TypeError) as e:
+        if not isinstance(spec["dtype"], str) or np.dtype(spec["dtype"]).str not in SPEC_DTYPES:
+            raise TypeError(f"want one of {sorted(SPEC_DTYPES)}, got {spec['dtype']!r}")
+    except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: bad or missing dtype ({e})") from None
     shape = spec.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise ValueError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
+    if len(shape) > SPEC_MAX_RANK:
+        raise ValueError(f"{where}: rank {len(shape)} exceeds {SPEC_MAX_RANK}")
 
 
 def _is_name(name) -> bool:

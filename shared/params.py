@@ -70,7 +70,7 @@ def _stale_version(name: str, spec) -> int:
     increasing for every reader and every stamp in replay.
     """
     try:
-        seg, slots = shm.attach({"name": name, "spec": spec})
+        seg, slots = shm.attach({"name": name, "spec": spec}, None)  # our own name
     except (FileNotFoundError, ValueError):
         return -1
     version = int(slots.stamp.max())
@@ -80,13 +80,14 @@ def _stale_version(name: str, spec) -> int:
 
 
 class ParamReader:
-    """Peer side: ``read(version, descriptor)`` loads a published version into ``module``.
+    """Peer side: ``read(version, descriptor)`` loads a published version into ``module``
+    from a segment of ``owner`` (the run's learner).
 
     ``version`` and ``env_steps`` are those of the last version loaded (-1 and 0 before any).
     """
 
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
+    def __init__(self, module: torch.nn.Module, owner: shm.Owner):
+        self.module, self.owner = module, owner
         self.segment = None
         self.nonce = None
         self.slots = None
@@ -124,7 +125,7 @@ class ParamReader:
                              "(was the learner started with another config?)")
         if self.segment is not None:
             self.segment.close()
-        self.segment, self.slots = shm.attach(descriptor)
+        self.segment, self.slots = shm.attach(descriptor, self.owner)
         self.nonce = descriptor.get("nonce")
         self.version = -1  # a restarted learner's segment: take whatever version it holds
 
@@ -138,8 +139,8 @@ class ParamFollower:
     attached one, so a learner that restarted (and recreated its segment) is followed again.
     """
 
-    def __init__(self, module: torch.nn.Module, segment_name: str, recheck_s: float = 1.0):
-        self.reader = ParamReader(module)
+    def __init__(self, module: torch.nn.Module, segment_name: str, owner: shm.Owner, recheck_s: float = 1.0):
+        self.reader = ParamReader(module, owner)
         self.descriptor = {"name": segment_name, "nonce": None, "spec": state_spec(module)}
         self.recheck_s = recheck_s
         self.t_check = -float("inf")

@@ -35,6 +35,10 @@ def start_service(service: str, argv=None) -> tuple[config_mod.Experiment, Path,
     install_signal_handlers()
     run_dir = Path(args.run_dir)
     exp = config_mod.load(run_dir / RUN_CONFIG)
+    if exp.network.transport == "tcp":
+        from shared import auth, sockets
+
+        sockets.use_curve(auth.read_curve_keys(run_dir))  # every tcp socket of this process speaks CURVE
     return exp, run_dir, args.instance
 
 

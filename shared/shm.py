@@ -11,6 +11,12 @@ A segment that holds a namedarraytuple is described by a *descriptor*
 ``{"name", "nonce", "spec"}``: plain data that travels in messages. The nonce changes every
 time the owner (re)creates the segment, so a peer can tell a restarted owner's segment from
 the one it attached to before.
+
+A descriptor comes from a socket, so ``attach`` trusts nothing in it: the name must be one
+the expected ``Owner`` would give its segment in this run, the file is opened without
+following symlinks and must be a regular file of our uid with one link, and its size
+must be exactly what the spec needs (spec within ``MAX_SEGMENT_BYTES``, allowed dtypes
+and ranks: ``namedarraytuple.validate_spec``). Only then is anything mapped.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import mmap
 import os
 import re
 import secrets
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from shared.namedarraytuple import from_spec, spec_nbytes, validate_spec
@@ -30,6 +38,7 @@ PREFIX = "rlpipe-"
 _NAME_RE = re.compile(r"^rlpipe-[A-Za-z0-9_.]+-[A-Za-z0-9_.-]+$")
 # No '-' in a run id: it ends the run id in a segment name, so clean("a") cannot take run "a-b"'s.
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_.]+$")
+MAX_SEGMENT_BYTES = 1 << 34  # one descriptor's segment (16 GiB): a ring of Atari segments fits
 
 log = logging.getLogger(__name__)
 _owned: dict[str, "Segment"] = {}
@@ -38,6 +47,23 @@ _owned: dict[str, "Segment"] = {}
 def segment_name(run_id: str, service: str, instance: int, purpose: str) -> str:
     _check_run_id(run_id)
     return f"{PREFIX}{run_id}-{service}{instance}-{purpose}"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who must own a segment a descriptor names: service ``service`` of run ``run_id``,
+    instance ``instance`` (None: any instance, e.g. the learner's params seen by a reader)."""
+
+    run_id: str
+    service: str
+    instance: int | None = None
+
+    def check(self, name: str) -> None:
+        instance = r"\d+" if self.instance is None else str(int(self.instance))
+        pattern = rf"{PREFIX}{re.escape(self.run_id)}-{re.escape(self.service)}{instance}-[A-Za-z0-9_.]+"
+        if not re.fullmatch(pattern, name):
+            want = f"{PREFIX}{self.run_id}-{self.service}{'<i>' if self.instance is None else self.instance}-<purpose>"
+            raise ValueError(f"segment name {name!r:.80} is not {want}: not this run's, or not the sender's own")
 
 
 class Segment:
@@ -71,13 +97,22 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
+        """Map an existing segment: a regular file of our uid with one link, never a symlink."""
         _check_name(name)
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR)
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise FileNotFoundError(f"shared-memory segment {name} does not exist (owner gone?)") from None
-        size = os.fstat(fd).st_size
-        return cls(name, fd, size, owner=False)
+        except OSError as e:  # ELOOP: a symlink; ENXIO etc.: a fifo or socket
+            raise ValueError(f"shared-memory segment {name}: cannot open safely ({e.strerror})") from None
+        st = os.fstat(fd)
+        problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode) else
+                   f"belongs to uid {st.st_uid}, not ours ({os.getuid()})" if st.st_uid != os.getuid() else
+                   f"has {st.st_nlink} links (a hard link to another file?)" if st.st_nlink != 1 else None)
+        if problem is not None:
+            os.close(fd)
+            raise ValueError(f"shared-memory segment {name} {problem}: refused")
+        return cls(name, fd, st.st_size, owner=False)
 
     def unlink(self) -> None:
         if self.owner:
@@ -102,25 +137,33 @@ def allocate(name: str, spec) -> tuple[Segment, object, dict]:
     return seg, tree, {"name": name, "nonce": secrets.randbits(48), "spec": spec}
 
 
-def attach(descriptor: dict) -> tuple[Segment, object]:
-    """Attach to the segment a descriptor names; check that its size fits the spec."""
+def attach(descriptor: dict, owner: Owner | None) -> tuple[Segment, object]:
+    """Attach to the segment a descriptor names, once the name, the file and the spec pass.
+
+    ``owner``: whose segment it must be; None only for a name this process built itself.
+    Raises ValueError (or FileNotFoundError) naming what was wrong; nothing stays mapped.
+    """
     if not isinstance(descriptor, dict) or not isinstance(descriptor.get("name"), str):
         raise ValueError("descriptor: needs a 'name' (str)")
+    if owner is not None:
+        owner.check(descriptor["name"])
     validate_spec(descriptor.get("spec"), "descriptor.spec")
-    seg = Segment.attach(descriptor["name"])
     need = spec_nbytes(descriptor["spec"])
-    if seg.size < need:
+    if need > MAX_SEGMENT_BYTES:
+        raise ValueError(f"descriptor.spec needs {need} bytes, more than the {MAX_SEGMENT_BYTES}-byte limit")
+    seg = Segment.attach(descriptor["name"])
+    if seg.size != need:
         seg.close()
         raise ValueError(f"segment {seg.name} has {seg.size} bytes, its spec needs {need}")
     return seg, from_spec(descriptor["spec"], seg.mmap, fill=False)
 
 
-def attach_all(descriptors: list) -> tuple[list[Segment], list]:
+def attach_all(descriptors: list, owner: Owner | None) -> tuple[list[Segment], list]:
     """Attach several descriptors (e.g. a peer's slots); on any failure close what was attached and raise."""
     segments, trees = [], []
     try:
         for desc in descriptors:
-            seg, tree = attach(desc)
+            seg, tree = attach(desc, owner)
             segments.append(seg)
             trees.append(tree)
     except (ValueError, FileNotFoundError):

@@ -9,9 +9,12 @@ Header::
     {"v": PROTOCOL_VERSION, "type": str, "from": str, "seq": int, "body": {...},
      "arrays": [{"dtype": str, "shape": [int, ...]}, ...]}     # one per extra frame
 
-Each message type declares its required body fields and their types in ``SCHEMAS``;
-``unpack`` rejects anything else with a ``WireError`` whose text names what was wrong, so a
-service can log it and carry on.
+Each message type declares its required body fields and their types in ``SCHEMAS``; the
+values of those fields are then checked by name against ``INT_RANGES`` and ``LISTS``
+(a field name means the same thing in every message type), so a handler gets ints that fit
+an int64 index, finite floats and lists of the promised shape. ``unpack`` rejects anything
+else with a ``WireError`` whose text names what was wrong, so a service can log it and
+carry on.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ import numpy as np
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 30
+MAX_INSTANCE = 4095  # processes of one service
+MAX_DESCRIPTORS = 16  # shm descriptors in one hello (env groups, batch slots)
+MAX_ITEMS = 1 << 24  # items in one batch, steps in one segment
+MAX_EPISODES = 1 << 16  # episodes reported in one message
+MAX_RETURN = 1e15  # |episode return|: a mean over any window stays finite
+_I63 = 2**63 - 1
 
 _INT = (int,)
 _NUM = (int, float)
@@ -34,16 +43,17 @@ _DICT = (dict,)
 _BOOL = (bool,)
 
 # type -> {field: allowed python types}. Optional fields are not listed; receivers use
-# body.get() for those.
+# body.get() for those. Hellos carry the run's secret (shared/auth.py) and the sender's
+# incarnation (time.time_ns() at its start: a restarted peer's is newer).
 SCHEMAS: dict[str, dict[str, tuple]] = {
     # sampler <-> action-server
-    "hello_actor": {"instance": _INT, "slots": _LIST},  # slots: shm descriptors; then steps go by doorbell
+    "hello_actor": {"instance": _INT, "slots": _LIST, "incarnation": _INT, "secret": _STR},  # then steps go by doorbell
     # sampler <-> replay
-    "hello_writer": {"instance": _INT, "ring": _DICT, "incarnation": _INT},
+    "hello_writer": {"instance": _INT, "ring": _DICT, "incarnation": _INT, "secret": _STR},
     "segment": {"index": _INT, "serial": _INT, "steps": _INT, "episodes": _LIST, "version_min": _INT, "version_max": _INT},
     "release": {"index": _INT},
     # learner <-> replay
-    "hello_reader": {"slots": _LIST},
+    "hello_reader": {"slots": _LIST, "incarnation": _INT, "secret": _STR},
     "sample": {"slot": _INT, "n": _INT, "min_version": _INT},
     "sampled": {"slot": _INT, "n": _INT, "env_steps": _INT, "episodes": _LIST, "dropped": _INT},
     "priorities": {"keys": _LIST, "generations": _LIST, "priorities": _LIST},
@@ -53,6 +63,41 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "welcome": {"peer": _STR},
     "error": {"reason": _STR},
 }
+
+# int field -> inclusive range, whatever the message type. Policy versions may be -1: a
+# sampler's slot stamped before any parameters arrived carries the sentinel.
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "instance": (0, MAX_INSTANCE), "slot": (0, MAX_DESCRIPTORS - 1), "index": (0, MAX_ITEMS),
+    "serial": (1, _I63), "steps": (0, MAX_ITEMS), "n": (1, MAX_ITEMS),
+    "incarnation": (0, _I63), "version": (0, _I63), "min_version": (0, _I63), "version_min": (-1, _I63),
+    "version_max": (-1, _I63), "env_steps": (0, _I63), "dropped": (0, _I63),
+}
+
+
+def _episode(x) -> bool:
+    """[finite return, positive length]."""
+    return (isinstance(x, list) and len(x) == 2 and isinstance(x[0], _NUM) and not isinstance(x[0], bool)
+            and abs(x[0]) <= MAX_RETURN and type(x[1]) is int and 1 <= x[1] <= _I63)
+
+
+def _key(x) -> bool:
+    return type(x) is int and 0 <= x <= _I63
+
+
+def _priority(x) -> bool:
+    return isinstance(x, _NUM) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+# list field -> (what each element must be, test, fewest and most elements)
+LISTS: dict[str, tuple[str, object, int, int]] = {
+    "slots": ("a descriptor map", lambda x: isinstance(x, dict), 1, MAX_DESCRIPTORS),
+    "episodes": (f"[return, length] with |return| <= {MAX_RETURN:g} and length >= 1", _episode, 0, MAX_EPISODES),
+    "keys": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
+    "generations": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
+    "priorities": ("a finite number >= 0", _priority, 0, MAX_ITEMS),
+}
+# message type -> list fields that must have one length
+SAME_LENGTH = {"priorities": ("keys", "generations", "priorities")}
 
 
 class WireError(ValueError):
@@ -126,6 +171,20 @@ def _check_body(mtype, body: dict) -> None:
         if not isinstance(value, types) or (types is not _BOOL and isinstance(value, bool)):
             want = "/".join(t.__name__ for t in types)
             raise WireError(f"{mtype!r} message: field {name!r} must be {want}, got {type(value).__name__}")
+        if name in INT_RANGES:
+            lo, hi = INT_RANGES[name]
+            if not lo <= value <= hi:
+                raise WireError(f"{mtype!r} message: field {name!r} = {value} is outside {lo}..{hi}")
+        elif name in LISTS:
+            what, ok, least, most = LISTS[name]
+            if not least <= len(value) <= most:
+                raise WireError(f"{mtype!r} message: field {name!r} has {len(value)} entries, want {least}..{most}")
+            bad = next((i for i, x in enumerate(value) if not ok(x)), None)
+            if bad is not None:
+                raise WireError(f"{mtype!r} message: {name}[{bad}] = {value[bad]!r:.60} must be {what}")
+    lengths = {name: len(body[name]) for name in SAME_LENGTH.get(mtype, ())}
+    if len(set(lengths.values())) > 1:
+        raise WireError(f"{mtype!r} message: {', '.join(lengths)} must have one length, got {lengths}")
 
 
 def _bytes(frame) -> bytes | memoryview:
@@ -141,8 +200,8 @@ def _array(spec, frame, mtype) -> np.ndarray:
     try:
         dtype = np.dtype(spec["dtype"])
         shape = tuple(spec["shape"])
-        if dtype.hasobject or dtype.itemsize == 0:
-            raise TypeError("object or zero-size dtype")
+        if dtype.hasobject or dtype.itemsize == 0 or dtype.kind == "V":
+            raise TypeError("object, zero-size, sub-array, record or void dtype")
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise TypeError("shape must be non-negative ints")
     except Exception as e:

@@ -120,3 +120,40 @@ class LivesEnv(gym.Env):
 
 def make_lives_env(lives: int = 3, steps_per_life: int = 5, reward: float = 3.0) -> gym.Env:
     return LivesEnv(lives, steps_per_life, reward)
+
+
+class ImageCartPole(gym.Wrapper):
+    """CartPole-v1 seen as {"image": uint8 [8, 8, 1], "state": float32 [4]}: the image shows
+    the pole angle as a column of lit pixels, too small for the Nature CNN's kernels."""
+
+    def __init__(self):
+        super().__init__(gym.make("CartPole-v1"))
+        self.observation_space = spaces.Dict({"image": spaces.Box(0, 255, (8, 8, 1), np.uint8),
+                                              "state": self.env.observation_space})
+
+    def _obs(self, state):
+        image = np.zeros((8, 8, 1), np.uint8)
+        image[:, int(np.clip((state[2] + 0.21) / 0.42 * 8, 0, 7)), 0] = 255
+        return {"image": image, "state": state.astype(np.float32)}
+
+    def reset(self, **kwargs):
+        state, info = self.env.reset(**kwargs)
+        return self._obs(state), info
+
+    def step(self, action):
+        state, reward, terminated, truncated, info = self.env.step(action)
+        return self._obs(state), reward, terminated, truncated, info
+
+
+def make_image_cartpole() -> gym.Env:
+    return ImageCartPole()
+
+
+def make_env_failing_under_supervisord() -> gym.Env:
+    """CartPole, except in processes supervisord started (it sets SUPERVISOR_ENABLED): a
+    service that crashes at every start while ``rlpipe launch`` itself builds the env fine."""
+    import os
+
+    if os.environ.get("SUPERVISOR_ENABLED"):
+        raise RuntimeError("simulated start-up crash of a service")
+    return gym.make("CartPole-v1")

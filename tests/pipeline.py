@@ -24,8 +24,10 @@ def free_port() -> int:
 
 
 def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``rlpipe ARGS`` from this checkout; its services import this checkout too (and tests' envs)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO)
+                          timeout=timeout, cwd=REPO, env=env)
 
 
 class Run:

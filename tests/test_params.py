@@ -37,6 +37,10 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
         assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
 
 
+def learner_owner(run_id: str) -> shm.Owner:
+    return shm.Owner(run_id, "learner")
+
+
 def wire_copy(descriptor: dict) -> dict:
     """The descriptor as a reader gets it from a message."""
     return msgpack.unpackb(msgpack.packb(descriptor))
@@ -46,7 +50,7 @@ def test_versions_move_parameters_and_buffers(run_id):
     learner, actor = make_net(0), make_net(1)
     writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
     assert writer.previous_version == -1
-    reader = params.ParamReader(actor)
+    reader = params.ParamReader(actor, learner_owner(run_id))
     desc = wire_copy(writer.descriptor)
     assert not reader.read(0, desc)  # nothing published yet
     for version in range(1, 6):
@@ -63,7 +67,7 @@ def test_versions_move_parameters_and_buffers(run_id):
 def test_torn_reads_return_false_and_leave_the_module_alone(run_id, monkeypatch):
     learner, actor = make_net(0), make_net(1)
     writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
-    reader = params.ParamReader(actor)
+    reader = params.ParamReader(actor, learner_owner(run_id))
     writer.write(1)
     assert reader.read(1, writer.descriptor)
     before = {k: v.clone() for k, v in actor.state_dict().items()}
@@ -104,7 +108,7 @@ def test_descriptor_of_another_architecture_raises_and_keeps_the_current_segment
     learner, actor, wide = make_net(0), make_net(1), make_net(2, hidden=16)
     writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
     other = params.ParamWriter(wide, shm.segment_name(run_id, "learner", 1, "params"))
-    reader = params.ParamReader(actor)
+    reader = params.ParamReader(actor, learner_owner(run_id))
     writer.write(1)
     other.write(1)
     assert reader.read(1, writer.descriptor)
@@ -115,7 +119,7 @@ def test_descriptor_of_another_architecture_raises_and_keeps_the_current_segment
     assert reader.read(2, writer.descriptor)  # still following the right learner
     assert_same_state(learner, actor)
     with pytest.raises(ValueError, match="does not match"):
-        params.ParamReader(make_net(3).double()).read(1, writer.descriptor)  # same shapes, other dtypes
+        params.ParamReader(make_net(3).double(), learner_owner(run_id)).read(1, writer.descriptor)  # same shapes, other dtypes
     writer.close()
     other.close()
 
@@ -124,7 +128,7 @@ def test_restarted_writer_learns_the_crashed_ones_highest_version(run_id):
     name = shm.segment_name(run_id, "learner", 0, "params")
     crashed, actor = make_net(0), make_net(1)
     first = params.ParamWriter(crashed, name)
-    reader = params.ParamReader(actor)
+    reader = params.ParamReader(actor, learner_owner(run_id))
     for version in range(1, 8):
         first.write(version)
     assert reader.read(7, first.descriptor)
@@ -148,7 +152,7 @@ def test_follower_waits_for_the_segment_then_loads_each_newer_version_with_its_e
     name = shm.segment_name(run_id, "learner", 0, "params")
     learner, actor = make_net(0), make_net(1)
     before = {k: v.clone() for k, v in actor.state_dict().items()}
-    follower = params.ParamFollower(actor, name, recheck_s=0.0)
+    follower = params.ParamFollower(actor, name, learner_owner(run_id), recheck_s=0.0)
     assert not follower.poll() and follower.version == -1  # no learner yet: the actor keeps its own parameters
     assert all(torch.equal(before[k], v) for k, v in actor.state_dict().items())
     writer = params.ParamWriter(learner, name)
@@ -174,7 +178,7 @@ def test_follower_follows_a_restarted_learner_to_its_new_segment(run_id):
     name = shm.segment_name(run_id, "learner", 0, "params")
     first, actor = make_net(0), make_net(1)
     writer = params.ParamWriter(first, name)
-    follower = params.ParamFollower(actor, name, recheck_s=0.0)
+    follower = params.ParamFollower(actor, name, learner_owner(run_id), recheck_s=0.0)
     writer.write(5, env_steps=50)
     assert follower.poll() and follower.version == 5
     writer.segment.close()  # killed: the segment stays until the new learner replaces it

@@ -58,11 +58,11 @@ def test_peer_process_attaches_by_name_and_sees_writes_both_ways(run_id):
     child = spawn("""
         import sys, msgpack
         from shared import shm
-        seg, obs = shm.attach(msgpack.unpackb(bytes.fromhex(sys.argv[1])))
+        seg, obs = shm.attach(msgpack.unpackb(bytes.fromhex(sys.argv[1])), shm.Owner(sys.argv[2], "test", 0))
         print(int(obs.image.sum()), float(obs.vector[1, 0].sum()), flush=True)
         obs.vector[3, 1] = 7.25   # the owner must see this without re-attaching
         obs.image[0, 0, 1] = 99
-    """, msgpack.packb(desc).hex())
+    """, msgpack.packb(desc).hex(), run_id)
     try:
         assert read_line(child) == expected
         code, err = finish(child)
@@ -90,7 +90,7 @@ def test_owner_process_segment_is_attached_here_and_unlinked_at_its_exit(run_id)
     """, name, msgpack.packb(SPEC).hex())
     try:
         desc = msgpack.unpackb(bytes.fromhex(read_line(child)))
-        seg, obs = shm.attach(desc)
+        seg, obs = shm.attach(desc, shm.Owner(run_id, "test", 0))
         assert (obs.vector == 3.0).all() and (obs.image == 0).all()  # uint8 sentinel is 0
         obs.image[2] = 5
         child.stdin.write("go\n")
@@ -208,13 +208,98 @@ def test_bad_segment_names_are_rejected(name, run_id):
 def test_attach_errors_name_the_problem(run_id):
     name = shm.segment_name(run_id, "test", 0, "obs")
     with pytest.raises(FileNotFoundError, match=f"{name} does not exist"):
-        shm.attach({"name": name, "nonce": 1, "spec": SPEC})
+        shm.attach({"name": name, "nonce": 1, "spec": SPEC}, shm.Owner(run_id, "test", 0))
     with pytest.raises(ValueError, match="needs a 'name'"):
-        shm.attach({"spec": SPEC})
+        shm.attach({"spec": SPEC}, shm.Owner(run_id, "test", 0))
     seg = shm.Segment.create(name, 64)
     with pytest.raises(ValueError, match=f"segment {name} has 64 bytes, its spec needs"):
-        shm.attach({"name": name, "nonce": 1, "spec": SPEC})
+        shm.attach({"name": name, "nonce": 1, "spec": SPEC}, shm.Owner(run_id, "test", 0))
     with pytest.raises(ValueError, match=r"descriptor\.spec\.image: bad or missing dtype"):
-        shm.attach({"name": name, "nonce": 1, "spec": {"type": "Obs", "fields": [["image", {"dtype": "|O", "shape": [1]}]]}})
+        shm.attach({"name": name, "nonce": 1, "spec": {"type": "Obs", "fields": [["image", {"dtype": "|O", "shape": [1]}]]}},
+                   shm.Owner(run_id, "test", 0))
     seg.unlink()
     seg.close()
+
+
+# ---------------------------------------------------------------- descriptors from peers
+
+
+def test_a_symlink_named_like_a_runs_segment_is_refused_and_its_target_untouched(run_id, tmp_path):
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep me" * 100)
+    name = shm.segment_name(run_id, "sampler", 0, "ring")
+    (shm.SHM_DIR / name).symlink_to(target)
+    try:
+        with pytest.raises(ValueError, match=f"{name}: cannot open safely"):
+            shm.attach({"name": name, "nonce": 1, "spec": SPEC}, shm.Owner(run_id, "sampler", 0))
+    finally:
+        (shm.SHM_DIR / name).unlink()
+    assert target.read_bytes() == b"keep me" * 100
+
+
+@pytest.mark.parametrize("name,owner", [
+    ("rlpipe-{run}x-sampler0-ring", ("sampler", 0)),  # another run whose id starts like ours
+    ("rlpipe-other-sampler0-ring", ("sampler", 0)),
+    ("rlpipe-{run}-sampler1-ring", ("sampler", 0)),  # another sampler's
+    ("rlpipe-{run}-learner0-params", ("sampler", 0)),  # another service's
+    ("rlpipe-{run}-sampler0-ring", ("learner", None)),
+    ("rlpipe-{run}-sampler01-ring", ("sampler", 0)),
+])
+def test_a_descriptor_must_name_a_segment_of_this_run_and_the_expected_owner(run_id, name, owner):
+    name = name.format(run=run_id)
+    with pytest.raises(ValueError, match="not this run's, or not the sender's own"):
+        shm.attach({"name": name, "nonce": 1, "spec": SPEC}, shm.Owner(run_id, *owner))
+
+
+def test_segments_not_plainly_ours_are_refused(run_id):
+    owner = shm.Owner(run_id, "test", 0)
+    seg, _, desc = shm.allocate(shm.segment_name(run_id, "test", 0, "obs"), SPEC)
+    path = shm.SHM_DIR / seg.name
+    try:
+        link = shm.SHM_DIR / shm.segment_name(run_id, "test", 0, "link")
+        os.link(path, link)
+        with pytest.raises(ValueError, match="has 2 links"):
+            shm.attach({**desc, "name": link.name}, owner)
+        link.unlink()
+        if os.getuid() == 0:  # only root can give a file away
+            os.chown(path, 12345, -1)
+            with pytest.raises(ValueError, match=f"belongs to uid 12345, not ours \\({os.getuid()}\\)"):
+                shm.attach(desc, owner)
+            os.chown(path, 0, -1)
+        os.truncate(path, seg.size + 64)
+        with pytest.raises(ValueError, match=f"has {seg.size + 64} bytes, its spec needs {seg.size}"):
+            shm.attach(desc, owner)
+        fifo = shm.SHM_DIR / shm.segment_name(run_id, "test", 0, "fifo")
+        os.mkfifo(fifo)
+        try:
+            with pytest.raises(ValueError, match="is not a regular file"):
+                shm.attach({**desc, "name": fifo.name}, owner)
+        finally:
+            fifo.unlink()
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ({"dtype": "<f8", "shape": [2**20, 2**20]}, "needs 8796093022208 bytes, more than"),
+    ({"dtype": "<f8", "shape": [2**32, 2**32, 2**32]}, "more than"),  # would wrap in int64
+    ({"dtype": "<f8", "shape": [1] * 9}, "rank 9 exceeds 8"),
+    ({"dtype": "(2,)<f8", "shape": [1]}, "bad or missing dtype"),
+    ({"dtype": "<c16", "shape": [1]}, "bad or missing dtype"),
+    ({"dtype": "|S8", "shape": [1]}, "bad or missing dtype"),
+    ({"dtype": ">f8", "shape": [1]}, "bad or missing dtype"),
+])
+def test_spec_limits_are_checked_before_anything_is_opened(run_id, spec, message):
+    name = shm.segment_name(run_id, "test", 0, "big")
+    with pytest.raises(ValueError, match=message):
+        shm.attach({"name": name, "nonce": 1, "spec": spec}, shm.Owner(run_id, "test", 0))
+
+
+def test_a_spec_nested_too_deep_is_refused(run_id):
+    spec = {"dtype": "<f4", "shape": [1]}
+    for _ in range(40):
+        spec = {"type": "A", "fields": [["a", spec]]}
+    with pytest.raises(ValueError, match="nested deeper than 16 levels"):
+        shm.attach({"name": shm.segment_name(run_id, "test", 0, "x"), "nonce": 1, "spec": spec},
+                   shm.Owner(run_id, "test", 0))

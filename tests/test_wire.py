@@ -1,6 +1,7 @@
 """The wire envelope: every message type round-trips, arrays travel byte-exact as extra
-frames, and every kind of bad input is a WireError that names the fault; a ROUTER endpoint
-survives garbage and a DEALER reconnects."""
+frames, and every kind of bad input (also hostile values in a valid envelope) is a
+WireError that names the fault; a ROUTER endpoint survives garbage and handler failures,
+and a DEALER reconnects under an unguessable routing id."""
 
 import msgpack
 import numpy as np
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import wire
-from shared.sockets import Endpoint
+from shared.sockets import Endpoint, Rejected
 
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8),
@@ -30,18 +31,36 @@ FIELDS = [(t, f) for t, schema in sorted(wire.SCHEMAS.items()) for f in schema]
 INT_FIELDS = [(t, f) for t, f in FIELDS if wire.SCHEMAS[t][f] == (int,)]
 
 
+def field_values(name: str, types: tuple):
+    """Values valid for field ``name``: its type, its range, its list elements."""
+    if name in wire.INT_RANGES:
+        return st.integers(*wire.INT_RANGES[name])
+    if name == "episodes":
+        return st.lists(st.tuples(st.floats(-wire.MAX_RETURN, wire.MAX_RETURN) | st.integers(-10**6, 10**6),
+                                  st.integers(1, 2**63 - 1)).map(list), max_size=4)
+    if name == "slots":
+        return st.lists(st.dictionaries(st.text(max_size=8), JSONISH, max_size=3), min_size=1, max_size=4)
+    return st.one_of(*(VALUES[t] for t in types))
+
+
+LIST_ITEMS = {"keys": st.integers(0, 2**63 - 1), "generations": st.integers(0, 2**63 - 1),
+              "priorities": st.floats(0, 1e300) | st.integers(0, 10**9)}
+
+
 def body_of(mtype: str):
     """Bodies valid for ``mtype``: every required field, plus optional extras."""
     schema = wire.SCHEMAS[mtype]
-    required = st.fixed_dictionaries({f: st.one_of(*(VALUES[t] for t in types)) for f, types in schema.items()})
+    required = st.fixed_dictionaries({f: field_values(f, types) for f, types in schema.items() if f not in LIST_ITEMS})
+    same = st.integers(0, 4).flatmap(lambda n: st.fixed_dictionaries(
+        {f: st.lists(LIST_ITEMS[f], min_size=n, max_size=n) for f in schema if f in LIST_ITEMS}))
     extras = st.dictionaries(st.text(max_size=8).filter(lambda k: k not in schema), JSONISH, max_size=2)
-    return st.builds(lambda r, e: {**e, **r}, required, extras)
+    return st.builds(lambda r, l, e: {**e, **r, **l}, required, same, extras)
 
 
 def valid_body(mtype: str) -> dict:
     """One fixed valid body for ``mtype``."""
     example = {int: 1, str: "s", list: [], dict: {}, bool: True, float: 1.0}
-    return {f: example[types[0]] for f, types in wire.SCHEMAS[mtype].items()}
+    return {f: [{}] if f == "slots" else example[types[0]] for f, types in wire.SCHEMAS[mtype].items()}
 
 
 def header(**changes) -> dict:
@@ -174,6 +193,62 @@ def test_bool_is_not_an_int(mtype, field):
         wire.unpack([msgpack.packb(header(type=mtype, body=body))])
 
 
+INT_RANGE_CASES = [(t, f, v) for t, f in INT_FIELDS for v in (wire.INT_RANGES[f][0] - 1, wire.INT_RANGES[f][1] + 1,
+                                                             2**64 - 1, -2**63)
+                   if not wire.INT_RANGES[f][0] <= v <= wire.INT_RANGES[f][1]]
+
+
+@pytest.mark.parametrize("mtype,field,value", INT_RANGE_CASES)
+def test_ints_outside_their_range_are_rejected_naming_field_and_range(mtype, field, value):
+    body = {**valid_body(mtype), field: value}
+    with pytest.raises(wire.WireError, match=f"'{mtype}' message: field '{field}' = {value} is outside"):
+        wire.unpack([msgpack.packb(header(type=mtype, body=body))])
+
+
+def test_every_int_field_has_a_range():
+    assert {f for _, f in INT_FIELDS} <= set(wire.INT_RANGES)
+
+
+@pytest.mark.parametrize("mtype,field,value,message", [
+    ("segment", "episodes", [[1.0]], r"episodes\[0\] = \[1.0\] must be \[return, length\]"),
+    ("segment", "episodes", [[1.0, 2, 3]], r"episodes\[0\]"),
+    ("segment", "episodes", [5.0], r"episodes\[0\] = 5.0"),
+    ("segment", "episodes", [[1.0, 0]], r"episodes\[0\] = \[1.0, 0\]"),  # length must be positive
+    ("segment", "episodes", [[1.0, 3], [float("nan"), 3]], r"episodes\[1\] = \[nan, 3\]"),
+    ("sampled", "episodes", [[float("inf"), 3]], r"episodes\[0\]"),
+    ("sampled", "episodes", [[1e308, 3]] * 100, r"episodes\[0\]"),  # a mean of these is inf
+    ("sampled", "episodes", [[True, 3]], r"episodes\[0\]"),
+    ("sampled", "episodes", [[1.0, 2.5]], r"episodes\[0\]"),
+    ("sampled", "episodes", [[1.0, 1]] * (wire.MAX_EPISODES + 1), "field .episodes. has 65537 entries, want 0..65536"),
+    ("priorities", "keys", [2**64 - 1], r"keys\[0\] = 18446744073709551615 must be an int"),
+    ("priorities", "keys", [-1], r"keys\[0\] = -1"),
+    ("priorities", "priorities", [float("nan")], r"priorities\[0\] = nan must be a finite number"),
+    ("priorities", "priorities", [-1.0], r"priorities\[0\] = -1.0"),
+    ("hello_actor", "slots", [None], r"slots\[0\] = None must be a descriptor map"),
+    ("hello_reader", "slots", [{}] * (wire.MAX_DESCRIPTORS + 1), "field .slots. has 17 entries, want 1..16"),
+    ("hello_reader", "slots", [], "field .slots. has 0 entries, want 1..16"),  # took the reader role before
+])
+def test_hostile_list_values_are_rejected(mtype, field, value, message):
+    body = {**valid_body(mtype), field: value}
+    if mtype == "priorities":
+        body.update({f: [0] * len(value) for f in ("keys", "generations", "priorities") if f != field})
+    with pytest.raises(wire.WireError, match=f"'{mtype}' message: {message}"):
+        wire.unpack([msgpack.packb(header(type=mtype, body=body))])
+
+
+def test_priority_lists_of_different_lengths_are_rejected():
+    body = {"keys": [1, 2], "generations": [1], "priorities": [1.0, 2.0]}
+    with pytest.raises(wire.WireError, match="keys, generations, priorities must have one length"):
+        wire.unpack([msgpack.packb(header(type="priorities", body=body))])
+
+
+@pytest.mark.parametrize("dtype", ["(2,)<f8", "<f8,<i4", "|V8"])
+def test_sub_array_and_record_dtypes_are_rejected(dtype):
+    frames = [msgpack.packb(header(arrays=[{"dtype": dtype, "shape": [1]}])), b"\x00" * 16]
+    with pytest.raises(wire.WireError, match="bad array spec"):
+        wire.unpack(frames)
+
+
 def test_pack_rejects_unknown_type():
     with pytest.raises(wire.WireError, match="unknown message type 'bogus'"):
         wire.pack("bogus", {}, "s", 1)
@@ -216,7 +291,7 @@ def address(tmp_path):
     return f"ipc://{tmp_path}/ep"
 
 
-def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address):
+def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address, caplog):
     bad = []
     server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server", on_bad=bad.append)
     raw = ctx.socket(zmq.DEALER)
@@ -234,13 +309,17 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address):
     peer, msg = got
     assert peer == b"raw" and (msg.type, msg.body, msg.seq) == ("sample", {"slot": 2, "n": 5, "min_version": 0}, 1)
     np.testing.assert_array_equal(msg.arrays[0], arr)
-    assert len(bad) == 4
-    assert "not valid msgpack" in bad[0] and "protocol version 99" in bad[1]
-    assert "'type' must be a str" in bad[2] and "not valid msgpack" in bad[3]
+    assert bad == ["wire"] * 4
+    logged = [r.getMessage() for r in caplog.records]
+    assert "not valid msgpack" in logged[0] and "protocol version 99" in logged[1]
+    assert "'type' must be a str" in logged[2] and "not valid msgpack" in logged[3]
     server.send("sampled", {"slot": 2, "n": 5, "env_steps": 3, "episodes": [], "dropped": 0}, to=peer)
-    assert raw.poll(5000)
-    reply = wire.unpack(raw.recv_multipart())
-    assert (reply.type, reply.sender, reply.seq, reply.body["env_steps"]) == ("sampled", "server", 1, 3)
+    replies = []
+    while len(replies) < 5 and raw.poll(5000):
+        replies.append(wire.unpack(raw.recv_multipart()))
+    assert [r.type for r in replies] == ["error"] * 4 + ["sampled"]  # each bad message answered, naming the fault
+    assert replies[1].body["reason"] == "bad message: protocol version 99, this service speaks 1"
+    assert (replies[4].sender, replies[4].seq, replies[4].body["env_steps"]) == ("server", 5, 3)
     raw.send_multipart([b"junk"])
     assert server.recv(timeout_ms=50) is None and len(bad) == 5  # garbage alone: a bounded wait, no message
     raw.close(linger=0)
@@ -252,7 +331,7 @@ def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx,
     client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
     client.send("sample", {"slot": 0, "n": 1, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
-    assert peer == b"sampler0" and msg.seq == 1
+    assert peer == client.identity and peer.startswith(b"sampler0.") and msg.seq == 1
     server.send("sampled", {"slot": 0, "n": 1, "env_steps": 1, "episodes": [], "dropped": 0}, to=peer)
     assert client.sock.poll(5000)  # a reply is queued on the old socket...
     old = client.sock
@@ -261,9 +340,67 @@ def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx,
     assert client.recv(timeout_ms=50) is None  # ...and went with it
     client.send("sample", {"slot": 0, "n": 2, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
-    assert peer == b"sampler0" and (msg.body["n"], msg.seq) == (2, 2)  # sequence numbers go on
+    assert peer == client.identity and (msg.body["n"], msg.seq) == (2, 2)  # same route, sequence numbers go on
     server.send("sampled", {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}, to=peer)
     got = client.recv(timeout_ms=5000)
     assert got is not None and got[1].body == {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}
     client.close()
     server.close()
+
+
+def test_a_peer_that_claims_a_name_cannot_take_its_route(ctx, address):
+    server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server")
+    client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
+    assert client.identity != Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0").identity
+    client.send("segment", {"index": 0, "serial": 1, "steps": 8, "episodes": [], "version_min": 0, "version_max": 0})
+    peer, _ = server.recv(timeout_ms=5000)
+    thief = ctx.socket(zmq.DEALER)
+    thief.setsockopt(zmq.LINGER, 0)
+    thief.setsockopt(zmq.IDENTITY, b"sampler0")  # the name the old code used as routing id
+    thief.connect(address)
+    thief.send_multipart(wire.pack("release", {"index": 9}, "sampler0", 1))
+    assert server.recv(timeout_ms=5000)[0] == b"sampler0"  # another route, not the sampler's
+    server.send("release", {"index": 0}, to=peer)
+    assert client.recv(timeout_ms=5000)[1].body == {"index": 0}
+    assert not thief.poll(100)
+    thief.close(linger=0)
+
+
+def test_serve_answers_and_counts_whatever_one_message_raises_and_goes_on(ctx, address):
+    bad = []
+    server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server", on_bad=bad.append)
+    client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="c")
+    handled = []
+
+    def handler(peer, msg):
+        if msg.body["slot"] == 1:
+            raise Rejected("value", "slot 1 is not yours")
+        if msg.body["slot"] == 2:
+            raise OverflowError("Python int too large to convert to C long")
+        handled.append(msg.body["n"])
+
+    for slot in (1, 2, 2, 0):
+        client.send("sample", {"slot": slot, "n": slot + 10, "min_version": 0})
+    for _ in range(4):
+        server.serve(handler, *server.recv(timeout_ms=5000))
+    assert handled == [10] and bad == ["value", "internal", "internal"]
+    replies = [client.recv(timeout_ms=5000)[1] for _ in range(3)]
+    assert [r.type for r in replies] == ["error"] * 3
+    assert replies[0].body["reason"] == "sample: slot 1 is not yours"
+    assert replies[1].body["reason"] == "sample: OverflowError: Python int too large to convert to C long"
+
+
+def test_frames_over_the_size_limit_are_dropped_by_zeromq(ctx, address, monkeypatch):
+    monkeypatch.setattr(wire, "MAX_FRAME_BYTES", 4096)
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 4096)
+    server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server")
+    assert server.sock.getsockopt(zmq.MAXMSGSIZE) == 4096
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    raw.send_multipart([b"x" * 10_000])
+    assert server.recv(timeout_ms=300) is None  # ZeroMQ closed that connection instead of buffering it
+    client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="c")
+    client.send("release", {"index": 1})
+    assert server.recv(timeout_ms=5000)[1].body == {"index": 1}
+    raw.close(linger=0)

@@ -6,9 +6,12 @@ import zmq
 
 from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
+from shared.auth import read_secret
 from shared.config import endpoint, socket_dir
-from shared.factory import env_probe, make_agent
-from shared.runtime import serve, torch_device
+from shared.factory import env_probe, example_step, make_agent
+from shared.layout import slot_spec
+from shared.namedarraytuple import drop_leading_dims
+from shared.runtime import run_id_of, serve, torch_device
 from shared.sockets import Endpoint
 
 log = logging.getLogger("services.action_server")
@@ -17,15 +20,17 @@ log = logging.getLogger("services.action_server")
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("action_server", instance)
     device = torch_device(exp.run.device)
-    agent = make_agent(exp, env_probe(exp)).to(device).eval()
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe).to(device).eval()
+    slot_item_spec = drop_leading_dims(slot_spec(example_step(exp, probe, agent), 1), 1)
     ctx = zmq.Context()
-    bad = lambda reason: m.bad_messages.inc()  # noqa: E731
+    bad = metrics_mod.bad_message_counter(m)
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, f"action_server{instance}"), bind=True,
                       name=f"action_server{instance}", on_bad=bad)
     params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
                       on_bad=bad)
-    server = ActionServer(exp.action_server, agent, router, params, m, socket_dir(run_dir), exp.sampler.envs,
-                          exp.sampler.count * exp.sampler.envs)
+    server = ActionServer(exp.action_server, agent, router, params, m, socket_dir(run_dir), run_id_of(run_dir),
+                          read_secret(run_dir), slot_item_spec, exp.sampler.envs, exp.sampler.count * exp.sampler.envs)
     m.healthy.set(1)
     log.info("action-server %d on %s, device %s", instance, router.address, device)
     if exp.sampler.inference != "server":

@@ -25,11 +25,12 @@ import zmq
 
 from shared import shm
 from shared.acting import act
+from shared.auth import check_secret
 from shared.config import ActionServerConfig
 from shared.doorbell import PeerGone, ServerBell
-from shared.namedarraytuple import map_leaves, zip_map
+from shared.namedarraytuple import drop_leading_dims, leaves, map_leaves, zip_map
 from shared.params import ParamReader
-from shared.sockets import Endpoint
+from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
 POLL_MS = 100
@@ -38,6 +39,7 @@ POLL_MS = 100
 @dataclass
 class Peer:
     instance: int
+    incarnation: int
     segments: list
     slots: list
     bell: ServerBell
@@ -55,13 +57,16 @@ class Request:
 
 class ActionServer:
     def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
-                 metrics, bell_dir: Path, envs_per_sampler: int = 1, envs_total: int = 1):
-        """``bell_dir`` holds the samplers' doorbells; ``envs_per_sampler``/``envs_total`` give
+                 metrics, bell_dir: Path, run_id: str, secret: str, slot_item_spec, envs_per_sampler: int = 1,
+                 envs_total: int = 1):
+        """``bell_dir`` holds the samplers' doorbells; ``run_id``/``secret`` say who belongs to
+        the run; ``slot_item_spec``: one env's StepSlot; ``envs_per_sampler``/``envs_total`` give
         every env a global index, for agents whose exploration depends on it
         (``agent.epsilon(env_steps, env_index, envs_total)``)."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
         self.bell_dir, self.envs_per_sampler, self.envs_total = Path(bell_dir), envs_per_sampler, envs_total
-        self.reader = ParamReader(agent)
+        self.run_id, self.secret, self.slot_item_spec = run_id, secret, slot_item_spec
+        self.reader = ParamReader(agent, shm.Owner(run_id, "learner"))
         self.peers: dict[bytes, Peer] = {}
         self.by_fd: dict[int, bytes] = {}
         self.pending: list[Request] = []
@@ -73,38 +78,48 @@ class ActionServer:
     # ------------------------------------------------------------ control plane
 
     def handle(self, peer: bytes, msg) -> None:
+        """One control message (through ``Endpoint.serve``: what it raises is answered and counted)."""
         if msg.type == "hello_actor":
             self._hello(peer, msg.body)
         else:
-            self.router.send("error", {"reason": f"action-server does not take {msg.type!r} messages"}, to=peer)
+            raise Rejected("state", f"action-server does not take {msg.type!r} messages")
 
     def _hello(self, peer: bytes, body: dict) -> None:
-        self._detach(peer)
-        name = f"sampler{body['instance']}"
+        check_secret(body, self.secret)
+        if any(p.instance == body["instance"] and p.incarnation >= body["incarnation"]
+               for other, p in self.peers.items() if other != peer):
+            raise Rejected("auth", f"sampler {body['instance']} is bound to another routing id; a restarted sampler "
+                           "must say hello with a newer incarnation")
+        if any(not isinstance(d.get("spec"), dict) or drop_leading_dims(d["spec"], 1) != self.slot_item_spec
+               for d in body["slots"]):
+            raise Rejected("descriptor", "bad slot descriptor: its layout is not this agent's StepSlot (same config?)")
         try:
-            segments, slots = shm.attach_all(body["slots"])
+            segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "sampler", body["instance"]))
         except (ValueError, FileNotFoundError) as e:
-            self._reject(peer, f"bad slot descriptor: {e}")
-            return
+            raise Rejected("descriptor", f"bad slot descriptor: {e}") from None
+        envs = sum(len(next(leaves(t))[1]) for t in slots)
+        if (body["instance"] + 1) * self.envs_per_sampler > self.envs_total or envs != self.envs_per_sampler:
+            for seg in segments:
+                seg.close()
+            raise Rejected("value", f"sampler {body['instance']} with {envs} envs is not one of this run's "
+                           f"{self.envs_total // self.envs_per_sampler} samplers of {self.envs_per_sampler} envs")
+        self._detach(peer)
+        for other in [o for o, p in self.peers.items() if p.instance == body["instance"]]:
+            self._detach(other)  # the sampler's previous incarnation
         try:
-            bell = ServerBell(self.bell_dir, name)
+            bell = ServerBell(self.bell_dir, f"sampler{body['instance']}")
         except PeerGone as e:
             for seg in segments:
                 seg.close()
-            self._reject(peer, str(e))
-            return
+            raise Rejected("descriptor", str(e)) from None
         first = body["instance"] * self.envs_per_sampler + np.cumsum([0] + [len(t.action) for t in slots[:-1]])
-        self.peers[peer] = Peer(body["instance"], segments, slots, bell, time.monotonic(), [int(f) for f in first])
+        self.peers[peer] = Peer(body["instance"], body["incarnation"], segments, slots, bell, time.monotonic(),
+                                [int(f) for f in first])
         self.by_fd[bell.fileno()] = peer
         self.poller.register(bell.fileno(), zmq.POLLIN)
         self.m.peers.set(len(self.peers))
         log.info("sampler %d attached (%d slots)", body["instance"], len(slots))
         self.router.send("welcome", {"peer": peer.decode(errors="replace")}, to=peer)
-
-    def _reject(self, peer: bytes, reason: str) -> None:
-        log.warning("hello from %s rejected: %s", peer, reason)
-        self.m.bad_messages.inc()
-        self.router.send("error", {"reason": reason}, to=peer)
 
     def _detach(self, peer: bytes) -> None:
         old = self.peers.pop(peer, None)
@@ -161,14 +176,14 @@ class ActionServer:
                 self.pending.append(Request(peer, slot, step, now))
             else:
                 log.warning("sampler %d rang for slot %d of %d: ignored", p.instance, slot, len(p.slots))
-                self.m.bad_messages.inc()
+                self.m.bad_messages.labels(reason="value").inc()
 
     def poll(self, timeout_ms: float) -> None:
         """Wait up to ``timeout_ms`` for anything (messages, parameters, doorbells) and take it."""
         for what, _ in self.poller.poll(timeout_ms):
             if what is self.router.sock:
                 for peer, msg in self.router.drain():
-                    self.handle(peer, msg)
+                    self.router.serve(self.handle, peer, msg)
             elif self.params is not None and what is self.params.sock:
                 self.follow_params()
             elif what in self.by_fd:

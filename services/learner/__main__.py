@@ -4,10 +4,11 @@ import logging
 
 import zmq
 
-from services.learner.learner import Learner, run_loop
+from services.learner.learner import Learner, lock_run, run_loop
 from services.learner.transport import PublishedParams, RemoteBatches
 from shared import metrics as metrics_mod
 from shared import shm
+from shared.auth import read_secret
 from shared.config import endpoint
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.params import ParamWriter
@@ -17,6 +18,7 @@ log = logging.getLogger("services.learner")
 
 
 def run(exp, run_dir, instance: int) -> None:
+    lock = lock_run(run_dir)  # noqa: F841 (held until exit): a second learner would unlink our segments
     m = metrics_mod.for_service("learner", instance)
     device = torch_device(exp.run.device)
     probe = env_probe(exp)
@@ -38,7 +40,7 @@ def run(exp, run_dir, instance: int) -> None:
     ctx = zmq.Context()
     params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer)
     source = RemoteBatches(ctx, endpoint(exp, run_dir, "replay"), descriptors, batch_items(exp),
-                           exp.learner.timeout_ms, m)
+                           exp.learner.timeout_ms, m, read_secret(run_dir))
     m.healthy.set(1)
     log.info("learner: %s on %s, %d item(s) a batch, starting at version %d", exp.algo_name, device,
              batch_items(exp), learner.version)

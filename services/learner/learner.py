@@ -4,13 +4,18 @@ It owns ``prefetch`` batch slots (shared memory in the pipeline). Replay fills a
 request; the learner trains on one slot while the next fills (double buffering), then asks
 for that slot again. After each update it publishes a new parameter version. It keeps the
 run's counters (env steps, episodes, versions) and checkpoints them with the model and
-optimizer, so a learner killed and restarted resumes where its last checkpoint stood.
+optimizer, so a learner killed and restarted resumes where its last checkpoint stood. The
+checkpoint before that is kept beside it: a latest one that cannot be loaded (truncated by
+a full disk, say) is reported and the previous one is used. A lock file in the run
+directory keeps a second learner of the same run from starting (it would take over the
+first one's segments).
 """
 
 from __future__ import annotations
 
 import collections
 import csv
+import fcntl
 import json
 import logging
 import os
@@ -26,6 +31,8 @@ from shared.namedarraytuple import torchify
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoints/latest.pt"
+PREVIOUS_CHECKPOINT = "checkpoints/previous.pt"
+LOCK = "learner.lock"
 PROGRESS = "progress.csv"
 RESULT = "result.json"
 # While no batch comes, the current version is re-announced this often: a PUB message sent
@@ -168,23 +175,39 @@ class Learner:
         torch.save({"agent": self.agent.state_dict(), "algo": self.algo.state_dict(), "version": self.version,
                     "env_steps": self.env_steps, "updates": self.updates, "episodes_seen": self.episodes_seen,
                     "returns": list(self.returns), "wall_s": self.wall_s(), "dropped": self.dropped}, tmp)
-        os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoint intact
+        if path.exists():
+            os.replace(path, self.run_dir / PREVIOUS_CHECKPOINT)
+        os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoints intact
 
     def resume(self) -> bool:
-        """Load the latest checkpoint of this run, if any."""
-        path = None if self.run_dir is None else self.run_dir / CHECKPOINT
-        if path is None or not path.exists():
+        """Load the latest checkpoint of this run, or the previous one if the latest cannot be
+        loaded; False if there is none. RuntimeError naming both files if neither loads."""
+        if self.run_dir is None:
             return False
-        ck = torch.load(path, map_location=self.device, weights_only=True)
-        self.agent.load_state_dict(ck["agent"])
-        self.algo.load_state_dict(ck["algo"])
-        self.version, self.env_steps, self.updates = ck["version"], ck["env_steps"], ck["updates"]
-        self.episodes_seen, self.dropped, self.wall_before = ck["episodes_seen"], ck["dropped"], ck["wall_s"]
-        self.returns.extend(ck["returns"])
-        self.steps_at_progress, self.wall_at_progress = self.env_steps, self.wall_before
-        log.info("resumed from %s: version %d, %d env steps, %d updates", path, self.version, self.env_steps,
-                 self.updates)
-        return True
+        paths = [p for p in (self.run_dir / CHECKPOINT, self.run_dir / PREVIOUS_CHECKPOINT) if p.exists()]
+        errors = []
+        for path in paths:
+            try:
+                ck = torch.load(path, map_location=self.device, weights_only=True)
+                self.agent.load_state_dict(ck["agent"])
+                self.algo.load_state_dict(ck["algo"])
+                counters = (ck["version"], ck["env_steps"], ck["updates"], ck["episodes_seen"], ck["dropped"],
+                            ck["wall_s"], list(ck["returns"]))
+            except Exception as e:  # truncated zip, unpickling error, missing key, shape mismatch...
+                errors.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                log.warning("cannot resume from %s (%s); trying the previous checkpoint", path, errors[-1])
+                continue
+            (self.version, self.env_steps, self.updates, self.episodes_seen, self.dropped, self.wall_before,
+             returns) = counters
+            self.returns.extend(returns)
+            self.steps_at_progress, self.wall_at_progress = self.env_steps, self.wall_before
+            log.info("resumed from %s: version %d, %d env steps, %d updates", path, self.version, self.env_steps,
+                     self.updates)
+            return True
+        if errors:
+            raise RuntimeError("no checkpoint of this run can be loaded (" + "; ".join(errors) +
+                               "); move them away to start the learner afresh")
+        return False
 
     def write_result(self, reason: str) -> dict:
         to_target = None if self.t_first_batch is None else time.monotonic() - self.t_first_batch
@@ -194,6 +217,24 @@ class Learner:
         if self.run_dir is not None:
             (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
         return result
+
+
+def lock_run(run_dir: Path):
+    """Hold ``<run_dir>/learner.lock`` for this process's life; RuntimeError if another
+    learner of the run holds it. Returns the open lock file (keep a reference)."""
+    f = open(run_dir / LOCK, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RuntimeError(f"another learner (pid {holder}) runs for {run_dir}: one learner per run; "
+                           "stop it first (rlpipe stop)") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:

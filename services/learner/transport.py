@@ -7,6 +7,7 @@ import time
 
 import zmq
 
+from shared.metrics import bad_message_counter
 from shared.params import ParamWriter
 from shared.sockets import Endpoint
 
@@ -17,13 +18,13 @@ class RemoteBatches:
     """BatchSource over a DEALER socket to replay; slots are shared-memory descriptors."""
 
     def __init__(self, ctx: zmq.Context, address: str, slot_descriptors: list, batch_items: int, timeout_ms: int,
-                 metrics):
-        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name="learner0",
-                           on_bad=lambda r: metrics.bad_messages.inc())
-        self.descriptors, self.batch_items, self.timeout_ms = slot_descriptors, batch_items, timeout_ms
+                 metrics, secret: str):
+        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name="learner0", on_bad=bad_message_counter(metrics))
+        self.batch_items, self.timeout_ms = batch_items, timeout_ms
+        self.hello = {"slots": slot_descriptors, "incarnation": time.time_ns(), "secret": secret}
         self.outstanding: dict[int, int] = {}  # slot -> min_version asked
         self.t_last = time.monotonic()
-        self.ep.send("hello_reader", {"slots": self.descriptors})
+        self.ep.send("hello_reader", self.hello)
 
     def request(self, slot: int, min_version: int) -> None:
         self.outstanding[slot] = min_version
@@ -54,7 +55,7 @@ class RemoteBatches:
     def _recover(self) -> None:
         self.t_last = time.monotonic()
         self.ep.reconnect()
-        self.ep.send("hello_reader", {"slots": self.descriptors})
+        self.ep.send("hello_reader", self.hello)
         for slot, min_version in sorted(self.outstanding.items()):
             self.ep.send("sample", {"slot": slot, "n": self.batch_items, "min_version": min_version})
 

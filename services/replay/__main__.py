@@ -7,6 +7,8 @@ import zmq
 from services.replay.service import ReplayService
 from services.replay.tables import make_table
 from shared import metrics as metrics_mod
+from shared import runtime
+from shared.auth import read_secret
 from shared.config import endpoint
 from shared.factory import batch_items
 from shared.runtime import serve
@@ -20,8 +22,9 @@ def run(exp, run_dir, instance: int) -> None:
     columns = {i: exp.sampler.envs for i in range(exp.sampler.count)}
     ctx = zmq.Context()
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
-                      on_bad=lambda reason: m.bad_messages.inc())
-    service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed), router, m)
+                      on_bad=metrics_mod.bad_message_counter(m))
+    service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed),
+                            router, m, runtime.run_id_of(run_dir), read_secret(run_dir))
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
     try:

@@ -9,6 +9,12 @@ filled; a request waits here until the table can serve it.
 
 Announcements are idempotent: a writer that timed out resends what it had in flight, and
 serial numbers already inserted are released again rather than inserted twice.
+
+Every message goes through ``Endpoint.serve``: a hello must carry the run's secret and
+descriptors of the role's own segments; a role (sampler i, the learner) stays bound to the
+routing id that said hello until a hello with a newer incarnation comes; values are
+checked against the peer's ring and slots. A message that fails is answered with an error
+and counted, and the table and what it accepted stay as they were.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from dataclasses import dataclass, field
 
 from services.replay.tables import sample_batch
 from shared import shm
+from shared.auth import check_secret
 from shared.config import ReplayConfig
-from shared.namedarraytuple import drop_leading_dims
-from shared.sockets import Endpoint
+from shared.namedarraytuple import drop_leading_dims, validate_spec
+from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
@@ -44,16 +51,20 @@ class Writer:
 @dataclass
 class Reader:
     peer: bytes
+    incarnation: int
     segments: list
     slots: list
     pending: dict = field(default_factory=dict)  # slot -> "sample" body, in request order
     since: dict = field(default_factory=dict)  # slot -> time the request arrived
+    checked: set = field(default_factory=set)  # (slot, n) whose layout the table accepted
 
 
 class ReplayService:
-    def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics):
-        """``table_factory(segment_spec)`` makes the table once the first sampler shows its layout."""
+    def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics, run_id: str, secret: str):
+        """``table_factory(segment_spec)`` makes the table once the first sampler shows its layout;
+        ``run_id`` and ``secret`` say which peers and segments belong to the run."""
         self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
+        self.run_id, self.secret = run_id, secret
         self.table = None
         self.segment_spec = None
         self.writers: dict[int, Writer] = {}
@@ -66,6 +77,7 @@ class ReplayService:
     # ------------------------------------------------------------ messages
 
     def handle(self, peer: bytes, msg) -> None:
+        """One message; raises Rejected (or anything) for ``Endpoint.serve`` to log, count and answer."""
         body = msg.body
         if msg.type == "hello_writer":
             self._hello_writer(peer, body)
@@ -76,88 +88,107 @@ class ReplayService:
         elif msg.type == "priorities":
             self._priorities(peer, body)
         elif msg.type == "sample":
-            if self.reader is None or self.reader.peer != peer:
-                self.router.send("error", {"reason": "unknown reader: send hello_reader first"}, to=peer)
-            elif not 0 <= body["slot"] < len(self.reader.slots) or body["n"] < 1:
-                self.router.send("error", {"reason": f"sample: bad slot {body['slot']} or n {body['n']}"}, to=peer)
-            else:
-                self.reader.pending.pop(body["slot"], None)
-                self.reader.pending[body["slot"]] = body
-                self.reader.since[body["slot"]] = time.monotonic()
+            reader = self._reader_of(peer)
+            if not body["slot"] < len(reader.slots):
+                raise Rejected("value", f"slot {body['slot']} outside the {len(reader.slots)} batch slots of the hello")
+            reader.pending.pop(body["slot"], None)
+            reader.pending[body["slot"]] = body
+            reader.since[body["slot"]] = time.monotonic()
         else:
-            self.router.send("error", {"reason": f"replay does not take {msg.type!r} messages"}, to=peer)
+            raise Rejected("state", f"replay does not take {msg.type!r} messages")
 
-    def _writer_of(self, peer: bytes) -> Writer | None:
+    def _writer_of(self, peer: bytes) -> Writer:
         for w in self.writers.values():
             if w.peer == peer:
                 return w
-        return None
+        raise Rejected("state", "unknown sampler: send hello_writer first")
+
+    def _reader_of(self, peer: bytes) -> Reader:
+        if self.reader is None or self.reader.peer != peer:
+            raise Rejected("state", "unknown reader: send hello_reader first")
+        return self.reader
 
     def _hello_writer(self, peer: bytes, body: dict) -> None:
+        check_secret(body, self.secret)
         known = self.writers.get(body["instance"])
         now = time.monotonic()
-        if known is not None and known.incarnation == body["incarnation"]:
-            known.peer, known.last_seen = peer, now  # the same sampler, reconnected
+        if known is not None and known.incarnation == body["incarnation"] and known.peer == peer:
+            known.last_seen = now  # the same sampler, saying hello again after a reconnect
             return
+        if known is not None and body["incarnation"] <= known.incarnation:
+            raise Rejected("auth", f"sampler {body['instance']} is bound to another routing id; a restarted "
+                           "sampler must say hello with a newer incarnation")
         try:
+            validate_spec(body["ring"].get("spec"), "ring.spec")
             spec = drop_leading_dims(body["ring"].get("spec"), 1)
-            if self.segment_spec is not None and spec != self.segment_spec:
-                raise ValueError("its segment layout differs from the other samplers' (same config?)")
-            seg, ring = shm.attach(body["ring"])
-        except (ValueError, FileNotFoundError, TypeError, KeyError, AttributeError) as e:
-            log.warning("hello_writer from sampler %s rejected: %s", body["instance"], e)
-            self.m.bad_messages.inc()
-            self.router.send("error", {"reason": f"bad ring descriptor: {e}"}, to=peer)
-            return
+        except ValueError as e:
+            raise Rejected("descriptor", f"bad ring descriptor: {e}") from None
+        if not isinstance(spec, dict) or "fields" not in spec:
+            raise Rejected("descriptor", "bad ring descriptor: its spec must be an OnPolicyBatch structure")
+        if self.segment_spec is not None and spec != self.segment_spec:
+            raise Rejected("descriptor", "its segment layout differs from the other samplers' (same config?)")
+        try:
+            seg, ring = shm.attach(body["ring"], shm.Owner(self.run_id, "sampler", body["instance"]))
+        except (ValueError, FileNotFoundError) as e:
+            raise Rejected("descriptor", f"bad ring descriptor: {e}") from None
+        try:
+            table = self.table if self.table is not None else self.table_factory(spec)
+            table.reset_writer(body["instance"])  # ValueError for a sampler the run's config does not have
+        except ValueError as e:
+            seg.close()
+            raise Rejected("value", f"hello_writer: {e}") from None
+        except Exception:
+            seg.close()
+            raise
+        self.segment_spec, self.table = spec, table
         if known is not None:
             log.info("sampler %d restarted: dropping %d segment(s) announced by its previous incarnation",
                      known.instance, len(known.pending))
             known.segment.close()
-        if self.table is None:
-            self.segment_spec, self.table = spec, self.table_factory(spec)
         self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now)
-        self.table.reset_writer(body["instance"])
         log.info("sampler %d attached", body["instance"])
 
     def _segment(self, peer: bytes, body: dict) -> None:
         w = self._writer_of(peer)
-        if w is None:
-            self.router.send("error", {"reason": "unknown sampler: send hello_writer first"}, to=peer)
-            return
         w.last_seen = time.monotonic()
-        if not 0 <= body["index"] < len(w.ring.bootstrap_value):
-            self.m.bad_messages.inc()
-            self.router.send("error", {"reason": f"segment index {body['index']} outside the ring"}, to=peer)
-            return
+        ring = len(w.ring.bootstrap_value)
+        if not body["index"] < ring:
+            raise Rejected("value", f"segment index {body['index']} outside the ring of {ring}")
         if body["serial"] <= w.last_serial:
             self.router.send("release", {"index": body["index"]}, to=peer)  # a resend of what we hold already
-        elif all(p["serial"] != body["serial"] for p, _ in w.pending):
-            w.pending.append((body, time.monotonic()))
+            return
+        for p, _ in w.pending:
+            if p["serial"] == body["serial"]:
+                return  # a resend of what waits here already
+            if p["index"] == body["index"]:
+                raise Rejected("value", f"ring slot {body['index']} announced again (serial {body['serial']}) "
+                               f"before serial {p['serial']} there was released")
+        w.pending.append((body, time.monotonic()))
 
     def _hello_reader(self, peer: bytes, body: dict) -> None:
+        check_secret(body, self.secret)
+        known = self.reader
+        if known is not None and known.peer != peer and body["incarnation"] <= known.incarnation:
+            raise Rejected("auth", "the learner is bound to another routing id; a restarted learner must say hello "
+                           "with a newer incarnation")
         try:
-            segments, slots = shm.attach_all(body["slots"])
+            segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "learner"))
         except (ValueError, FileNotFoundError) as e:
-            log.warning("hello_reader rejected: %s", e)
-            self.m.bad_messages.inc()
-            self.router.send("error", {"reason": f"bad batch slot descriptor: {e}"}, to=peer)
-            return
-        if self.reader is not None:
-            for seg in self.reader.segments:
+            raise Rejected("descriptor", f"bad batch slot descriptor: {e}") from None
+        if known is not None:
+            for seg in known.segments:
                 seg.close()
-        self.reader = Reader(peer, segments, slots)
+        self.reader = Reader(peer, body["incarnation"], segments, slots)
         log.info("learner attached (%d batch slots)", len(slots))
 
     def _priorities(self, peer: bytes, body: dict) -> None:
+        self._reader_of(peer)
         if self.table is None:
             return
         try:
             applied = self.table.update_priorities(body["keys"], body["generations"], body["priorities"])
-        except (ValueError, TypeError) as e:
-            log.warning("priority update rejected: %s", e)
-            self.m.bad_messages.inc()
-            self.router.send("error", {"reason": f"bad priorities: {e}"}, to=peer)
-            return
+        except ValueError as e:
+            raise Rejected("value", f"bad priorities: {e}") from None
         self.m.priority_updates.inc(applied)
 
     # ------------------------------------------------------------ moving data
@@ -182,6 +213,8 @@ class ReplayService:
             return
         if self.reader is not None:
             for slot, body in list(self.reader.pending.items()):
+                if not self._fits(slot, body):
+                    continue
                 info, dropped = sample_batch(self.table, self.reader.slots[slot], body["n"], body["min_version"],
                                              lag_bound=self.cfg.table == "queue")
                 self._release(dropped)
@@ -196,7 +229,28 @@ class ReplayService:
             self.m.priority_max.set(stats["priority_max"])
             self.m.priority_mean.set(stats["priority_alpha_mean"])
 
+    def _fits(self, slot: int, body: dict) -> bool:
+        """Whether the table can write ``body["n"]`` items into the reader's ``slot``; if not the
+        request is answered with an error and dropped (checked once per slot and n)."""
+        reader = self.reader
+        if (slot, body["n"]) in reader.checked:
+            return True
+        try:
+            self.table.storage.check_dest(reader.slots[slot], body["n"])
+        except (ValueError, AttributeError, TypeError) as e:
+            del reader.pending[slot]
+            reader.since.pop(slot)
+            log.warning("sample request for slot %d of %d items rejected: %s", slot, body["n"], e)
+            self.router.on_bad("descriptor")
+            self.router.send("error", {"reason": f"sample: batch slot {slot} cannot hold {body['n']} items: {e}"},
+                             to=reader.peer)
+            return False
+        reader.checked.add((slot, body["n"]))
+        return True
+
     def _insert(self, w: Writer, body: dict) -> None:
+        if body["serial"] != w.last_serial + 1:
+            self.table.reset_writer(w.instance)  # segments lost in between: no n-step window may span the gap
         segment = w.ring[body["index"]]
         keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation)
         w.last_serial = body["serial"]
@@ -249,9 +303,9 @@ class ReplayService:
         while not should_stop():
             item = self.router.recv(POLL_MS)
             if item is not None:
-                self.handle(*item)
+                self.router.serve(self.handle, *item)
                 for peer, msg in self.router.drain():
-                    self.handle(peer, msg)
+                    self.router.serve(self.handle, peer, msg)
             self.pump()
             if time.monotonic() - last_check > 1.0:
                 self.check_peers()

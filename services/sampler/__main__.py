@@ -1,7 +1,7 @@
 """python -m services.sampler --run-dir RUN --instance I"""
 
 import logging
-import secrets
+import time
 
 import zmq
 
@@ -10,6 +10,7 @@ from services.sampler.transport import RemoteActions, RemoteSink
 from shared import metrics as metrics_mod
 from shared import shm
 from shared.agent_config import info_example
+from shared.auth import read_secret
 from shared.config import endpoint, socket_dir
 from shared.factory import env_probe, make_agent, on_policy
 from shared.runtime import run_id_of, serve, torch_device
@@ -24,7 +25,7 @@ def local_actions(exp, sampler: Sampler, run_id: str):
 
     torch_device("cpu")
     agent = make_agent(exp, env_probe(exp)).eval()
-    params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"))
+    params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0))
     return LocalActions(agent, sampler, params, exp.sampler.count * exp.sampler.envs)
 
 
@@ -34,6 +35,7 @@ def run(exp, run_dir, instance: int) -> None:
     run_id = run_id_of(run_dir)
     sampler = Sampler(exp, instance, run_id, info_example(on_policy(exp)), metrics=m)
     name = f"sampler{instance}"
+    incarnation, secret = time.time_ns(), read_secret(run_dir)  # a restarted sampler's incarnation is newer
     actions = sink = None
     try:
         if exp.sampler.inference == "local":
@@ -41,9 +43,10 @@ def run(exp, run_dir, instance: int) -> None:
         else:
             server = instance % exp.action_server.count
             actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,
-                                    sampler.slot_descriptors, socket_dir(run_dir), exp.sampler.timeout_ms, m)
+                                    sampler.slot_descriptors, socket_dir(run_dir), exp.sampler.timeout_ms, m,
+                                    incarnation, secret)
         sink = RemoteSink(ctx, endpoint(exp, run_dir, "replay"), name, instance, sampler.ring_descriptor,
-                          secrets.randbits(48), exp.sampler.ring, exp.sampler.timeout_ms, m)
+                          incarnation, exp.sampler.ring, exp.sampler.timeout_ms, m, secret)
         m.healthy.set(1)
         log.info("sampler %d: %d envs of %s in %d group(s), T=%d, %s inference", instance, exp.sampler.envs,
                  exp.env.id, len(sampler.groups), exp.sampler.horizon, exp.sampler.inference)

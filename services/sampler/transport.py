@@ -14,6 +14,7 @@ import time
 import zmq
 
 from shared.doorbell import STEP_MOD, PeerGone, SamplerBell
+from shared.metrics import bad_message_counter
 from shared.sockets import Endpoint
 
 log = logging.getLogger(__name__)
@@ -29,10 +30,11 @@ class RemoteActions:
     """
 
     def __init__(self, ctx: zmq.Context, address: str, name: str, instance: int, slot_descriptors: list,
-                 bell_dir, timeout_ms: int, metrics):
-        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=lambda r: metrics.bad_messages.inc())
+                 bell_dir, timeout_ms: int, metrics, incarnation: int, secret: str):
+        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=bad_message_counter(metrics))
         self.bell = SamplerBell(bell_dir, name)
-        self.instance, self.descriptors, self.timeout_ms, self.metrics = instance, slot_descriptors, timeout_ms, metrics
+        self.hello = {"instance": instance, "slots": slot_descriptors, "incarnation": incarnation, "secret": secret}
+        self.timeout_ms, self.metrics = timeout_ms, metrics
         self.step = [0] * len(slot_descriptors)
         self.outstanding: set[int] = set()
         self.ready: dict[int, int] = {}  # group -> version of a reply not yet waited for
@@ -41,7 +43,7 @@ class RemoteActions:
     def _hello(self) -> None:
         """Say hello until an action-server welcomes us and its end of the doorbell is open."""
         while True:
-            self.ep.send("hello_actor", {"instance": self.instance, "slots": self.descriptors})
+            self.ep.send("hello_actor", self.hello)
             reply = self.ep.recv(self.timeout_ms)
             if reply is not None and reply[1].type == "welcome":
                 try:
@@ -110,9 +112,9 @@ class RemoteSink:
     """SegmentSink over a DEALER socket to replay."""
 
     def __init__(self, ctx: zmq.Context, address: str, name: str, instance: int, ring_descriptor: dict,
-                 incarnation: int, ring: int, timeout_ms: int, metrics):
-        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=lambda r: metrics.bad_messages.inc())
-        self.hello = {"instance": instance, "ring": ring_descriptor, "incarnation": incarnation}
+                 incarnation: int, ring: int, timeout_ms: int, metrics, secret: str):
+        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=bad_message_counter(metrics))
+        self.hello = {"instance": instance, "ring": ring_descriptor, "incarnation": incarnation, "secret": secret}
         self.timeout_ms, self.metrics = timeout_ms, metrics
         self.in_flight: dict[int, dict] = {}  # ring index -> announcement not yet released
         self.ep.send("hello_writer", self.hello)

@@ -1,0 +1,130 @@
+"""`rlpipe launch`, `clean` and `stop` against mistakes and other users: an impossible model
+is one config line, a service crash-looping at start stops the run with its log tail,
+runs get unguessable ids, a private socket directory and a secret, and processes are found
+by their exact run directory, never by a substring of it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared import auth, config, launch
+from shared.runtime import RUN_CONFIG
+from tests.pipeline import CONFIGS, rlpipe
+
+IMAGE_ENV = 'env.id="tests.envs_for_tests:make_image_cartpole"'
+
+
+def test_a_dict_observation_with_an_8x8_image_learns_with_encoder_auto():
+    from services.serial import train_serial
+
+    exp = config.load(CONFIGS / "cartpole_ppo.toml", [IMAGE_ENV, "run.target_return=200.0", "run.max_env_steps=100000"])
+    assert exp.model.encoder == "auto"
+    result = train_serial(exp)
+    assert result["reason"] == "target" and result["mean_return"] >= 200, result
+
+
+def test_a_model_that_cannot_be_built_fails_at_launch_in_one_line(tmp_path):
+    out = rlpipe("launch", str(CONFIGS / "cartpole_ppo.toml"), "--set", IMAGE_ENV, "--set", 'model.encoder="nature_cnn"',
+                 "--set", f"run.runs_dir='{tmp_path}'", "--set", "network.metrics_port=0")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rlpipe: config error: [model] encoder = 'nature_cnn'"), lines
+    assert "8x8 image is smaller than the Nature CNN's 36x36 minimum" in lines[0]
+    assert list(tmp_path.iterdir()) == []  # no run directory, nothing started
+
+
+def test_a_service_crashing_at_start_makes_launch_exit_with_its_log_tail(tmp_path):
+    t0 = time.monotonic()
+    out = rlpipe("launch", str(CONFIGS / "cartpole_ppo.toml"), "--set",
+                 'env.id="tests.envs_for_tests:make_env_failing_under_supervisord"',
+                 "--set", f"run.runs_dir='{tmp_path}'", "--set", "network.metrics_port=0", timeout=120)
+    took = time.monotonic() - t0
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "exited with an error within 20 s of starting (2 such exits in this run): run stopped" in out.stderr
+    assert "RuntimeError: simulated start-up crash of a service" in out.stderr  # the service's own log tail
+    assert took < 30, f"launch took {took:.1f} s to give up"
+    [run_dir] = tmp_path.iterdir()
+    assert launch.service_pids(run_dir) == [] and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))
+
+
+@pytest.fixture
+def private_base(tmp_path, monkeypatch):
+    xdg = tmp_path / "xdg"
+    xdg.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
+    return xdg / "rlpipe"
+
+
+def test_runs_get_random_ids_private_socket_dirs_and_a_secret_only_we_can_read(tmp_path, private_base):
+    exp = config.load(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{tmp_path / 'runs'}'"])
+    a, b = launch.make_run_dir(exp), launch.make_run_dir(exp)
+    assert a != b and a.name.startswith("cartpole_ppo_") and len(a.name.rsplit("_", 1)[1]) == 6
+    for run_dir in (a, b):
+        sockets = config.socket_dir(run_dir)
+        assert sockets.parent == private_base and stat.S_IMODE(os.stat(sockets).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(private_base).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(run_dir / auth.SECRET_FILE).st_mode) == 0o600
+    assert len(auth.read_secret(a)) == 64 and auth.read_secret(a) != auth.read_secret(b)
+    os.chmod(a / auth.SECRET_FILE, 0o644)
+    with pytest.raises(PermissionError, match="with mode 0600"):
+        auth.read_secret(a)
+
+
+def test_a_socket_base_that_is_not_our_private_directory_is_refused(tmp_path, private_base):
+    exp = config.load(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{tmp_path / 'runs'}'"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    private_base.symlink_to(elsewhere)  # planted by someone who wants our sockets where they can reach them
+    with pytest.raises(PermissionError, match="is not a directory of uid"):
+        launch.make_run_dir(exp)
+    private_base.unlink()
+    if os.getuid() == 0:  # only root can make a directory another user's
+        private_base.mkdir(mode=0o777)
+        os.chown(private_base, 12345, 12345)
+        with pytest.raises(PermissionError, match="owner uid 12345"):
+            launch.make_run_dir(exp)
+
+
+def test_processes_are_found_by_their_exact_run_directory(tmp_path):
+    runs = tmp_path / "runs"
+    (runs / "x_2").mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--run-dir", "runs/x_2"],
+                               cwd=tmp_path)  # argv as a service has it, relative to its cwd
+    try:
+        deadline = time.monotonic() + 10
+        while sleeper.pid not in launch.service_pids(runs / "x_2"):
+            assert time.monotonic() < deadline, "the process naming runs/x_2 was not found"
+            time.sleep(0.05)
+        assert sleeper.pid not in launch.service_pids(runs / "x")
+        assert sleeper.pid not in launch.service_pids(runs / "x_")
+        (runs / "x").mkdir()
+        (runs / "x" / "supervisord.pid").write_text(str(sleeper.pid))  # stale: that pid is not x's supervisord
+        assert launch.supervisord_pid(runs / "x") is None
+        launch.clean(runs / "x")
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_clean_of_a_run_leaves_a_live_run_whose_name_extends_it_running(runs, tmp_path):
+    live = runs("cartpole_ppo.toml", "run.target_return=1e9")
+    live.wait_steps(1_000)
+    before = live.status()
+    prefix = live.dir.parent / live.dir.name[:-2]  # run X beside the live run X_2..., as the issue saw it
+    prefix.mkdir()
+    shutil.copy(live.dir / RUN_CONFIG, prefix / RUN_CONFIG)
+    (prefix / "supervisord.pid").write_text((live.dir / "supervisord.pid").read_text())  # a stale pidfile, too
+    out = rlpipe("clean", str(prefix))
+    assert out.returncode == 0 and "killed 0 process(es)" in out.stdout, out.stdout + out.stderr
+    assert live.status() == before and all(state == "RUNNING" for state, _ in before.values()), before
+    steps = int(live.progress()[-1]["env_steps"])
+    live.wait_steps(steps + 1_000, timeout=60)

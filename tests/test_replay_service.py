@@ -1,0 +1,241 @@
+"""The replay service against hostile and broken peers, in process with real sockets and
+shared memory: hellos need the run's secret and the owner's own segments, roles stay bound
+to their routing ids, and no single message (valid envelope, hostile values) ends the
+service or loses what it accepted."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from services.replay.service import ReplayService
+from services.replay.tables import make_table
+from shared import config, metrics, shm, wire
+from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent
+from shared.layout import segment_spec
+from shared.namedarraytuple import with_leading_dims
+from shared.sockets import Endpoint
+from tests.pipeline import CONFIGS
+
+SECRET = "s3cret"
+T, B, RING, N_STEP = 4, 2, 2, 2
+
+
+@pytest.fixture(scope="module")
+def exp_and_example():
+    exp = config.load(CONFIGS / "cartpole_dqn.toml", [
+        "sampler.count=2", f"sampler.envs={B}", f"sampler.horizon={T}", f"sampler.ring={RING}",
+        "replay.capacity=1000", "replay.min_size_to_sample=1", f"replay.n_step={N_STEP}", "replay.samples_per_insert=0.0", "algo.batch_size=4"])
+    probe = env_probe(exp)
+    example = example_step(exp, probe, make_agent(exp, probe))
+    probe.close()
+    return exp, example
+
+
+class Hub:
+    """A replay service on its own thread, and helpers to talk to it as peers do."""
+
+    def __init__(self, exp, example, run_id, tmp_path):
+        self.exp, self.example, self.run_id = exp, example, run_id
+        self.ctx = zmq.Context()
+        self.address = f"ipc://{tmp_path}/replay"
+        self.bad: list[str] = []
+        router = Endpoint(self.ctx, zmq.ROUTER, self.address, bind=True, name="replay0", on_bad=self.bad.append)
+        columns = {i: B for i in range(exp.sampler.count)}
+        self.service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp)),
+                                     router, metrics.for_service("replay", 0), run_id, SECRET)
+        self.segments: list = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.service.run, args=(self.stop.is_set,))
+        self.thread.start()
+
+    def client(self, name: str) -> Endpoint:
+        return Endpoint(self.ctx, zmq.DEALER, self.address, bind=False, name=name)
+
+    def ring(self, instance: int, purpose: str = "ring"):
+        spec = with_leading_dims(segment_spec(self.example, T, B), [RING])
+        seg, ring, desc = shm.allocate(shm.segment_name(self.run_id, "sampler", instance, purpose), spec)
+        ring.samples.reward[:] = 1.0
+        ring.samples.terminated[:] = False
+        ring.samples.truncated[:] = False
+        ring.samples.policy_version[:] = 0
+        ring.samples.observation[:] = 0.5
+        self.segments.append(seg)
+        return desc
+
+    def batch_slots(self, n: int = 1) -> list:
+        descs = []
+        for i in range(n):
+            seg, _, desc = shm.allocate(shm.segment_name(self.run_id, "learner", 0, f"batch{i}"),
+                                        batch_spec(self.exp, self.example))
+            self.segments.append(seg)
+            descs.append(desc)
+        return descs
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        self.service.close()
+        self.service.router.close()
+        for seg in self.segments:
+            seg.unlink()
+            seg.close()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def hub(exp_and_example, run_id, tmp_path):
+    h = Hub(*exp_and_example, run_id, tmp_path)
+    yield h
+    h.close()
+    assert not h.thread.is_alive()
+
+
+def replies(ep: Endpoint, n: int, timeout_ms: int = 5000) -> list:
+    out = []
+    deadline = time.monotonic() + timeout_ms / 1000
+    while len(out) < n and time.monotonic() < deadline:
+        got = ep.recv(100)
+        if got is not None:
+            out.append(got[1])
+    return out
+
+
+def raw_send(ep: Endpoint, mtype: str, body: dict) -> None:
+    """A message with a valid envelope whatever the values (pack would refuse hostile ones)."""
+    header = {"v": wire.PROTOCOL_VERSION, "type": mtype, "from": "x", "seq": 1, "body": body, "arrays": []}
+    ep.sock.send_multipart([msgpack.packb(header)])
+
+
+def hello_writer(hub, ep, instance=0, incarnation=1, secret=SECRET, ring=None):
+    ep.send("hello_writer", {"instance": instance, "incarnation": incarnation, "secret": secret,
+                             "ring": ring if ring is not None else hub.ring(instance)})
+
+
+def segment(serial: int, index: int = 0, episodes=()) -> dict:
+    return {"index": index, "serial": serial, "steps": T * B, "episodes": list(episodes), "version_min": 0,
+            "version_max": 0}
+
+
+def wait_for(predicate, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_hello_without_the_run_secret_is_rejected_and_counted(hub):
+    sampler = hub.client("sampler0")
+    hello_writer(hub, sampler, secret="guess")
+    [reply] = replies(sampler, 1)
+    assert reply.type == "error" and "wrong run secret" in reply.body["reason"]
+    assert hub.bad == ["auth"] and hub.service.writers == {}
+    sampler.send("segment", segment(1))
+    [reply] = replies(sampler, 1)
+    assert reply.body["reason"] == "segment: unknown sampler: send hello_writer first"
+
+
+def test_a_writer_role_stays_bound_until_a_newer_incarnation_says_hello(hub):
+    sampler, spoof = hub.client("sampler0"), hub.client("sampler0")
+    ring = hub.ring(0)
+    hello_writer(hub, sampler, incarnation=10, ring=ring)
+    wait_for(lambda: 0 in hub.service.writers, "the sampler to attach")
+    hello_writer(hub, spoof, incarnation=10, ring=ring)  # same incarnation from another routing id
+    [reply] = replies(spoof, 1)
+    assert "bound to another routing id" in reply.body["reason"] and hub.bad == ["auth"]
+    sampler.send("segment", segment(1))
+    [reply] = replies(sampler, 1)
+    assert (reply.type, reply.body) == ("release", {"index": 0})  # the real sampler still owns the role
+    hello_writer(hub, spoof, incarnation=11, ring=ring)  # a restarted sampler: newer incarnation wins
+    wait_for(lambda: hub.service.writers[0].peer == spoof.identity, "the restarted sampler to take over")
+
+
+def test_the_reader_role_cannot_be_taken_by_another_peer(hub):
+    learner, other = hub.client("learner0"), hub.client("learner0")
+    learner.send("hello_reader", {"slots": hub.batch_slots(), "incarnation": 5, "secret": SECRET})
+    wait_for(lambda: hub.service.reader is not None, "the learner to attach")
+    other.send("hello_reader", {"slots": [{"name": "x"}], "incarnation": 5, "secret": SECRET})
+    [reply] = replies(other, 1)
+    assert "learner is bound to another routing id" in reply.body["reason"]
+    raw_send(other, "hello_reader", {"slots": [], "incarnation": 6, "secret": SECRET})  # took the role before
+    assert replies(other, 1)[0].type == "error" and hub.bad == ["auth", "wire"]
+    assert hub.service.reader.peer == learner.identity and len(hub.service.reader.slots) == 1
+    other.send("sample", {"slot": 0, "n": 4, "min_version": 0})
+    [reply] = replies(other, 1)
+    assert reply.body["reason"] == "sample: unknown reader: send hello_reader first"
+
+
+@pytest.mark.parametrize("mtype,body,reason", [
+    ("priorities", {"keys": [2**64 - 1], "generations": [0], "priorities": [1.0]}, "wire"),  # OverflowError before
+    ("priorities", {"keys": [10**9], "generations": [0], "priorities": [1.0]}, "state"),  # not the reader
+    ("segment", {**segment(2), "steps": -1}, "wire"),  # a negative counter increment before
+    ("segment", segment(2, episodes=[[1.0]]), "wire"),  # the learner crashed on this before
+    ("segment", segment(2, episodes=[[1e308, 5]] * 100), "wire"),  # ended the run claiming its target before
+    ("segment", segment(2, index=RING), "value"),
+    ("segment", segment(2, index=2**62), "wire"),
+    ("hello_writer", {"instance": 2**62, "incarnation": 1, "secret": SECRET, "ring": {}}, "wire"),
+    ("hello_writer", {"instance": 1, "incarnation": 1, "secret": SECRET, "ring": {"name": "x", "spec": None}},
+     "descriptor"),  # a null spec
+    ("hello_writer", {"instance": 1, "incarnation": 1, "secret": SECRET, "ring": {"name": 5, "spec": {}}},
+     "descriptor"),
+    ("hello_writer", {"instance": 1, "incarnation": 1, "secret": SECRET, "ring": {"name": "x"}}, "descriptor"),
+    ("hello_reader", {"slots": [{"name": None, "spec": None}], "incarnation": 1, "secret": SECRET}, "descriptor"),
+    ("sample", {"slot": 0, "n": 4, "min_version": 0}, "state"),
+    ("release", {"index": 0}, "state"),
+])
+def test_each_message_that_crashed_replay_is_answered_and_the_data_stays(hub, mtype, body, reason):
+    sampler, attacker = hub.client("sampler0"), hub.client("sampler0")
+    hello_writer(hub, sampler)
+    sampler.send("segment", segment(1))
+    assert replies(sampler, 1)[0].type == "release"
+    raw_send(sampler if mtype == "segment" else attacker, mtype, body)
+    [reply] = replies(sampler if mtype == "segment" else attacker, 1)
+    assert reply.type == "error" and hub.bad == [reason], (reply.body, hub.bad)
+    assert hub.thread.is_alive() and hub.service.table.size > 0
+    size = hub.service.table.size
+    sampler.send("segment", segment(2, index=1))  # still serving, nothing accepted lost
+    assert replies(sampler, 1)[0].body == {"index": 1}
+    assert hub.service.table.size > size
+
+
+def test_a_sampler_the_config_does_not_have_is_refused_before_it_is_registered(hub):
+    stranger = hub.client("sampler5")
+    hello_writer(hub, stranger, instance=5)  # a valid ring of "sampler 5" in a run of 2 samplers
+    [reply] = replies(stranger, 1)
+    assert "unknown writer_id 5" in reply.body["reason"] and hub.bad == ["value"]
+    assert 5 not in hub.service.writers
+    sampler = hub.client("sampler0")
+    hello_writer(hub, sampler)
+    sampler.send("segment", segment(1))
+    assert replies(sampler, 1)[0].type == "release"
+
+
+def test_batch_slots_of_the_wrong_layout_get_an_error_not_a_crash(hub):
+    sampler, learner = hub.client("sampler0"), hub.client("learner0")
+    hello_writer(hub, sampler)
+    sampler.send("segment", segment(1))
+    seg, _, desc = shm.allocate(shm.segment_name(hub.run_id, "learner", 0, "odd"), {"dtype": "<f4", "shape": [3]})
+    hub.segments.append(seg)
+    learner.send("hello_reader", {"slots": [desc], "incarnation": 1, "secret": SECRET})
+    learner.send("sample", {"slot": 0, "n": 4, "min_version": 0})
+    [reply] = replies(learner, 1)
+    assert reply.type == "error" and "batch slot 0 cannot hold 4 items" in reply.body["reason"]
+    assert hub.bad == ["descriptor"] and hub.thread.is_alive()
+
+
+@pytest.mark.parametrize("serials,new_items", [
+    ((1, 2, 3), T * B),  # contiguous: each segment also completes the previous one's open windows
+    ((1, 2, 4), (T - N_STEP) * B),  # serial 3 lost: no n-step window may run across the gap
+])
+def test_a_gap_in_serial_numbers_is_a_seam_for_n_step_returns(hub, serials, new_items):
+    sampler = hub.client("sampler0")
+    hello_writer(hub, sampler)
+    for i, serial in enumerate(serials):
+        size = hub.service.table.size if hub.service.table else 0
+        sampler.send("segment", segment(serial, index=i % RING))
+        assert replies(sampler, 1)[0].type == "release"
+    assert hub.service.table.size - size == new_items
