@@ -119,7 +119,8 @@ def fuzz_params(ctx: zmq.Context, address: str, rng: random.Random) -> None:
 
 
 def test_fuzzing_every_endpoint_of_a_live_dqn_run_crashes_nothing(runs, tmp_path):
-    run = runs("cartpole_dqn.toml", "run.target_return=200.0")  # 475 is test_pipeline_dqn's; here: still learning
+    # Server inference: the action-server is one of the endpoints. 475 is test_pipeline_dqn's; here: still learning.
+    run = runs("cartpole_dqn.toml", "run.target_return=200.0", "sampler.inference=server")
     run.wait_steps(2_000)
     before = run.status()
     sockets = config.socket_dir(run.dir)
@@ -148,7 +149,7 @@ def test_fuzzing_every_endpoint_of_a_live_dqn_run_crashes_nothing(runs, tmp_path
     for reason in ("wire", "auth", "descriptor", "state"):
         assert f'reason="{reason}"' in page, reason
     assert 'reason="internal"' not in page, "a handler raised something it did not check for (see the logs)"
-    result = run.wait_result(300)
     assert run.status() == before, "a service crashed or restarted"
+    result = run.wait_result(300)  # (the learner exits when it is reached: check the pids before)
     assert result["reason"] == "target" and result["mean_return"] >= 200, result
     print(f"fuzz: {sum(sent.values())} messages in {fuzz_s:.1f} s")

@@ -14,15 +14,15 @@ from tests.pipeline import cpu_seconds, instances, metric_value
 pytestmark = pytest.mark.learning
 
 
-@pytest.mark.parametrize("inference", ["local", "server"])
-def test_dqn_cartpole_reaches_475_within_100k_steps(runs, inference):
-    """Epsilon-greedy with the run's env steps in both places the policy can act."""
-    result = runs("cartpole_dqn.toml", f"sampler.inference={inference}").wait_result(300)
+def test_dqn_cartpole_reaches_475_within_100k_steps(runs):
+    """Local inference: each sampler's epsilon schedule follows the env steps in the learner's segment."""
+    result = runs("cartpole_dqn.toml", "sampler.inference=local").wait_result(300)
     assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 100_000, result
 
 
 def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps(runs):
-    run = runs("cartpole_rainbow.toml")
+    """Server inference: the action-server's per-env epsilons follow the published env steps."""
+    run = runs("cartpole_rainbow.toml", "sampler.inference=server")
     result = run.wait_result(300)
     assert result["reason"] == "target" and result["mean_return"] >= 400 and result["env_steps"] <= 100_000, result
     page = run.metrics()
