@@ -32,7 +32,7 @@ class ModelConfig:
     activation: str = "tanh"
     """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
     encoder: str = "auto"
-    """auto (Nature CNN for 3-D uint8 image leaves, flatten otherwise) | mlp | nature_cnn."""
+    """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn."""
     uint8_scale: float = 1.0 / 255.0
     """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
 

@@ -355,11 +355,10 @@ def _action_converter(space: spaces.Space, B: int, name: str = "action") -> Call
             raise ValueError(f"{name}: got {a.dtype}{list(a.shape)}, expected {dtype}{list(batch_shape)}")
         return a
 
-    if isinstance(space, spaces.Discrete):
-        start = int(space.start)
-        return lambda a: (checked(a) + start).tolist() if start else checked(a).tolist()
-    if isinstance(space, spaces.MultiDiscrete):
-        start = space.start.astype(np.int64)
+    if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete)):
+        # numpy scalars/rows, as gymnasium's vector envs pass them: Discrete.contains checks a
+        # numpy integer in half the time of a Python int (it builds an iinfo for an int).
+        start = np.asarray(space.start, dtype=np.int64)
         return lambda a: list(checked(a) + start) if start.any() else list(checked(a))
     if isinstance(space, spaces.Box):
         low, high = space.low.astype(dtype), space.high.astype(dtype)
@@ -369,8 +368,13 @@ def _action_converter(space: spaces.Space, B: int, name: str = "action") -> Call
 
 
 def _has_nan(x: np.ndarray) -> bool:
+    if x.size <= 16:  # classic control: a Python loop over a handful of floats beats any numpy call
+        for v in x.flat:
+            if v != v:
+                return True
+        return False
     # x.x is NaN iff x holds a NaN (squares are >= 0, so infinities cannot cancel into NaN);
-    # one BLAS call costs a third of isnan().any() on the small vectors of classic control.
+    # one BLAS call costs a third of isnan().any().
     s = np.vdot(x, x)
     return s != s
 
