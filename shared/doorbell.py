@@ -27,6 +27,7 @@ import os
 import select
 import stat
 import struct
+import time
 from pathlib import Path
 
 REQUEST = struct.Struct("<II")  # slot, step (mod 2**32)
@@ -126,9 +127,12 @@ class SamplerBell:
 
     def wait(self, timeout_ms: float) -> list[tuple[int, int, int]]:
         """Replies (slot, step mod 2**32, version) that arrive within ``timeout_ms`` ([] on timeout)."""
-        if not self.poller.poll(timeout_ms):
-            return []
-        return self.replies.read()
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        while self.poller.poll(max(0.0, (deadline - time.monotonic()) * 1000.0)):
+            got = self.replies.read()
+            if got or time.monotonic() >= deadline:  # [] after a wake-up without a whole record: wait on
+                return got
+        return []
 
     def close(self) -> None:
         self.disconnect()
