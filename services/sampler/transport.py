@@ -18,6 +18,7 @@ from shared.metrics import bad_message_counter
 from shared.sockets import Endpoint
 
 log = logging.getLogger(__name__)
+HELLO_BACKOFF_S = 1.0
 
 
 class RemoteActions:
@@ -53,6 +54,7 @@ class RemoteActions:
                     log.warning("action-server at %s welcomed us but %s", self.ep.address, e)
             elif reply is not None and reply[1].type == "error":
                 log.warning("action-server at %s refused our hello: %s", self.ep.address, reply[1].body["reason"])
+                time.sleep(HELLO_BACKOFF_S)  # a refusal comes at once: do not spin on it
             else:
                 log.warning("action-server at %s did not welcome us within %d ms; retrying", self.ep.address,
                             self.timeout_ms)
