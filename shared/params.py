@@ -159,22 +159,15 @@ class ParamFollower:
         if now - self.t_check >= self.recheck_s:
             self.t_check = now
             ino = shm.inode(self.descriptor["name"])
-            if ino is not None and ino != self.reader.nonce:
-                self.descriptor["nonce"] = ino
-        if self.descriptor["nonce"] is None:
+            if ino is not None and (self.reader.segment is None or ino != self.reader.segment.inode):
+                try:
+                    self.reader.attach(self.descriptor)  # first sight, or a restarted learner's new segment
+                except FileNotFoundError:  # gone between stat and open: the next recheck finds the new one
+                    return False
+        if self.reader.slots is None:
             return False
-        if self.reader.slots is not None and self.descriptor["nonce"] == self.reader.nonce:
-            newest = int(self.reader.slots.stamp[:, 1].max())
-            if newest <= self.reader.version:
-                return False
-        else:
-            try:
-                self.reader.attach(self.descriptor)
-            except FileNotFoundError:  # gone between stat and open: the next recheck finds the new one
-                self.descriptor["nonce"] = None
-                return False
-            newest = int(self.reader.slots.stamp[:, 1].max())
-        return newest >= 0 and self.reader.read(newest, self.descriptor)
+        newest = int(self.reader.slots.stamp[:, 1].max())
+        return newest > self.reader.version and self.reader.read(newest, self.descriptor)
 
     def close(self) -> None:
         self.reader.close()

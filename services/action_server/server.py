@@ -44,7 +44,7 @@ class Peer:
     slots: list
     bell: ServerBell
     last_seen: float
-    first_env: list  # global index of each slot's first env (for per-env exploration)
+    env_index: list  # per slot: the global index of each of its envs (for per-env exploration)
 
 
 @dataclass
@@ -114,7 +114,7 @@ class ActionServer:
             raise Rejected("descriptor", str(e)) from None
         first = body["instance"] * self.envs_per_sampler + np.cumsum([0] + [len(t.action) for t in slots[:-1]])
         self.peers[peer] = Peer(body["instance"], body["incarnation"], segments, slots, bell, time.monotonic(),
-                                [int(f) for f in first])
+                                [f + np.arange(len(t.action)) for f, t in zip(first, slots)])
         self.by_fd[bell.fileno()] = peer
         self.poller.register(bell.fileno(), zmq.POLLIN)
         self.m.peers.set(len(self.peers))
@@ -196,7 +196,7 @@ class ActionServer:
         slots = [p.slots[r.slot] for p, r in zip(peers, batch)]
         sizes = [len(s.action) for s in slots]
         obs = zip_map(lambda *xs: np.concatenate(xs), *[s.observation for s in slots])
-        env_index = np.concatenate([np.arange(n) + p.first_env[r.slot] for p, r, n in zip(peers, batch, sizes)])
+        env_index = np.concatenate([p.env_index[r.slot] for p, r in zip(peers, batch)])
         action, info = act(self.agent, obs, env_index, self.reader.env_steps, self.envs_total)
         start = 0
         version = max(self.reader.version, 0)
