@@ -133,7 +133,10 @@ def supervisord_pid(run_dir: Path) -> int | None:
         pid = int((run_dir / "supervisord.pid").read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
-    return pid if pid in service_pids(run_dir) else None
+    try:
+        return pid if Path(run_dir).resolve() in _run_dirs_named(Path(f"/proc/{pid}")) else None
+    except OSError:  # no such process (any more)
+        return None
 
 
 def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:

@@ -150,9 +150,13 @@ class Endpoint:
             first = type(e).__name__ not in self._internal_seen
             self._internal_seen.add(type(e).__name__)
             log.error("%s: %s from %s failed: %s", self.name, msg.type, _who(peer), text, exc_info=first)
+        self.reject(peer, msg.type, reason, text)
+
+    def reject(self, peer: bytes | None, mtype: str, reason: str, text: str) -> None:
+        """Count a message that is not acted on (``on_bad(reason)``) and answer its peer with an error."""
         self.on_bad(reason)
         if peer is not None:
-            self.send("error", {"reason": f"{msg.type}: {text}"[:ERROR_REPLY_CHARS]}, to=peer)
+            self.send("error", {"reason": f"{mtype}: {text}"[:ERROR_REPLY_CHARS]}, to=peer)
 
     def drain(self) -> list[tuple[bytes | None, wire.Message]]:
         """Every valid message already waiting, without blocking."""

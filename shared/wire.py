@@ -152,6 +152,7 @@ def unpack(frames: list) -> Message:
     if not isinstance(body, dict):
         raise WireError(f"{mtype!r} message: body must be a map")
     _check_body(mtype, body)
+    _check_values(mtype, body)
     specs = header.get("arrays", [])
     if not isinstance(specs, list) or len(specs) != len(frames) - 1:
         raise WireError(f"{mtype!r} message: header lists {len(specs) if isinstance(specs, list) else '?'} "
@@ -161,6 +162,9 @@ def unpack(frames: list) -> Message:
 
 
 def _check_body(mtype, body: dict) -> None:
+    """Fields present with their types: what ``pack`` checks (a sender's bug shows at once).
+    The values, element by element, are ``_check_values``'s, on the receiving end only: a
+    sender that checked them too would pay for every priority and key twice per batch."""
     schema = SCHEMAS.get(mtype)
     if schema is None:
         raise WireError(f"unknown message type {mtype!r} (known: {', '.join(sorted(SCHEMAS))})")
@@ -171,6 +175,12 @@ def _check_body(mtype, body: dict) -> None:
         if not isinstance(value, types) or (types is not _BOOL and isinstance(value, bool)):
             want = "/".join(t.__name__ for t in types)
             raise WireError(f"{mtype!r} message: field {name!r} must be {want}, got {type(value).__name__}")
+
+
+def _check_values(mtype, body: dict) -> None:
+    """The fields' values against INT_RANGES, LISTS and SAME_LENGTH (after ``_check_body``)."""
+    for name in SCHEMAS[mtype]:
+        value = body[name]
         if name in INT_RANGES:
             lo, hi = INT_RANGES[name]
             if not lo <= value <= hi:

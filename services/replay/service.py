@@ -241,9 +241,7 @@ class ReplayService:
             del reader.pending[slot]
             reader.since.pop(slot)
             log.warning("sample request for slot %d of %d items rejected: %s", slot, body["n"], e)
-            self.router.on_bad("descriptor")
-            self.router.send("error", {"reason": f"sample: batch slot {slot} cannot hold {body['n']} items: {e}"},
-                             to=reader.peer)
+            self.router.reject(reader.peer, "sample", "descriptor", f"batch slot {slot} cannot hold {body['n']} items: {e}")
             return False
         reader.checked.add((slot, body["n"]))
         return True
