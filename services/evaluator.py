@@ -1,7 +1,8 @@
 """Greedy evaluation of a run's latest checkpoint on held-out env seeds (in one process).
 
-Policy-gradient agents act with the mode of their policy; Q agents epsilon-greedily with
-``agent.eps_eval`` from the config. Episode returns are the true game scores (EnvGroup's
+Every agent acts for evaluation (``EVALUATE``): policy-gradient agents with the mode of
+their policy, Q agents epsilon-greedily with ``agent.eps_eval`` from the config, Q-policy-
+gradient agents with the actor's mean action. Episode returns are the true game scores (EnvGroup's
 tracker sits below reward clipping and episodic life).
 """
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from services.learner.learner import CHECKPOINT
+from shared.agents import EVALUATE
 from shared.config import Experiment
 from shared.envs import EnvGroup
 from shared.factory import env_probe, example_step, make_agent
@@ -46,10 +48,7 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int = 10, envs: int = 8) 
     try:
         while len(returns) < episodes:
             with torch.no_grad():
-                if hasattr(agent, "epsilon"):
-                    action, _ = agent.step(torchify(slot.observation), agent.cfg.eps_eval)
-                else:
-                    action, _ = agent.step(torchify(slot.observation), greedy=True)
+                action, _ = agent.step(torchify(slot.observation), EVALUATE)
             slot.action[:] = numpify(action)
             ended = group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
             returns.extend(ret for _, ret, _ in ended)

@@ -6,19 +6,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shared.agents import StepContext
 from shared.namedarraytuple import numpify, torchify
 
 
-def act(agent, obs, env_index: np.ndarray, env_steps: int, envs_total: int):
-    """Actions and agent info (numpy) for observations [N, ...] of the envs ``env_index``.
-
-    Agents that explore per env (``agent.epsilon``, the DQN family) get each row's epsilon
-    for the run's current env step; policy-gradient agents sample from their policy.
-    """
+def act(agent, obs, env_index: np.ndarray, first: np.ndarray, env_steps: int, envs_total: int):
+    """Actions and agent info (numpy) for observations [N, ...] of the envs ``env_index``
+    (global indices), ``first`` [N] marking the rows whose observation starts an episode;
+    ``env_steps`` is the run's count at the parameters' version (exploration schedules)."""
+    ctx = StepContext(env_index=env_index, first=first, env_steps=env_steps, envs_total=envs_total)
     with torch.inference_mode():  # cheaper than no_grad; nothing here is ever differentiated
-        if hasattr(agent, "epsilon"):
-            epsilon = torch.as_tensor(agent.epsilon(env_steps, env_index, envs_total), dtype=torch.float32)
-            action, info = agent.step(torchify(obs), epsilon)
-        else:
-            action, info = agent.step(torchify(obs))
+        action, info = agent.step(torchify(obs), ctx)
     return numpify(action), numpify(info)

@@ -3,7 +3,7 @@
 The config dataclasses of the encoder (``ModelConfig``) and of each agent family, and the
 per-step agent-info layouts (namedarraytuples of numpy scalars) that size the samplers'
 shared-memory buffers. Samplers in server mode, replay and the launcher read these without
-importing torch; ``shared.models``, ``shared.agents`` and ``shared.q_agent`` build on them.
+importing torch; ``shared.models`` and the agents (``shared.agents``) build on them.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
 """Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
 QAgentInfo = namedarraytuple("QAgentInfo", ["value"])
 """Per env and step: max_a Q(obs, a) under the behaviour parameters (expected Q for C51)."""
+QpgAgentInfo = namedarraytuple("QpgAgentInfo", [])
+"""Q-policy-gradient agents keep nothing per step: their losses need only (s, a, r, s')."""
+FAMILIES = ("pg", "q", "qpg")
+"""Agent families: policy gradient (A2C, PPO), Q-learning (DQN family), Q-policy-gradient (DDPG, TD3, SAC)."""
+NOISES = ("gaussian", "ou")
 
 
 @dataclass(frozen=True)
@@ -113,8 +118,49 @@ class QAgentConfig:
             )
 
 
-def info_example(on_policy: bool):
-    """One env's agent info of numpy float32 zeros: AgentInfo (policy gradient) or QAgentInfo."""
-    if on_policy:
+@dataclass(frozen=True)
+class QpgAgentConfig:
+    """Q-policy-gradient agent options (DDPG, TD3, SAC) beyond the encoder shape, exploration included.
+
+    Actions are computed in units of the Box: [-1, 1] per dimension, mapped linearly onto
+    [low, high] for the env (the bounds must be finite). Exploration, in the action-server
+    or the local sampler: for the first ``random_steps`` env steps of the run, uniformly
+    random actions; after that the deterministic actor's action plus ``noise`` (``noise_scale``
+    is the standard deviation in units of half the action range, as TD3's 0.1 * max_action)
+    clipped to the bounds, or the SAC actor's tanh-squashed sample. Evaluation acts with the
+    actor's mean. Ornstein-Uhlenbeck noise keeps one state per env, reset at episode start:
+    x <- x + ou_theta * (0 - x) * ou_dt + noise_scale * sqrt(ou_dt) * N(0, 1).
+    """
+
+    random_steps: int = 0
+    """Env steps (of the whole run) with uniformly random actions before the actor takes over."""
+    noise: str = "gaussian"
+    """DDPG/TD3 exploration noise: gaussian (independent per step) | ou (Ornstein-Uhlenbeck per env)."""
+    noise_scale: float = 0.1
+    """Noise standard deviation in units of half the action range (DDPG/TD3)."""
+    ou_theta: float = 0.15
+    """OU mean-reversion rate."""
+    ou_dt: float = 1e-2
+    """OU time step."""
+    log_std_min: float = -5.0
+    """SAC: the actor's log standard deviation is squashed into [log_std_min, log_std_max]."""
+    log_std_max: float = 2.0
+    """SAC: upper bound of the actor's log standard deviation."""
+
+    def __post_init__(self) -> None:
+        if self.noise not in NOISES:
+            raise ValueError(f"QpgAgentConfig.noise: {self.noise!r} unknown; use one of {NOISES}")
+        if self.random_steps < 0 or self.noise_scale < 0 or self.ou_theta < 0 or self.ou_dt <= 0:
+            raise ValueError("QpgAgentConfig: need random_steps >= 0, noise_scale >= 0, ou_theta >= 0 and ou_dt > 0")
+        if not self.log_std_min < self.log_std_max:
+            raise ValueError(f"QpgAgentConfig: log_std_min ({self.log_std_min}) must be below log_std_max "
+                             f"({self.log_std_max})")
+
+
+def info_example(family: str):
+    """One env's agent info of numpy float32 zeros for an agent family (``FAMILIES``)."""
+    if family == "pg":
         return AgentInfo(log_prob=np.zeros((), np.float32), value=np.zeros((), np.float32))
-    return QAgentInfo(value=np.zeros((), np.float32))
+    if family == "q":
+        return QAgentInfo(value=np.zeros((), np.float32))
+    return QpgAgentInfo()

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from shared.agent_config import ModelConfig, PgAgentConfig, QAgentConfig
-from shared.algos.hparams import A2CConfig, DQNConfig, PPOConfig
+from shared.agent_config import ModelConfig, PgAgentConfig, QAgentConfig, QpgAgentConfig
+from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, SACConfig, TD3Config
 from shared.envs import EnvConfig, validate_env_config
 
 
@@ -145,11 +145,14 @@ class NetworkConfig:
 
 INFERENCE = ("auto", "local", "server")
 
-# algo.name -> (algorithm config, agent config, on-policy?)
-ALGOS: dict[str, tuple[type, type, bool]] = {
-    "ppo": (PPOConfig, PgAgentConfig, True),
-    "a2c": (A2CConfig, PgAgentConfig, True),
-    "dqn": (DQNConfig, QAgentConfig, False),
+# algo.name -> (algorithm config, agent config, agent family: see agent_config.FAMILIES)
+ALGOS: dict[str, tuple[type, type, str]] = {
+    "ppo": (PPOConfig, PgAgentConfig, "pg"),
+    "a2c": (A2CConfig, PgAgentConfig, "pg"),
+    "dqn": (DQNConfig, QAgentConfig, "q"),
+    "ddpg": (DDPGConfig, QpgAgentConfig, "qpg"),
+    "td3": (TD3Config, QpgAgentConfig, "qpg"),
+    "sac": (SACConfig, QpgAgentConfig, "qpg"),
 }
 
 
@@ -286,7 +289,7 @@ def _check(exp: Experiment, check_ports: bool) -> None:
         raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
     if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
         raise ConfigError(f"sampler.envs = {exp.sampler.envs}: alternating mode needs >= 2 (or set sampler.alternating = false)")
-    on_policy = ALGOS[exp.algo_name][2]
+    on_policy = ALGOS[exp.algo_name][2] == "pg"
     tables = ("queue",) if on_policy else ("uniform", "prioritized")
     if exp.replay.table not in tables:
         raise ConfigError(f"replay.table = {exp.replay.table!r}: {exp.algo_name} needs one of: {', '.join(tables)}")

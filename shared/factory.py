@@ -7,8 +7,13 @@ from shared.envs import EnvGroup
 from shared.layout import segment_spec, step_example
 
 
-def on_policy(exp: Experiment) -> bool:
+def family(exp: Experiment) -> str:
+    """The agent family of the experiment's algorithm: pg, q or qpg (``agent_config.FAMILIES``)."""
     return ALGOS[exp.algo_name][2]
+
+
+def on_policy(exp: Experiment) -> bool:
+    return family(exp) == "pg"
 
 
 def env_probe(exp: Experiment) -> EnvGroup:
@@ -23,13 +28,19 @@ def make_agent(exp: Experiment, probe: EnvGroup):
     import torch
 
     torch.manual_seed(exp.run.seed)
-    if on_policy(exp):
-        from shared.agents import PgAgent
+    obs, space = probe.example_observation(), probe.action_space
+    if family(exp) == "pg":
+        from shared.agents.pg import PgAgent
 
-        return PgAgent(probe.example_observation(), probe.action_space, exp.model, exp.agent)
-    from shared.q_agent import QAgent
+        return PgAgent(obs, space, exp.model, exp.agent)
+    if family(exp) == "q":
+        from shared.agents.q import QAgent
 
-    return QAgent(probe.example_observation(), probe.action_space, exp.model, exp.agent)
+        return QAgent(obs, space, exp.model, exp.agent)
+    from shared.agents.qpg import DeterministicAgent, SacAgent
+
+    cls = SacAgent if exp.algo_name == "sac" else DeterministicAgent
+    return cls(obs, space, exp.model, exp.agent, n_critics=exp.algo.n_critics)
 
 
 def check_buildable(exp: Experiment) -> None:
@@ -40,8 +51,8 @@ def check_buildable(exp: Experiment) -> None:
         make_agent(exp, probe)
     except (ValueError, RuntimeError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"[model] encoder = {exp.model.encoder!r} cannot be built for the observations of "
-                          f"{exp.env.id}: {first} (try model.encoder = \"mlp\" or another env)") from None
+        raise ConfigError(f"the {exp.algo_name} agent (encoder = {exp.model.encoder!r}) cannot be built for "
+                          f"{exp.env.id}: {first}") from None
     finally:
         probe.close()
 
@@ -50,8 +61,9 @@ def make_algo(exp: Experiment, agent):
     from shared.algos.a2c import A2C
     from shared.algos.dqn import DQN
     from shared.algos.ppo import PPO
+    from shared.algos.qpg import DDPG, SAC
 
-    return {"ppo": PPO, "a2c": A2C, "dqn": DQN}[exp.algo_name](agent, exp.algo)
+    return {"ppo": PPO, "a2c": A2C, "dqn": DQN, "ddpg": DDPG, "td3": DDPG, "sac": SAC}[exp.algo_name](agent, exp.algo)
 
 
 def example_step(exp: Experiment, probe: EnvGroup, agent):

@@ -11,7 +11,10 @@ import numpy as np
 from shared.algos import OnPolicyBatch, Samples
 from shared.namedarraytuple import namedarraytuple, spec_of, with_leading_dims
 
-StepSlot = namedarraytuple("StepSlot", ["observation", "action", "agent_info"])
+StepSlot = namedarraytuple("StepSlot", ["observation", "action", "agent_info", "first"])
+"""What a sampler and whoever acts for it share per env group: the observations [B, ...],
+``first`` [B] (bool: the observation starts an episode; per-env exploration state resets),
+and the actions and agent info written back."""
 
 
 def step_example(obs_example, action_example, agent_info_example) -> Samples:
@@ -29,8 +32,9 @@ def step_example(obs_example, action_example, agent_info_example) -> Samples:
 
 
 def slot_spec(example: Samples, envs: int):
-    """A step slot for ``envs`` environments: observation, action, agent_info, each [B, ...]."""
-    return with_leading_dims(spec_of(StepSlot(example.observation, example.action, example.agent_info)), [envs])
+    """A step slot for ``envs`` environments: observation, action, agent_info, first, each [B, ...]."""
+    return with_leading_dims(spec_of(StepSlot(example.observation, example.action, example.agent_info,
+                                              np.bool_(False))), [envs])
 
 
 def segment_spec(example: Samples, horizon: int, envs: int):

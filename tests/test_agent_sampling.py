@@ -6,7 +6,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from shared.agents import PgAgent
+from shared.agents import EVALUATE
+from shared.agents.pg import PgAgent
 from shared.models import ModelConfig
 
 
@@ -34,7 +35,7 @@ def test_gaussian_samples_have_the_policy_moments_and_exact_log_probs():
     obs = torch.randn(20_000, 3)
     action, info = agent.step(obs)
     with torch.no_grad():
-        mean = agent.step(obs, greedy=True)[0]
+        mean = agent.step(obs, EVALUATE)[0]
     std = (action - mean).std(0)
     assert torch.allclose(std, torch.tensor([1.0, np.exp(-1.0)], dtype=torch.float32), rtol=0.03)
     log_prob, _, _ = agent.evaluate(obs[:100], action[:100])

@@ -30,3 +30,13 @@ def test_dqn_configs_run_updates_in_serial_mode(name):
                                                  "replay.min_size_to_sample=256", "replay.samples_per_insert=0.5"])
     result = train_serial(exp)
     assert result["reason"] == "budget" and result["updates"] >= 1
+
+
+@pytest.mark.parametrize("name", ["halfcheetah_sac", "halfcheetah_td3", "pendulum_ddpg"])
+def test_continuous_control_configs_run_updates_in_serial_mode(name):
+    """MuJoCo HalfCheetah-v5 (the mujoco extra) and Pendulum with the configs' own networks:
+    past the random warm-up, the actor acts and the learner updates."""
+    exp = config.load(CONFIGS / f"{name}.toml", ["run.max_env_steps=600", "agent.random_steps=200",
+                                                 "replay.min_size_to_sample=256", "replay.samples_per_insert=64"])
+    result = train_serial(exp)
+    assert result["reason"] == "budget" and result["updates"] >= 50

@@ -11,7 +11,7 @@ import torch
 
 from shared.algos.dqn import DQN, DQNConfig
 from shared.models import ModelConfig
-from shared.q_agent import QAgent, QAgentConfig
+from shared.agents.q import QAgent, QAgentConfig
 from shared.replay import Transition
 
 torch.set_num_threads(1)
@@ -178,19 +178,19 @@ def test_epsilon_schedule_and_apex_spread():
     np.testing.assert_allclose(apex.epsilon(0, 0, 1), 0.4, rtol=1e-6)  # one env: the base
 
 
-def test_step_is_greedy_at_zero_epsilon_and_uniform_at_one():
+def test_epsilon_greedy_is_greedy_at_zero_epsilon_and_uniform_at_one():
     torch.manual_seed(0)
     agent = QAgent(np.zeros(4, np.float32), gym.spaces.Discrete(3), ModelConfig((16,), "relu"), QAgentConfig())
     obs = torch.randn(2000, 4)
     q = agent.q_values(obs)
-    action, info = agent.step(obs, 0.0)
+    action, info = agent.epsilon_greedy(obs, 0.0)
     assert action.dtype == torch.int64 and info.value.dtype == torch.float32
     torch.testing.assert_close(action, q.argmax(-1))
     torch.testing.assert_close(info.value, q.max(-1).values)
-    random, _ = agent.step(obs, torch.ones(2000))
+    random, _ = agent.epsilon_greedy(obs, torch.ones(2000))
     counts = np.bincount(random.numpy(), minlength=3) / 2000
     np.testing.assert_allclose(counts, [1 / 3] * 3, atol=0.05)
-    mixed, _ = agent.step(obs, torch.cat([torch.zeros(1000), torch.ones(1000)]))
+    mixed, _ = agent.epsilon_greedy(obs, torch.cat([torch.zeros(1000), torch.ones(1000)]))
     torch.testing.assert_close(mixed[:1000], q[:1000].argmax(-1))
     assert agent.example_info().value.dtype == np.float32
 

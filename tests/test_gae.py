@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.agents import AgentInfo
+from shared.agent_config import AgentInfo
 from shared.algos import OnPolicyBatch, Samples
 from shared.algos.gae import batch_advantages, explained_variance, gae
 

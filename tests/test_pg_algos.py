@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.agents import AgentInfo, PgAgent, PgAgentConfig
+from shared.agents import EVALUATE
+from shared.agents.pg import AgentInfo, PgAgent, PgAgentConfig
 from shared.algos import OnPolicyBatch, Samples
 from shared.algos.a2c import A2C, A2CConfig
 from shared.algos.ppo import PPO, PPOConfig
@@ -48,7 +49,7 @@ def test_greedy_discrete_is_the_most_likely_action():
     torch.manual_seed(0)
     agent = PgAgent(OBS, gym.spaces.Discrete(4))
     obs = obs_batch(64)
-    greedy, _ = agent.step(obs, greedy=True)
+    greedy, _ = agent.step(obs, EVALUATE)
     logits = agent.pi_head(agent.pi_encoder(obs))
     assert torch.equal(greedy, logits.argmax(-1))
 
@@ -81,8 +82,8 @@ def test_gaussian_samples_are_raw_and_log_std_sets_the_entropy():
     per_dim = 0.5 * math.log(2 * math.pi * math.e) + 0.5
     torch.testing.assert_close(entropy, torch.full((512,), 2 * per_dim))
     assert action.std(0).mean().item() == pytest.approx(math.exp(0.5), rel=0.1)
-    greedy1, _ = agent.step(obs, greedy=True)
-    greedy2, _ = agent.step(obs, greedy=True)
+    greedy1, _ = agent.step(obs, EVALUATE)
+    greedy2, _ = agent.step(obs, EVALUATE)
     assert torch.equal(greedy1, greedy2)
     assert "log_std" in agent.state_dict()
 
@@ -187,7 +188,7 @@ def test_learns_a_contextual_bandit_with_gaussian_actions(name):
     for i in range(60):
         algo.update(bandit_batch(agent, 4, 32, near_target, seed=i), progress=i / 60)
     obs = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    greedy, _ = agent.step(obs, greedy=True)
+    greedy, _ = agent.step(obs, EVALUATE)
     torch.testing.assert_close(greedy[:, 0], torch.tensor([0.5, -0.5]), atol=0.15, rtol=0)
 
 

@@ -12,7 +12,7 @@ from shared import shm
 from shared.agent_config import info_example
 from shared.auth import read_secret
 from shared.config import endpoint, socket_dir
-from shared.factory import env_probe, make_agent, on_policy
+from shared.factory import env_probe, family, make_agent
 from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.sampler")
@@ -33,7 +33,7 @@ def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("sampler", instance)
     ctx = zmq.Context()
     run_id = run_id_of(run_dir)
-    sampler = Sampler(exp, instance, run_id, info_example(on_policy(exp)), metrics=m)
+    sampler = Sampler(exp, instance, run_id, info_example(family(exp)), metrics=m)
     name = f"sampler{instance}"
     incarnation, secret = time.time_ns(), read_secret(run_dir)  # a restarted sampler's incarnation is newer
     actions = sink = None

@@ -38,7 +38,7 @@ class LocalActions:
     def request(self, group: int) -> None:
         self.params.poll()
         slot = self.slots[group]
-        action, info = act(self.agent, slot.observation, self.env_index[group], self.params.env_steps,
+        action, info = act(self.agent, slot.observation, self.env_index[group], slot.first, self.params.env_steps,
                            self.envs_total)
         slot.action[:] = action
         slot.agent_info[:] = info

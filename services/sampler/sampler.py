@@ -91,6 +91,7 @@ class Sampler:
     def start(self, actions: ActionSource) -> None:
         for g, env in enumerate(self.envs):
             env.reset(self.slots[g].observation)
+            self.slots[g].first[:] = True
             actions.request(g)
 
     def collect_segment(self, actions: ActionSource, sink: SegmentSink) -> None:
@@ -158,6 +159,8 @@ class Sampler:
                     self.metrics.env_errors.inc()
                 env.recreate(i, slot.observation)
             ended = e.finished
+        # Envs reset themselves at an episode's end (and recreated ones count as truncated).
+        np.logical_or(step.terminated, step.truncated, out=slot.first)
         for _, ret, length in ended:
             self.episodes.append([float(ret), int(length)])
 

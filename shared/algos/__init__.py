@@ -8,7 +8,7 @@ it. Every leaf is a torch tensor with leading dims [T, B] (B = all env columns):
 - ``final_observation``: same structure as ``observation``; valid only where
   ``terminated | truncated`` (the observation the env returned before its autoreset),
   garbage elsewhere. After a done step, ``observation[t + 1]`` starts the next episode.
-- ``agent_info``: ``shared.agents.AgentInfo`` of the behaviour policy at sampling time.
+- ``agent_info``: ``shared.agent_config.AgentInfo`` of the behaviour policy at sampling time.
 - ``policy_version`` (int64): the parameter version that chose the action.
 
 ``OnPolicyBatch.bootstrap_observation`` ([B, ...]) is the observation that follows step

@@ -23,7 +23,7 @@ from torch import nn
 
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
-from shared.q_agent import QAgent
+from shared.agents.q import QAgent
 from shared.replay import Transition
 
 

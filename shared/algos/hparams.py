@@ -8,6 +8,7 @@ their own class (``from shared.algos.ppo import PPOConfig`` keeps working).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,80 @@ class DQNConfig:
             )
         if not 0.0 < self.target_tau <= 1.0:
             raise ValueError(f"DQNConfig.target_tau: must be in (0, 1], got {self.target_tau}")
+
+
+@dataclass(frozen=True)
+class QpgConfig:
+    """What DDPG, TD3 and SAC share: critics regressed on n-step TD targets from target
+    networks that trail by Polyak averaging, an actor that climbs the critic."""
+
+    actor_lr: float = 1e-3
+    """Adam learning rate of the actor."""
+    critic_lr: float = 1e-3
+    """Adam learning rate of the critics (one optimizer for all of them)."""
+    anneal_lr: bool = False
+    """Decay the learning rates linearly to 0 over the run (progress 0 -> 1)."""
+    batch_size: int = 256
+    """Transitions in one batch (the learner asks replay for this many per update)."""
+    n_critics: int = 1
+    """Q-networks; with 2 the TD target takes their minimum (clipped double Q, Fujimoto et al. 2018)."""
+    tau: float = 0.005
+    """Polyak rate: target <- tau * online + (1 - tau) * target after every actor update."""
+    max_grad_norm: float = 0.0
+    """Clip each network's global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.n_critics not in (1, 2):
+            raise ValueError(f"{type(self).__name__}: need batch_size >= 1 and n_critics 1 or 2, got "
+                             f"{self.batch_size} and {self.n_critics}")
+        if not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"{type(self).__name__}.tau: must be in (0, 1], got {self.tau}")
+
+
+@dataclass(frozen=True)
+class DDPGConfig(QpgConfig):
+    """DDPG (Lillicrap et al. 2016) with a deterministic actor; TD3 is this with its three changes on."""
+
+    policy_delay: int = 1
+    """Critic updates per actor (and target) update."""
+    target_noise: float = 0.0
+    """Target policy smoothing: std of the Gaussian noise on the target actor's action (units of half the range)."""
+    target_noise_clip: float = 0.5
+    """The smoothing noise is clipped to +-this before it is added."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.policy_delay < 1 or self.target_noise < 0 or self.target_noise_clip < 0:
+            raise ValueError(f"{type(self).__name__}: need policy_delay >= 1, target_noise >= 0 and "
+                             "target_noise_clip >= 0")
+
+
+@dataclass(frozen=True)
+class TD3Config(DDPGConfig):
+    """TD3 (Fujimoto et al. 2018): twin critics, delayed actor updates, target policy smoothing."""
+
+    n_critics: int = 2
+    policy_delay: int = 2
+    target_noise: float = 0.2
+
+
+@dataclass(frozen=True)
+class SACConfig(QpgConfig):
+    """SAC (Haarnoja et al. 2018, the version with automatic entropy tuning)."""
+
+    actor_lr: float = 3e-4
+    critic_lr: float = 3e-4
+    n_critics: int = 2
+    alpha_lr: float = 3e-4
+    """Adam learning rate of log(alpha)."""
+    init_alpha: float = 1.0
+    """Entropy temperature at the start (and throughout with learn_alpha = false)."""
+    learn_alpha: bool = True
+    """Tune alpha so that the policy's entropy tracks target_entropy; false = fixed init_alpha."""
+    target_entropy: Optional[float] = None
+    """Entropy the temperature steers towards; None = -|A| (minus the action dimensions)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.init_alpha <= 0:
+            raise ValueError(f"SACConfig.init_alpha: must be > 0, got {self.init_alpha}")

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.agents import PgAgent
+from shared.agents.pg import PgAgent
 from shared.models import ModelConfig
 from tests.pipeline import Run
 

@@ -19,7 +19,7 @@ from shared.namedarraytuple import buffer_from_example, from_spec, leaves, spec_
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized, PrioritizedConfig, Uniform
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
-from shared.q_agent import QAgentInfo
+from shared.agent_config import QAgentInfo
 
 pytestmark = pytest.mark.bench
 CAPACITY, T, B, BATCH, REPEAT = 1_000_000, 64, 16, 256, 5

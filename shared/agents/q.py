@@ -1,7 +1,8 @@
 """Q-learning agent: observations -> epsilon-greedy actions, Q-values, return distributions.
 
-One ``QAgent`` serves the action-server (``step`` with the epsilons of ``epsilon``), the
-learner (``q_values``, ``dist``) and evaluation (``step`` with ``eps_eval``). Variants are
+One ``QAgent`` serves the action-server (``step``: epsilon-greedy with each env's epsilon
+from ``epsilon``), the learner (``q_values``, ``dist``) and evaluation (``step`` with a
+greedy context: epsilon ``eps_eval``). Variants are
 parameters: a plain or dueling head (Wang et al. 2016), scalar Q or a C51 categorical
 return distribution (Bellemare et al. 2017). The target network is not part of the agent
 (the algorithm owns it), so ``state_dict()`` is exactly what the learner publishes.
@@ -15,7 +16,9 @@ import torch
 from torch import nn
 
 from shared.agent_config import ModelConfig, QAgentConfig, QAgentInfo, info_example
+from shared.agents import EXPLORE, StepContext
 from shared.models import MLP, make_encoder, obs_to
+from shared.namedarraytuple import leaves
 
 
 class QAgent(nn.Module):
@@ -73,11 +76,19 @@ class QAgent(nn.Module):
             raise ValueError("QAgent.dist: the agent is not distributional (QAgentConfig.distributional)")
         return self._head(obs).log_softmax(-1)
 
+    def step(self, obs, ctx: StepContext = EXPLORE) -> tuple[torch.Tensor, QAgentInfo]:
+        """Epsilon-greedy actions for obs tree [B, ...]: each env's epsilon for ``ctx.env_steps``
+        (``epsilon``), or ``eps_eval`` for a greedy context."""
+        if ctx.greedy:
+            return self.epsilon_greedy(obs, self.cfg.eps_eval)
+        index, total = ctx.rows(len(next(leaves(obs))[1]))
+        return self.epsilon_greedy(obs, self.epsilon(ctx.env_steps, index, total))
+
     @torch.no_grad()
-    def step(self, obs, epsilon: torch.Tensor | np.ndarray | float) -> tuple[torch.Tensor, QAgentInfo]:
+    def epsilon_greedy(self, obs, epsilon: torch.Tensor | np.ndarray | float) -> tuple[torch.Tensor, QAgentInfo]:
         """Epsilon-greedy actions for obs tree [B, ...].
 
-        ``epsilon``: a float for all rows or one per row [B] (``epsilon()`` gives them).
+        ``epsilon``: a float for all rows or one per row [B].
         Returns action int64 [B] in 0..A-1 and QAgentInfo(value float32 [B] = max_a Q).
         """
         q = self.q_values(obs)
@@ -107,4 +118,4 @@ class QAgent(nn.Module):
 
     def example_info(self) -> QAgentInfo:
         """One env's QAgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
-        return info_example(on_policy=False)
+        return info_example("q")

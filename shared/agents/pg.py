@@ -1,7 +1,7 @@
 """Policy-gradient agent: observations -> actions, log-probs and values (A2C, PPO).
 
 One ``PgAgent`` serves the action-server (``step``), the learner (``evaluate``, ``value``)
-and evaluation (``step(..., greedy=True)``). Its ``state_dict()`` (parameters and buffers)
+and evaluation (``step(obs, EVALUATE)``). Its ``state_dict()`` (parameters and buffers)
 is everything the learner publishes; ``step`` never changes it.
 """
 
@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributions import Normal
 
 from shared.agent_config import AgentInfo, ModelConfig, PgAgentConfig, info_example
+from shared.agents import EXPLORE, StepContext
 from shared.models import MLP, make_encoder, obs_to
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
@@ -85,14 +86,15 @@ class PgAgent(nn.Module):
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
 
     @torch.no_grad()
-    def step(self, obs, greedy: bool = False) -> tuple[torch.Tensor, AgentInfo]:
-        """Sample actions (the mode with ``greedy``) for obs tree [B, ...].
+    def step(self, obs, ctx: StepContext = EXPLORE) -> tuple[torch.Tensor, AgentInfo]:
+        """Sample actions (the mode with ``ctx.greedy``) for obs tree [B, ...].
 
         Returns action (int64 [B] Discrete, int64 [B, k] MultiDiscrete, float32 [B, *shape]
         Box, raw Gaussian sample) and AgentInfo(log_prob float32 [B], value float32 [B]).
         """
         # No torch.distributions here: this runs once per action-server batch, and building
         # distribution objects costs more than the small networks' forward pass.
+        greedy = ctx.greedy
         obs = obs_to(obs, self.device)
         out, value = self._forward(obs)
         if self.kind == "box":
@@ -138,4 +140,4 @@ class PgAgent(nn.Module):
 
     def example_info(self) -> AgentInfo:
         """One env's AgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
-        return info_example(on_policy=True)
+        return info_example("pg")

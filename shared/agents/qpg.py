@@ -1,0 +1,194 @@
+"""Q-policy-gradient agents for Box actions: an actor and Q-critics (DDPG, TD3, SAC).
+
+- ``DeterministicAgent``: a deterministic actor mu(s) in [-1, 1]^A (tanh), explored with
+  Gaussian or per-env Ornstein-Uhlenbeck noise (DDPG, TD3);
+- ``SacAgent``: a tanh-squashed Gaussian actor with the change-of-variables log-prob (SAC).
+
+Both work in *units* of the action Box: [-1, 1] per dimension, mapped linearly onto the
+env's [low, high] by ``to_env`` (and back by ``to_unit``). Critics take unit actions, so
+one set of hyperparameters fits any bounds; replay stores the env actions that were taken.
+The target networks are the algorithm's (a deep copy, as in DQN), so ``state_dict()`` is
+exactly what the learner publishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo, info_example
+from shared.agents import EXPLORE, StepContext
+from shared.models import MLP, make_encoder, obs_to
+from shared.namedarraytuple import leaves
+
+ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
+_LOG_2 = math.log(2.0)
+_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def tanh_gaussian_log_prob(u: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+    """log density [N] of a = tanh(u), u ~ Normal(mean, exp(log_std)) per dimension [N, A].
+
+    Change of variables: log p(a) = log N(u) - sum log(1 - tanh(u)^2), with the stable
+    form log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)).
+    """
+    gauss = -0.5 * ((u - mean) / log_std.exp()).square() - log_std - _HALF_LOG_2PI
+    return (gauss - 2.0 * (_LOG_2 - u - F.softplus(-2.0 * u))).sum(-1)
+
+
+class Critic(nn.Module):
+    """Q(s, a): the observation's encoder features (no trunk) and the unit action through an MLP."""
+
+    def __init__(self, obs_example, model_cfg: ModelConfig, action_dim: int) -> None:
+        super().__init__()
+        self.encoder, feat_dim = make_encoder(obs_example, dataclasses.replace(model_cfg, hidden_sizes=()))
+        self.mlp = MLP(feat_dim + action_dim, tuple(model_cfg.hidden_sizes), model_cfg.activation, output_size=1)
+
+    def forward(self, obs, unit_action: torch.Tensor) -> torch.Tensor:
+        return self.mlp(torch.cat([self.encoder(obs), unit_action], dim=-1)).squeeze(-1)
+
+
+class QpgAgent(nn.Module):
+    """What both agents share: the Box, the critics, random warm-up and evaluation acting.
+
+    Subclasses give the actor: ``mean_action(obs)`` (evaluation) and ``explore(obs, ctx)``.
+    """
+
+    def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig, cfg: QpgAgentConfig,
+                 n_critics: int, actor_outputs: int) -> None:
+        super().__init__()
+        if not isinstance(action_space, gym.spaces.Box):
+            raise ValueError(f"{type(self).__name__}: action space {action_space} not supported; "
+                             "DDPG, TD3 and SAC need a Box")
+        low, high = (np.asarray(b, np.float64).reshape(-1) for b in (action_space.low, action_space.high))
+        if not (np.isfinite(low).all() and np.isfinite(high).all() and (low < high).all()):
+            raise ValueError(f"{type(self).__name__}: the action Box needs finite bounds with low < high, got "
+                             f"low {action_space.low} high {action_space.high}")
+        self.cfg = cfg
+        self.action_shape = tuple(action_space.shape)
+        self.action_dim = low.size
+        self.register_buffer("low", torch.as_tensor(low, dtype=torch.float32), persistent=False)
+        self.register_buffer("high", torch.as_tensor(high, dtype=torch.float32), persistent=False)
+        self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg)
+        self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN)
+        self.critics = nn.ModuleList(Critic(obs_example, model_cfg, self.action_dim) for _ in range(n_critics))
+
+    @property
+    def device(self) -> torch.device:
+        return self.low.device
+
+    def _actor_out(self, obs) -> torch.Tensor:
+        return self.actor_head(self.actor_encoder(obs_to(obs, self.device)))
+
+    def q(self, obs, unit_action: torch.Tensor) -> torch.Tensor:
+        """Q_i(obs, a) of every critic: float32 [n_critics, N] for unit actions [N, A], with grad."""
+        obs = obs_to(obs, self.device)
+        return torch.stack([critic(obs, unit_action) for critic in self.critics])
+
+    def to_env(self, unit: torch.Tensor) -> torch.Tensor:
+        """Unit actions [N, A] in [-1, 1] -> env actions [N, *shape] in [low, high]."""
+        env = self.low + (unit + 1.0) * 0.5 * (self.high - self.low)
+        return torch.minimum(torch.maximum(env, self.low), self.high).reshape(-1, *self.action_shape)
+
+    def to_unit(self, env_action: torch.Tensor) -> torch.Tensor:
+        """Env actions [N, *shape] -> unit actions [N, A] (what the critics take)."""
+        flat = env_action.reshape(env_action.shape[0], self.action_dim).float()
+        return (2.0 * (flat - self.low) / (self.high - self.low) - 1.0).clamp(-1.0, 1.0)
+
+    @torch.no_grad()
+    def step(self, obs, ctx: StepContext = EXPLORE) -> tuple[torch.Tensor, QpgAgentInfo]:
+        """Env actions float32 [B, *shape] for obs tree [B, ...], always within the Box:
+        the actor's mean for a greedy context, uniform for the first ``random_steps`` env
+        steps of the run, the actor explored as the subclass does after that."""
+        if ctx.greedy:
+            unit = self.mean_action(obs)
+        elif ctx.env_steps < self.cfg.random_steps:
+            n = len(next(leaves(obs))[1])
+            unit = torch.rand(n, self.action_dim, device=self.device) * 2.0 - 1.0
+        else:
+            unit = self.explore(obs, ctx)
+        return self.to_env(unit), QpgAgentInfo()
+
+    def mean_action(self, obs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def explore(self, obs, ctx: StepContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def example_info(self) -> QpgAgentInfo:
+        return info_example("qpg")
+
+
+class DeterministicAgent(QpgAgent):
+    """DDPG/TD3 agent: mu(s) = tanh(head(encoder(s))), explored with Gaussian or OU noise.
+
+    OU noise keeps a state per env of the run (rows of ``ou_state``, by the context's global
+    env index), reset to 0 when the env's observation starts an episode.
+    """
+
+    def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
+                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 1) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=1)
+        self.ou_state: torch.Tensor | None = None  # [envs_total, A], not a parameter: acting state
+
+    def policy(self, obs) -> torch.Tensor:
+        """mu(obs): unit actions [N, A], with grad (the actor loss differentiates through it)."""
+        return torch.tanh(self._actor_out(obs))
+
+    def mean_action(self, obs) -> torch.Tensor:
+        return self.policy(obs)
+
+    def explore(self, obs, ctx: StepContext) -> torch.Tensor:
+        mu = self.policy(obs)
+        if self.cfg.noise == "gaussian":
+            noise = torch.randn_like(mu) * self.cfg.noise_scale
+        else:
+            noise = self.ou_noise(ctx, mu.shape[0])
+        return (mu + noise).clamp(-1.0, 1.0)
+
+    def ou_noise(self, ctx: StepContext, n: int) -> torch.Tensor:
+        """Advance the OU state of the context's envs one step (after resetting those that
+        start an episode) and return it: [n, A]."""
+        index, total = ctx.rows(n)
+        if self.ou_state is None or self.ou_state.shape[0] != total:
+            self.ou_state = torch.zeros(total, self.action_dim, device=self.device)
+        rows = torch.as_tensor(index, device=self.device)
+        x = self.ou_state[rows]
+        if ctx.first is not None:
+            x = torch.where(torch.as_tensor(ctx.first, device=self.device)[:, None], torch.zeros_like(x), x)
+        cfg = self.cfg
+        x = x - cfg.ou_theta * x * cfg.ou_dt + cfg.noise_scale * math.sqrt(cfg.ou_dt) * torch.randn_like(x)
+        self.ou_state[rows] = x
+        return x
+
+
+class SacAgent(QpgAgent):
+    """SAC agent: a = tanh(u), u ~ Normal(mean(s), std(s)); log std squashed into
+    [log_std_min, log_std_max] by a tanh (Haarnoja et al. 2018; CleanRL's bounds)."""
+
+    def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
+                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 2) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=2)
+
+    def _mean_log_std(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        mean, raw = self._actor_out(obs).chunk(2, dim=-1)
+        lo, hi = self.cfg.log_std_min, self.cfg.log_std_max
+        return mean, lo + 0.5 * (hi - lo) * (torch.tanh(raw) + 1.0)
+
+    def sample(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reparameterised unit actions [N, A] and their log-probs [N] (in unit space), with grad."""
+        mean, log_std = self._mean_log_std(obs)
+        u = mean + log_std.exp() * torch.randn_like(mean)
+        return torch.tanh(u), tanh_gaussian_log_prob(u, mean, log_std)
+
+    def mean_action(self, obs) -> torch.Tensor:
+        return torch.tanh(self._mean_log_std(obs)[0])
+
+    def explore(self, obs, ctx: StepContext) -> torch.Tensor:
+        return self.sample(obs)[0]

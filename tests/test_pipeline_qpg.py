@@ -1,0 +1,49 @@
+"""DDPG, TD3 and SAC on Pendulum-v1 through the real pipeline, and SAC in serial mode.
+
+The shipped configs carry the references' hyperparameters (400x300 or 256x256 networks,
+10k random steps for DDPG/TD3). These checks learn with 64x64 networks and 1000 random
+steps, which reach -200 in 5-8k env steps and cost a third of the learner time: the
+targets are the issue's (-200 over the last 10 episodes within 20k env steps, 30k for DDPG).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.serial import train_serial
+from shared import config
+from tests.pipeline import CONFIGS
+
+pytestmark = pytest.mark.learning
+
+FAST = ("model.hidden_sizes=[64, 64]", "agent.random_steps=1000", "replay.min_size_to_sample=1000")
+
+
+def reached(result: dict, steps: int) -> bool:
+    return result["reason"] == "target" and result["mean_return"] >= -200 and result["env_steps"] <= steps
+
+
+def test_sac_pendulum_local_inference_reaches_minus_200_within_20k_steps(runs):
+    result = runs("pendulum_sac.toml", "sampler.inference=local", "model.hidden_sizes=[64, 64]").wait_result(300)
+    assert reached(result, 20_000), result
+
+
+def test_td3_pendulum_server_inference_reaches_minus_200_within_20k_steps(runs):
+    """The action-server adds each env's Gaussian noise and the random warm-up follows the
+    env steps the learner publishes."""
+    result = runs("pendulum_td3.toml", "sampler.inference=server", *FAST).wait_result(300)
+    assert reached(result, 20_000), result
+
+
+def test_ddpg_pendulum_with_ou_noise_in_the_action_server_reaches_minus_200_within_30k_steps(runs):
+    """Ornstein-Uhlenbeck noise: one state per env in the action-server, reset by the
+    samplers' episode-start flags."""
+    run = runs("pendulum_ddpg.toml", "sampler.inference=server", *FAST, 'agent.noise="ou"', "agent.noise_scale=0.2")
+    result = run.wait_result(300)
+    assert reached(result, 30_000), result
+
+
+def test_sac_pendulum_serial_mode_reaches_minus_200_within_20k_steps():
+    exp = config.load(CONFIGS / "pendulum_sac.toml", ["model.hidden_sizes=[64, 64]"])
+    result = train_serial(exp)
+    assert reached(result, 20_000), result
