@@ -80,6 +80,36 @@ class MLP(nn.Module):
         return x
 
 
+class EnsembleMLP(nn.Module):
+    """``n`` independent MLPs of one shape run as one: each layer is a batched matmul
+    (``torch.baddbmm``) over weights [n, in, out], so twin critics cost one critic's kernel
+    launches, which is what small networks on a CPU pay for. Each member is initialised
+    like ``MLP`` (orthogonal, gain sqrt(2) for hidden layers, ``output_gain`` for the last).
+    Input [n, N, in_dim] -> output [n, N, out_dim].
+    """
+
+    def __init__(self, n: int, in_dim: int, hidden_sizes: tuple[int, ...], activation: str = "tanh",
+                 output_size: int = 1, output_gain: float = 1.0) -> None:
+        super().__init__()
+        self.fn = _ACTIVATIONS[activation][1]
+        self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
+        sizes = [in_dim, *hidden_sizes, output_size]
+        for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            gain = output_gain if k == len(sizes) - 2 else HIDDEN_GAIN
+            members = [nn.init.orthogonal_(torch.empty(b, a), gain).T for _ in range(n)]  # nn.Linear's [out, in], transposed
+            self.weights.append(nn.Parameter(torch.stack(members)))
+            self.biases.append(nn.Parameter(torch.zeros(n, 1, b)))
+        self.out_dim = output_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = len(self.weights) - 1
+        for k, (w, b) in enumerate(zip(self.weights, self.biases)):
+            x = torch.baddbmm(b, x, w)
+            if k < last:
+                x = self.fn(x)
+        return x
+
+
 class NatureCNN(nn.Module):
     """Mnih et al. (2015) torso: 32x8x8/4, 64x4x4/2, 64x3x3/1, fc 512, relu throughout.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -117,3 +118,32 @@ def metric_value(page: str, name: str) -> float:
     """Sum of the samples of metric ``name`` on a Prometheus text page."""
     return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
                if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+# ---------------------------------------------------------------- benchmarks (tests/bench)
+
+
+def rlpipe_to_target(tmp_path, config: str, seed: int, *overrides: str) -> tuple[float, int]:
+    """(seconds from `rlpipe launch` to result.json, env steps) of one run; a run that ends on
+    its step budget instead of the target is reported (its time is a lower bound), not dropped."""
+    t0 = time.time()
+    run = Run.launch(tmp_path, config, f"run.seed={seed}", *overrides)
+    try:
+        result = run.wait_result(1800)
+        seconds = (run.dir / "result.json").stat().st_mtime - t0
+    finally:
+        run.close()
+    if result["reason"] != "target":
+        print(f"\n{config} seed {seed} missed the target: {result['reason']} at {result['env_steps']} env steps, "
+              f"mean return {result['mean_return']:.1f} after {seconds:.1f} s")
+    return seconds, result["env_steps"]
+
+
+def summary(name: str, runs: list[tuple[float, int]]) -> float:
+    secs = [s for s, _ in runs]
+    steps = [n for _, n in runs]
+    median = statistics.median(secs)
+    print(f"{name}: median {median:.1f} s (min {min(secs):.1f}, max {max(secs):.1f}); env steps median "
+          f"{statistics.median(steps):,.0f} (min {min(steps):,}, max {max(steps):,}); runs "
+          f"{[(round(s, 1), n) for s, n in runs]}")
+    return median

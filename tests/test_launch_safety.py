@@ -36,9 +36,19 @@ def test_a_model_that_cannot_be_built_fails_at_launch_in_one_line(tmp_path):
                  "--set", f"run.runs_dir='{tmp_path}'", "--set", "network.metrics_port=0")
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("rlpipe: config error: [model] encoder = 'nature_cnn'"), lines
+    assert len(lines) == 1 and lines[0].startswith("rlpipe: config error: the ppo agent (encoder = 'nature_cnn') "
+                                                   "cannot be built"), lines
     assert "8x8 image is smaller than the Nature CNN's 36x36 minimum" in lines[0]
     assert list(tmp_path.iterdir()) == []  # no run directory, nothing started
+
+
+def test_a_continuous_control_algorithm_on_discrete_actions_fails_at_launch_in_one_line(tmp_path):
+    out = rlpipe("launch", str(CONFIGS / "pendulum_sac.toml"), "--set", 'env.id="CartPole-v1"',
+                 "--set", f"run.runs_dir='{tmp_path}'", "--set", "network.metrics_port=0")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the sac agent" in lines[0] and "need a Box" in lines[0], lines
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_service_crashing_at_start_makes_launch_exit_with_its_log_tail(tmp_path):

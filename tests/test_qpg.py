@@ -137,7 +137,7 @@ def test_ou_noise_is_per_env_independent_and_reset_at_episode_start():
     kick = cfg.noise_scale * math.sqrt(cfg.ou_dt)
     assert (after[:8].abs() < 5 * kick).all()
     assert (after[8:] - before[8:] * (1 - cfg.ou_theta * cfg.ou_dt)).abs().max() < 5 * kick
-    assert before[:8].abs().mean() > 10 * kick  # the reset is visible: the state had grown
+    assert before[:8].abs().mean() > 4 * kick  # the reset is visible: the states had grown (stationary std 0.55)
 
 
 def test_ou_state_follows_global_env_indices_of_several_samplers():

@@ -24,7 +24,7 @@ from torch import nn
 
 from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo, info_example
 from shared.agents import EXPLORE, StepContext
-from shared.models import MLP, make_encoder, obs_to
+from shared.models import MLP, EnsembleMLP, make_encoder, obs_to
 from shared.namedarraytuple import leaves
 
 ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
@@ -42,16 +42,29 @@ def tanh_gaussian_log_prob(u: torch.Tensor, mean: torch.Tensor, log_std: torch.T
     return (gauss - 2.0 * (_LOG_2 - u - F.softplus(-2.0 * u))).sum(-1)
 
 
-class Critic(nn.Module):
-    """Q(s, a): the observation's encoder features (no trunk) and the unit action through an MLP."""
+class Critics(nn.Module):
+    """n Q-functions Q_i(s, a) side by side: the observation's encoder features (no trunk)
+    and the unit action through an ``EnsembleMLP``. Encoders with parameters (images) are
+    one per critic; a parameter-free one (flatten) is shared."""
 
-    def __init__(self, obs_example, model_cfg: ModelConfig, action_dim: int) -> None:
+    def __init__(self, obs_example, model_cfg: ModelConfig, action_dim: int, n: int) -> None:
         super().__init__()
-        self.encoder, feat_dim = make_encoder(obs_example, dataclasses.replace(model_cfg, hidden_sizes=()))
-        self.mlp = MLP(feat_dim + action_dim, tuple(model_cfg.hidden_sizes), model_cfg.activation, output_size=1)
+        cfg = dataclasses.replace(model_cfg, hidden_sizes=())
+        encoder, feat_dim = make_encoder(obs_example, cfg)
+        learned = any(True for _ in encoder.parameters())
+        self.encoders = nn.ModuleList([encoder, *(make_encoder(obs_example, cfg)[0] for _ in range(n - 1))]
+                                      if learned else [encoder])
+        self.n = n
+        self.mlp = EnsembleMLP(n, feat_dim + action_dim, tuple(model_cfg.hidden_sizes), model_cfg.activation)
 
     def forward(self, obs, unit_action: torch.Tensor) -> torch.Tensor:
-        return self.mlp(torch.cat([self.encoder(obs), unit_action], dim=-1)).squeeze(-1)
+        """Q [n, N] for obs tree [N, ...] and unit actions [N, A]."""
+        if len(self.encoders) == 1:
+            features = self.encoders[0](obs).expand(self.n, -1, -1)
+        else:
+            features = torch.stack([encoder(obs) for encoder in self.encoders])
+        x = torch.cat([features, unit_action.expand(self.n, -1, -1)], dim=-1)
+        return self.mlp(x).squeeze(-1)
 
 
 class QpgAgent(nn.Module):
@@ -77,7 +90,7 @@ class QpgAgent(nn.Module):
         self.register_buffer("high", torch.as_tensor(high, dtype=torch.float32), persistent=False)
         self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg)
         self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN)
-        self.critics = nn.ModuleList(Critic(obs_example, model_cfg, self.action_dim) for _ in range(n_critics))
+        self.critics = Critics(obs_example, model_cfg, self.action_dim, n_critics)
 
     @property
     def device(self) -> torch.device:
@@ -88,8 +101,7 @@ class QpgAgent(nn.Module):
 
     def q(self, obs, unit_action: torch.Tensor) -> torch.Tensor:
         """Q_i(obs, a) of every critic: float32 [n_critics, N] for unit actions [N, A], with grad."""
-        obs = obs_to(obs, self.device)
-        return torch.stack([critic(obs, unit_action) for critic in self.critics])
+        return self.critics(obs_to(obs, self.device), unit_action)
 
     def to_env(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit actions [N, A] in [-1, 1] -> env actions [N, *shape] in [low, high]."""

@@ -13,6 +13,7 @@ from torch import nn
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import A2CConfig
+from shared.algos.optim import adam
 
 class A2C:
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
@@ -25,7 +26,7 @@ class A2C:
                 agent.parameters(), lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.optimizer_eps
             )
         else:
-            self.optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps)
+            self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps)
 
     def update(self, batch: OnPolicyBatch, progress: float) -> dict[str, float]:
         """One A2C step on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.

@@ -23,6 +23,7 @@ from torch import nn
 
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
+from shared.algos.optim import adam
 from shared.agents.q import QAgent
 from shared.replay import Transition
 
@@ -38,7 +39,7 @@ class DQN:
         self.agent = agent
         self.cfg = cfg
         self.target = copy.deepcopy(agent).requires_grad_(False)
-        self.optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
         self.updates = 0
 
     def _bootstrap_action(self, target_q: torch.Tensor, bootstrap_observation) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import PPOConfig
+from shared.algos.optim import adam
 
 
 class PPO:
@@ -21,7 +22,7 @@ class PPO:
     def __init__(self, agent: nn.Module, cfg: PPOConfig = PPOConfig()) -> None:
         self.agent = agent
         self.cfg = cfg
-        self.optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
 
     def update(self, batch: OnPolicyBatch, progress: float) -> dict[str, float]:
         """One PPO update on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.

@@ -29,6 +29,7 @@ from torch import nn
 
 from shared.agents.qpg import DeterministicAgent, QpgAgent, SacAgent
 from shared.algos.hparams import DDPGConfig, QpgConfig, SACConfig, TD3Config  # noqa: F401 (re-exported)
+from shared.algos.optim import adam
 from shared.replay import Transition
 
 
@@ -39,8 +40,8 @@ class _QpgAlgo:
         self.agent, self.cfg = agent, cfg
         self.target = copy.deepcopy(agent).requires_grad_(False)
         self.actor_params = [*agent.actor_encoder.parameters(), *agent.actor_head.parameters()]
-        self.actor_opt = torch.optim.Adam(self.actor_params, lr=cfg.actor_lr, fused=True)
-        self.critic_opt = torch.optim.Adam(agent.critics.parameters(), lr=cfg.critic_lr, fused=True)
+        self.actor_opt = adam(self.actor_params, lr=cfg.actor_lr)
+        self.critic_opt = adam(agent.critics.parameters(), lr=cfg.critic_lr)
         self.updates = 0
 
     def _anneal(self, progress: float) -> float:
@@ -154,7 +155,7 @@ class SAC(_QpgAlgo):
         super().__init__(agent, cfg)
         self.target_entropy = -float(agent.action_dim) if cfg.target_entropy is None else cfg.target_entropy
         self.log_alpha = torch.tensor(float(cfg.init_alpha), device=agent.device).log().requires_grad_(cfg.learn_alpha)
-        self.alpha_opt = torch.optim.Adam([self.log_alpha], lr=cfg.alpha_lr, fused=True)
+        self.alpha_opt = adam([self.log_alpha], lr=cfg.alpha_lr)
 
     def _optimizers(self) -> list[tuple[torch.optim.Optimizer, float]]:
         return super()._optimizers() + [(self.alpha_opt, self.cfg.alpha_lr)]

@@ -14,32 +14,15 @@ Run with `make bench`.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import pytest
 
-from tests.pipeline import Run
+from tests.pipeline import rlpipe_to_target, summary
 
 pytestmark = pytest.mark.bench
 SEEDS = range(5)
 TARGET = 475.0
-
-
-def rlpipe_to_target(tmp_path, config: str, seed: int) -> tuple[float, int]:
-    """(seconds from `rlpipe launch` to result.json, env steps) of one run; a run that ends on
-    its step budget instead of the target is reported (its time is a lower bound), not dropped."""
-    t0 = time.time()
-    run = Run.launch(tmp_path, config, f"run.seed={seed}")
-    try:
-        result = run.wait_result(600)
-        seconds = (run.dir / "result.json").stat().st_mtime - t0
-    finally:
-        run.close()
-    if result["reason"] != "target":
-        print(f"\n{config} seed {seed} missed the target: {result['reason']} at {result['env_steps']} env steps, "
-              f"mean return {result['mean_return']:.1f} after {seconds:.1f} s")
-    return seconds, result["env_steps"]
 
 
 def sb3_ppo_to_target(seed: int) -> tuple[float, int]:
@@ -68,16 +51,6 @@ def sb3_ppo_to_target(seed: int) -> tuple[float, int]:
     return seconds, model.num_timesteps
 
 
-def _summary(name: str, runs: list[tuple[float, int]]) -> float:
-    secs = [s for s, _ in runs]
-    steps = [n for _, n in runs]
-    median = statistics.median(secs)
-    print(f"{name}: median {median:.1f} s (min {min(secs):.1f}, max {max(secs):.1f}); env steps median "
-          f"{statistics.median(steps):,.0f} (min {min(steps):,}, max {max(steps):,}); runs "
-          f"{[(round(s, 1), n) for s, n in runs]}")
-    return median
-
-
 def test_ppo_cartpole_launch_to_475_vs_stable_baselines3(tmp_path):
     try:
         import stable_baselines3  # noqa: F401
@@ -89,9 +62,9 @@ def test_ppo_cartpole_launch_to_475_vs_stable_baselines3(tmp_path):
         if stable_baselines3 is not None:
             theirs.append(sb3_ppo_to_target(seed))
     print()
-    median = _summary("rlpipe PPO CartPole-v1, `rlpipe launch` -> mean 475", ours)
+    median = summary("rlpipe PPO CartPole-v1, `rlpipe launch` -> mean 475", ours)
     if theirs:
-        peer = _summary("Stable-Baselines3 PPO (rl-zoo hyperparameters), one process -> mean 475", theirs)
+        peer = summary("Stable-Baselines3 PPO (rl-zoo hyperparameters), one process -> mean 475", theirs)
         print(f"ratio rlpipe / SB3 (medians): {median / peer:.2f}")
     else:
         print("stable-baselines3 is not installed (pip install -e '.[bench]'): no peer to compare with")
@@ -100,4 +73,4 @@ def test_ppo_cartpole_launch_to_475_vs_stable_baselines3(tmp_path):
 def test_dqn_cartpole_launch_to_475(tmp_path):
     runs = [rlpipe_to_target(tmp_path / f"dqn{seed}", "cartpole_dqn.toml", seed) for seed in SEEDS]
     print()
-    _summary("rlpipe DQN CartPole-v1, `rlpipe launch` -> mean 475", runs)
+    summary("rlpipe DQN CartPole-v1, `rlpipe launch` -> mean 475", runs)
