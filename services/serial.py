@@ -20,6 +20,7 @@ from shared.config import Experiment
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
 from shared.layout import segment_spec
 from shared.namedarraytuple import from_spec
+from shared.obs_stats import NO_MOMENTS, Moments
 from shared.runtime import torch_device
 
 log = logging.getLogger(__name__)
@@ -49,14 +50,16 @@ class LearnerParams:
 class LocalSink:
     """SegmentSink: copies a finished segment into the table at once."""
 
-    def __init__(self, table, instance: int, ring, counters: dict):
-        self.table, self.instance, self.ring, self.counters = table, instance, ring, counters
+    def __init__(self, table, instance: int, ring, counters: dict, moments: Moments | None):
+        self.table, self.instance, self.ring, self.counters, self.moments = table, instance, ring, counters, moments
 
     def announce(self, index: int, meta: dict) -> None:
         segment = self.ring[index]
         self.table.insert(self.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation)
         self.counters["env_steps"] += meta["steps"]
         self.counters["episodes"].extend(meta["episodes"])
+        if self.moments is not None:
+            self.moments.add(segment.samples.observation)
 
     def acquire(self, index: int) -> None:
         """Slots are released as soon as they are announced: nothing to wait for."""
@@ -74,11 +77,12 @@ def train_serial(exp: Experiment) -> dict:
                        segment_spec(example, exp.sampler.horizon, exp.sampler.envs), n, exp.run.seed)
     batch = from_spec(batch_spec(exp, example))
     counters = {"env_steps": 0, "episodes": []}
+    moments = Moments(example.observation.shape) if exp.model.normalize_observations else None
     samplers, parts = [], []
     for i in range(exp.sampler.count):
         s = Sampler(exp, i, run_id="serial", agent_info_example=agent.example_info(), shared_memory=False)
         actions = LocalActions(agent, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs)
-        sink = LocalSink(table, i, s.ring, counters)
+        sink = LocalSink(table, i, s.ring, counters, moments)
         s.start(actions)
         samplers.append(s)
         parts.append((actions, sink))
@@ -91,7 +95,8 @@ def train_serial(exp: Experiment) -> dict:
                 info, dropped = sample_batch(table, batch, n, learner.min_version(), lag_bound=on_policy(exp))
                 if info is None:
                     break
-                meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": len(dropped)}
+                meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": len(dropped),
+                        **(NO_MOMENTS if moments is None else moments.take())}
                 counters["env_steps"], counters["episodes"] = 0, []
                 priorities = learner.train(batch, meta)
                 if priorities is not None:

@@ -40,6 +40,12 @@ class ModelConfig:
     """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn."""
     uint8_scale: float = 1.0 / 255.0
     """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
+    normalize_observations: bool = False
+    """Normalise a float observation array by the running mean and variance of every env step
+    inserted into replay (the learner keeps them in the agent's state: the actors, checkpoints
+    and ``rlpipe evaluate`` use the same); for MuJoCo-like observations of mixed scales."""
+    obs_clip: float = 10.0
+    """Normalised observations are clipped to +-this."""
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -48,6 +54,8 @@ class ModelConfig:
             )
         if self.encoder not in ENCODERS:
             raise ValueError(f"ModelConfig.encoder: {self.encoder!r} unknown; use one of {ENCODERS}")
+        if self.obs_clip <= 0:
+            raise ValueError(f"ModelConfig.obs_clip: must be > 0, got {self.obs_clip}")
         if any(int(h) <= 0 for h in self.hidden_sizes):
             raise ValueError(f"ModelConfig.hidden_sizes: widths must be positive, got {self.hidden_sizes}")
 

@@ -22,9 +22,54 @@ _ACTIVATIONS = {"tanh": (nn.Tanh, torch.tanh), "relu": (nn.ReLU, torch.relu)}  #
 HIDDEN_GAIN = math.sqrt(2.0)
 
 
-def obs_to(obs, device: torch.device):
-    """An observation tree (numpy or torch leaves) as torch tensors on ``device``."""
-    return map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
+def obs_to(obs, device: torch.device, norm: "ObsNorm | None" = None):
+    """An observation tree (numpy or torch leaves) as torch tensors on ``device``, normalised
+    by ``norm`` when the agent has one."""
+    obs = map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
+    return obs if norm is None else norm(obs)
+
+
+class ObsNorm(nn.Module):
+    """(x - mean) / sqrt(var + 1e-8), clipped to +-clip, for one float observation array.
+
+    ``count``, ``mean`` and ``var`` (float64) are buffers: part of the agent's state_dict, so
+    they travel with every parameter version and into checkpoints. ``update`` merges the
+    sums ``shared.obs_stats.Moments`` collected from inserted segments.
+    """
+
+    def __init__(self, shape: tuple[int, ...], clip: float) -> None:
+        super().__init__()
+        self.clip = clip
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean.float()) * torch.rsqrt(self.var.float() + 1e-8)).clamp(-self.clip, self.clip)
+
+    @torch.no_grad()
+    def update(self, obs_count: int, obs_sum, obs_sumsq) -> None:
+        from shared.obs_stats import merge
+
+        shape = self.mean.shape
+        count, mean, var = merge(self.count.item(), self.mean.cpu().numpy().reshape(-1),
+                                 self.var.cpu().numpy().reshape(-1), obs_count, np.asarray(obs_sum),
+                                 np.asarray(obs_sumsq))
+        self.count.fill_(count)
+        self.mean.copy_(torch.as_tensor(mean).reshape(shape))
+        self.var.copy_(torch.as_tensor(var).reshape(shape))
+
+
+def make_obs_norm(obs_example, cfg: ModelConfig) -> ObsNorm | None:
+    """The agent's observation normaliser, or None without ``cfg.normalize_observations``.
+    ValueError for observations it cannot normalise (trees, integer arrays)."""
+    if not cfg.normalize_observations:
+        return None
+    arr = obs_example if isinstance(obs_example, np.ndarray) else None
+    if arr is None or not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError("model.normalize_observations needs observations that are one float array, got "
+                         f"{type(obs_example).__name__}" + (f" of {arr.dtype}" if arr is not None else ""))
+    return ObsNorm(tuple(arr.shape), cfg.obs_clip)
 
 
 def init_layer(layer: nn.Module, gain: float = HIDDEN_GAIN) -> nn.Module:

@@ -55,7 +55,8 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # learner <-> replay
     "hello_reader": {"slots": _LIST, "incarnation": _INT, "secret": _STR},
     "sample": {"slot": _INT, "n": _INT, "min_version": _INT},
-    "sampled": {"slot": _INT, "n": _INT, "env_steps": _INT, "episodes": _LIST, "dropped": _INT},
+    "sampled": {"slot": _INT, "n": _INT, "env_steps": _INT, "episodes": _LIST, "dropped": _INT,
+                "obs_count": _INT, "obs_sum": _LIST, "obs_sumsq": _LIST},  # obs_*: shared/obs_stats.py
     "priorities": {"keys": _LIST, "generations": _LIST, "priorities": _LIST},
     # learner -> action-servers (PUB)
     "params": {"version": _INT, "segment": _DICT, "env_steps": _INT},
@@ -70,7 +71,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "instance": (0, MAX_INSTANCE), "slot": (0, MAX_DESCRIPTORS - 1), "index": (0, MAX_ITEMS),
     "serial": (1, _I63), "steps": (0, MAX_ITEMS), "n": (1, MAX_ITEMS),
     "incarnation": (0, _I63), "version": (0, _I63), "min_version": (0, _I63), "version_min": (-1, _I63),
-    "version_max": (-1, _I63), "env_steps": (0, _I63), "dropped": (0, _I63),
+    "version_max": (-1, _I63), "env_steps": (0, _I63), "dropped": (0, _I63), "obs_count": (0, _I63),
 }
 
 
@@ -84,6 +85,10 @@ def _key(x) -> bool:
     return type(x) is int and 0 <= x <= _I63
 
 
+def _finite(x) -> bool:
+    return isinstance(x, _NUM) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def _priority(x) -> bool:
     return isinstance(x, _NUM) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
@@ -95,9 +100,11 @@ LISTS: dict[str, tuple[str, object, int, int]] = {
     "keys": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
     "generations": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
     "priorities": ("a finite number >= 0", _priority, 0, MAX_ITEMS),
+    "obs_sum": ("a finite number", _finite, 0, MAX_ITEMS),
+    "obs_sumsq": ("a finite number >= 0", _priority, 0, MAX_ITEMS),
 }
 # message type -> list fields that must have one length
-SAME_LENGTH = {"priorities": ("keys", "generations", "priorities")}
+SAME_LENGTH = {"priorities": ("keys", "generations", "priorities"), "sampled": ("obs_sum", "obs_sumsq")}
 
 
 class WireError(ValueError):

@@ -9,10 +9,12 @@ targets are the issue's (-200 over the last 10 episodes within 20k env steps, 30
 from __future__ import annotations
 
 import pytest
+import torch
 
+from services.learner.learner import CHECKPOINT
 from services.serial import train_serial
 from shared import config
-from tests.pipeline import CONFIGS
+from tests.pipeline import CONFIGS, rlpipe
 
 pytestmark = pytest.mark.learning
 
@@ -35,12 +37,19 @@ def test_td3_pendulum_server_inference_reaches_minus_200_within_20k_steps(runs):
     assert reached(result, 20_000), result
 
 
-def test_ddpg_pendulum_with_ou_noise_in_the_action_server_reaches_minus_200_within_30k_steps(runs):
+def test_ddpg_with_ou_noise_and_normalised_observations_reaches_minus_200_within_30k_steps(runs):
     """Ornstein-Uhlenbeck noise: one state per env in the action-server, reset by the
-    samplers' episode-start flags."""
-    run = runs("pendulum_ddpg.toml", "sampler.inference=server", *FAST, 'agent.noise="ou"', "agent.noise_scale=0.2")
+    samplers' episode-start flags. Observation statistics: every env step inserted into
+    replay counted once by the learner, checkpointed, used by ``rlpipe evaluate``."""
+    run = runs("pendulum_ddpg.toml", "sampler.inference=server", *FAST, 'agent.noise="ou"', "agent.noise_scale=0.2",
+               "model.normalize_observations=true")
     result = run.wait_result(300)
     assert reached(result, 30_000), result
+    state = torch.load(run.dir / CHECKPOINT, weights_only=True)
+    assert state["agent"]["obs_norm.count"].item() == result["env_steps"] == state["env_steps"]
+    assert state["agent"]["obs_norm.var"][2] > 1.0  # angular velocity in [-8, 8]: not the initial 1
+    out = rlpipe("evaluate", str(run.dir), "--episodes", "4")
+    assert out.returncode == 0 and "4 greedy episodes" in out.stdout, out.stdout + out.stderr
 
 
 def test_sac_pendulum_serial_mode_reaches_minus_200_within_20k_steps():

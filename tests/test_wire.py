@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import wire
+from shared.obs_stats import NO_MOMENTS
 from shared.sockets import Endpoint, Rejected
 
 JSONISH = st.recursive(
@@ -44,7 +45,9 @@ def field_values(name: str, types: tuple):
 
 
 LIST_ITEMS = {"keys": st.integers(0, 2**63 - 1), "generations": st.integers(0, 2**63 - 1),
-              "priorities": st.floats(0, 1e300) | st.integers(0, 10**9)}
+              "priorities": st.floats(0, 1e300) | st.integers(0, 10**9),
+              "obs_sum": st.floats(-1e300, 1e300) | st.integers(-10**9, 10**9),
+              "obs_sumsq": st.floats(0, 1e300) | st.integers(0, 10**9)}
 
 
 def body_of(mtype: str):
@@ -224,6 +227,8 @@ def test_every_int_field_has_a_range():
     ("priorities", "keys", [-1], r"keys\[0\] = -1"),
     ("priorities", "priorities", [float("nan")], r"priorities\[0\] = nan must be a finite number"),
     ("priorities", "priorities", [-1.0], r"priorities\[0\] = -1.0"),
+    ("sampled", "obs_sum", [float("nan")], r"obs_sum\[0\] = nan must be a finite number"),
+    ("sampled", "obs_sumsq", [-2.0], r"obs_sumsq\[0\] = -2.0 must be a finite number >= 0"),
     ("hello_actor", "slots", [None], r"slots\[0\] = None must be a descriptor map"),
     ("hello_reader", "slots", [{}] * (wire.MAX_DESCRIPTORS + 1), "field .slots. has 17 entries, want 1..16"),
     ("hello_reader", "slots", [], "field .slots. has 0 entries, want 1..16"),  # took the reader role before
@@ -240,6 +245,12 @@ def test_priority_lists_of_different_lengths_are_rejected():
     body = {"keys": [1, 2], "generations": [1], "priorities": [1.0, 2.0]}
     with pytest.raises(wire.WireError, match="keys, generations, priorities must have one length"):
         wire.unpack([msgpack.packb(header(type="priorities", body=body))])
+
+
+def test_observation_sums_of_different_lengths_are_rejected():
+    body = {**valid_body("sampled"), "obs_count": 4, "obs_sum": [1.0, 2.0], "obs_sumsq": [3.0]}
+    with pytest.raises(wire.WireError, match="obs_sum, obs_sumsq must have one length"):
+        wire.unpack([msgpack.packb(header(type="sampled", body=body))])
 
 
 @pytest.mark.parametrize("dtype", ["(2,)<f8", "<f8,<i4", "|V8"])
@@ -313,7 +324,8 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address, ca
     logged = [r.getMessage() for r in caplog.records]
     assert "not valid msgpack" in logged[0] and "protocol version 99" in logged[1]
     assert "'type' must be a str" in logged[2] and "not valid msgpack" in logged[3]
-    server.send("sampled", {"slot": 2, "n": 5, "env_steps": 3, "episodes": [], "dropped": 0}, to=peer)
+    server.send("sampled", {"slot": 2, "n": 5, "env_steps": 3, "episodes": [], "dropped": 0, "obs_count": 0,
+                            "obs_sum": [], "obs_sumsq": []}, to=peer)
     replies = []
     while len(replies) < 5 and raw.poll(5000):
         replies.append(wire.unpack(raw.recv_multipart()))
@@ -332,7 +344,7 @@ def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx,
     client.send("sample", {"slot": 0, "n": 1, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
     assert peer == client.identity and peer.startswith(b"sampler0.") and msg.seq == 1
-    server.send("sampled", {"slot": 0, "n": 1, "env_steps": 1, "episodes": [], "dropped": 0}, to=peer)
+    server.send("sampled", {"slot": 0, "n": 1, "env_steps": 1, "episodes": [], "dropped": 0, **NO_MOMENTS}, to=peer)
     assert client.sock.poll(5000)  # a reply is queued on the old socket...
     old = client.sock
     client.reconnect()
@@ -341,9 +353,9 @@ def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx,
     client.send("sample", {"slot": 0, "n": 2, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
     assert peer == client.identity and (msg.body["n"], msg.seq) == (2, 2)  # same route, sequence numbers go on
-    server.send("sampled", {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}, to=peer)
+    server.send("sampled", {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0, **NO_MOMENTS}, to=peer)
     got = client.recv(timeout_ms=5000)
-    assert got is not None and got[1].body == {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0}
+    assert got is not None and got[1].body == {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0, **NO_MOMENTS}
     client.close()
     server.close()
 

@@ -92,6 +92,8 @@ class Learner:
         for ret, _length in meta["episodes"]:
             self.returns.append(ret)
         self.episodes_seen += len(meta["episodes"])
+        if meta.get("obs_count") and self.agent.obs_norm is not None:
+            self.agent.obs_norm.update(meta["obs_count"], meta["obs_sum"], meta["obs_sumsq"])
         batch = torchify(slot, self.device)
         versions = slot.samples.policy_version if "samples" in slot else slot.policy_version
         self.last_lag = float(self.version - versions.mean())

@@ -24,7 +24,8 @@ def run(exp, run_dir, instance: int) -> None:
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
                       on_bad=metrics_mod.bad_message_counter(m))
     service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed),
-                            router, m, runtime.run_id_of(run_dir), read_secret(run_dir))
+                            router, m, runtime.run_id_of(run_dir), read_secret(run_dir),
+                            observation_moments=exp.model.normalize_observations)
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
     try:

@@ -30,6 +30,7 @@ from shared import shm
 from shared.auth import check_secret
 from shared.config import ReplayConfig
 from shared.namedarraytuple import drop_leading_dims, validate_spec
+from shared.obs_stats import NO_MOMENTS, Moments
 from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,15 @@ class Reader:
 
 
 class ReplayService:
-    def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics, run_id: str, secret: str):
+    def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics, run_id: str, secret: str,
+                 observation_moments: bool = False):
         """``table_factory(segment_spec)`` makes the table once the first sampler shows its layout;
-        ``run_id`` and ``secret`` say which peers and segments belong to the run."""
+        ``run_id`` and ``secret`` say which peers and segments belong to the run;
+        ``observation_moments``: sum up inserted observations for the learner's normaliser
+        (``model.normalize_observations``)."""
         self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
+        self.observation_moments = observation_moments
+        self.moments: Moments | None = None  # made at the first insert, from the observations' shape
         self.run_id, self.secret = run_id, secret
         self.table = None
         self.segment_spec = None
@@ -259,6 +265,10 @@ class ReplayService:
             self.router.send("release", {"index": body["index"]}, to=w.peer)
         self.steps_unreported += body["steps"]
         self.episodes_unreported.extend(body["episodes"])
+        if self.observation_moments:
+            if self.moments is None:
+                self.moments = Moments(segment.samples.observation.shape[2:])
+            self.moments.add(segment.samples.observation)
         self.m.inserts.inc()
         self.m.insert_steps.inc(body["steps"])
 
@@ -270,7 +280,8 @@ class ReplayService:
         self.m.blocked.labels(side="learner").inc(waited)
         self.m.samples.inc(body["n"])
         reply = {"slot": slot, "n": body["n"], "env_steps": self.steps_unreported,
-                 "episodes": self.episodes_unreported, "dropped": self.dropped_unreported}
+                 "episodes": self.episodes_unreported, "dropped": self.dropped_unreported,
+                 **(NO_MOMENTS if self.moments is None else self.moments.take())}
         if self.cfg.table == "prioritized":
             reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
         self.router.send("sampled", reply, to=reader.peer)

@@ -17,7 +17,7 @@ from torch.distributions import Normal
 
 from shared.agent_config import AgentInfo, ModelConfig, PgAgentConfig, info_example
 from shared.agents import EXPLORE, StepContext
-from shared.models import MLP, make_encoder, obs_to
+from shared.models import MLP, make_encoder, make_obs_norm, obs_to
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
@@ -63,6 +63,7 @@ class PgAgent(nn.Module):
         # Discrete actions are indices 0..n-1 (as shared.envs specifies); EnvGroup adds a
         # space's ``start`` when it hands them to the env.
 
+        self.obs_norm = make_obs_norm(obs_example, cfg)
         self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
         self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
         self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
@@ -82,7 +83,7 @@ class PgAgent(nn.Module):
 
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
-        obs = obs_to(obs, self.device)
+        obs = obs_to(obs, self.device, self.obs_norm)
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
 
     @torch.no_grad()
@@ -95,7 +96,7 @@ class PgAgent(nn.Module):
         # No torch.distributions here: this runs once per action-server batch, and building
         # distribution objects costs more than the small networks' forward pass.
         greedy = ctx.greedy
-        obs = obs_to(obs, self.device)
+        obs = obs_to(obs, self.device, self.obs_norm)
         out, value = self._forward(obs)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
@@ -119,7 +120,7 @@ class PgAgent(nn.Module):
 
         obs tree [N, ...]; action as ``step`` returns it, [N] or [N, ...].
         """
-        obs = obs_to(obs, self.device)
+        obs = obs_to(obs, self.device, self.obs_norm)
         action = torch.as_tensor(action).to(self.device)
         out, value = self._forward(obs)
         if self.kind == "box":

@@ -17,7 +17,7 @@ from torch import nn
 
 from shared.agent_config import ModelConfig, QAgentConfig, QAgentInfo, info_example
 from shared.agents import EXPLORE, StepContext
-from shared.models import MLP, make_encoder, obs_to
+from shared.models import MLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leaves
 
 
@@ -42,6 +42,7 @@ class QAgent(nn.Module):
         self.cfg = cfg
         self.n_actions = int(action_space.n)
         self.n_atoms = cfg.n_atoms if cfg.distributional else 1
+        self.obs_norm = make_obs_norm(obs_example, model_cfg)
         self.encoder, feat_dim = make_encoder(obs_example, model_cfg)
         hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
         self.advantage = MLP(feat_dim, hidden, act, output_size=self.n_actions * self.n_atoms)
@@ -57,7 +58,7 @@ class QAgent(nn.Module):
 
     def _head(self, obs) -> torch.Tensor:
         """Q [N, A] or C51 logits [N, A, atoms] for obs tree [N, ...], with grad."""
-        features = self.encoder(obs_to(obs, self.device))
+        features = self.encoder(obs_to(obs, self.device, self.obs_norm))
         out = self.advantage(features).reshape(-1, self.n_actions, self.n_atoms)
         if self.value is not None:
             out = self.value(features).unsqueeze(1) + out - out.mean(dim=1, keepdim=True)

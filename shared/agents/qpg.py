@@ -24,7 +24,7 @@ from torch import nn
 
 from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo, info_example
 from shared.agents import EXPLORE, StepContext
-from shared.models import MLP, EnsembleMLP, make_encoder, obs_to
+from shared.models import MLP, EnsembleMLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leaves
 
 ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
@@ -88,6 +88,7 @@ class QpgAgent(nn.Module):
         self.action_dim = low.size
         self.register_buffer("low", torch.as_tensor(low, dtype=torch.float32), persistent=False)
         self.register_buffer("high", torch.as_tensor(high, dtype=torch.float32), persistent=False)
+        self.obs_norm = make_obs_norm(obs_example, model_cfg)
         self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg)
         self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN)
         self.critics = Critics(obs_example, model_cfg, self.action_dim, n_critics)
@@ -97,11 +98,11 @@ class QpgAgent(nn.Module):
         return self.low.device
 
     def _actor_out(self, obs) -> torch.Tensor:
-        return self.actor_head(self.actor_encoder(obs_to(obs, self.device)))
+        return self.actor_head(self.actor_encoder(obs_to(obs, self.device, self.obs_norm)))
 
     def q(self, obs, unit_action: torch.Tensor) -> torch.Tensor:
         """Q_i(obs, a) of every critic: float32 [n_critics, N] for unit actions [N, A], with grad."""
-        return self.critics(obs_to(obs, self.device), unit_action)
+        return self.critics(obs_to(obs, self.device, self.obs_norm), unit_action)
 
     def to_env(self, unit: torch.Tensor) -> torch.Tensor:
         """Unit actions [N, A] in [-1, 1] -> env actions [N, *shape] in [low, high]."""

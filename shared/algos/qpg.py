@@ -87,10 +87,11 @@ class _QpgAlgo:
 
     @torch.no_grad()
     def _polyak(self) -> None:
-        """target <- tau * online + (1 - tau) * target, parameters and buffers alike."""
-        online = [*self.agent.parameters(), *self.agent.buffers()]
-        target = [*self.target.parameters(), *self.target.buffers()]
-        torch._foreach_lerp_(target, online, self.cfg.tau)
+        """target <- tau * online + (1 - tau) * target for parameters; buffers (the observation
+        normaliser's statistics) are copied: the targets normalise as the agent does."""
+        torch._foreach_lerp_(list(self.target.parameters()), list(self.agent.parameters()), self.cfg.tau)
+        for t, o in zip(self.target.buffers(), self.agent.buffers()):
+            t.copy_(o)
 
     def _stats(self, names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, frac: float) -> dict:
         """Diagnostics as floats (one host sync) and the new priorities."""
