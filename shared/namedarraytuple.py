@@ -115,6 +115,11 @@ def leaves(tree) -> Iterator[tuple[str, Any]]:
     yield from walk("", tree)
 
 
+def leading_len(tree) -> int:
+    """The length of the first dimension of the tree's first leaf (its batch, T or B)."""
+    return len(next(leaves(tree))[1])
+
+
 def map_leaves(fn: Callable[[Any], Any], tree):
     """Apply ``fn`` to every leaf, keeping the structure (None stays None)."""
     if tree is None:

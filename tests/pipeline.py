@@ -147,3 +147,25 @@ def summary(name: str, runs: list[tuple[float, int]]) -> float:
           f"{statistics.median(steps):,.0f} (min {min(steps):,}, max {max(steps):,}); runs "
           f"{[(round(s, 1), n) for s, n in runs]}")
     return median
+
+
+def sb3_to_target(make, total_timesteps: int, target: float, window: int) -> tuple[float, int]:
+    """(seconds, env steps) of the Stable-Baselines3 model ``make() -> (model, env)`` builds,
+    learning on one thread until the mean return of its last ``window`` episodes reaches
+    ``target`` (or the budget ends); the clock includes building it."""
+    import torch
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    torch.set_num_threads(1)
+
+    class StopAtTarget(BaseCallback):
+        def _on_step(self) -> bool:
+            infos = list(self.model.ep_info_buffer)[-window:]
+            return not (len(infos) >= window and sum(i["r"] for i in infos) / len(infos) >= target)
+
+    t0 = time.time()
+    model, env = make()
+    model.learn(total_timesteps=total_timesteps, callback=StopAtTarget())
+    seconds = time.time() - t0
+    env.close()
+    return seconds, model.num_timesteps

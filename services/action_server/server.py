@@ -28,7 +28,7 @@ from shared.acting import act
 from shared.auth import check_secret
 from shared.config import ActionServerConfig
 from shared.doorbell import PeerGone, ServerBell
-from shared.namedarraytuple import drop_leading_dims, leaves, map_leaves, zip_map
+from shared.namedarraytuple import drop_leading_dims, leading_len, map_leaves, zip_map
 from shared.params import ParamReader
 from shared.sockets import Endpoint, Rejected
 
@@ -97,7 +97,7 @@ class ActionServer:
             segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "sampler", body["instance"]))
         except (ValueError, FileNotFoundError) as e:
             raise Rejected("descriptor", f"bad slot descriptor: {e}") from None
-        envs = sum(len(next(leaves(t))[1]) for t in slots)
+        envs = sum(leading_len(t) for t in slots)
         if (body["instance"] + 1) * self.envs_per_sampler > self.envs_total or envs != self.envs_per_sampler:
             for seg in segments:
                 seg.close()

@@ -18,7 +18,7 @@ from torch import nn
 from shared.agent_config import ModelConfig, QAgentConfig, QAgentInfo, info_example
 from shared.agents import EXPLORE, StepContext
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
-from shared.namedarraytuple import leaves
+from shared.namedarraytuple import leading_len
 
 
 class QAgent(nn.Module):
@@ -82,7 +82,7 @@ class QAgent(nn.Module):
         (``epsilon``), or ``eps_eval`` for a greedy context."""
         if ctx.greedy:
             return self.epsilon_greedy(obs, self.cfg.eps_eval)
-        index, total = ctx.rows(len(next(leaves(obs))[1]))
+        index, total = ctx.rows(leading_len(obs))
         return self.epsilon_greedy(obs, self.epsilon(ctx.env_steps, index, total))
 
     @torch.no_grad()

@@ -25,7 +25,7 @@ from torch import nn
 from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo, info_example
 from shared.agents import EXPLORE, StepContext
 from shared.models import MLP, EnsembleMLP, make_encoder, make_obs_norm, obs_to
-from shared.namedarraytuple import leaves
+from shared.namedarraytuple import leading_len
 
 ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
 _LOG_2 = math.log(2.0)
@@ -122,7 +122,7 @@ class QpgAgent(nn.Module):
         if ctx.greedy:
             unit = self.mean_action(obs)
         elif ctx.env_steps < self.cfg.random_steps:
-            n = len(next(leaves(obs))[1])
+            n = leading_len(obs)
             unit = torch.rand(n, self.action_dim, device=self.device) * 2.0 - 1.0
         else:
             unit = self.explore(obs, ctx)

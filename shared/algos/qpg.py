@@ -16,7 +16,7 @@ importance weights, so one update covers 1- and n-step, uniform and prioritized 
 are importance-weighted squared errors; ``update`` returns |TD error| of the first critic as
 new priorities, like the DQN family, and never writes to replay itself. One Adam optimizer
 per network (actor, critics, SAC's temperature); targets are deep copies of the agent,
-moved by Polyak averaging.
+moved by Polyak averaging (SAC: only the critics, the parts its TD target uses).
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ class _QpgAlgo:
         self.actor_opt = adam(self.actor_params, lr=cfg.actor_lr)
         self.critic_opt = adam(agent.critics.parameters(), lr=cfg.critic_lr)
         self.updates = 0
+        # What _polyak moves, listed once (it runs every update).
+        self._averaged = (self._averaged_params(self.target), self._averaged_params(agent))
+        self._copied = (list(self.target.buffers()), list(agent.buffers()))
+
+    @staticmethod
+    def _averaged_params(agent: QpgAgent) -> list[torch.Tensor]:
+        """The parameters whose targets the TD targets use: actor and critics (DDPG, TD3)."""
+        return list(agent.parameters())
 
     def _anneal(self, progress: float) -> float:
         """Set the learning rates for ``progress``; returns the fraction of the initial ones."""
@@ -89,9 +97,8 @@ class _QpgAlgo:
     def _polyak(self) -> None:
         """target <- tau * online + (1 - tau) * target for parameters; buffers (the observation
         normaliser's statistics) are copied: the targets normalise as the agent does."""
-        torch._foreach_lerp_(list(self.target.parameters()), list(self.agent.parameters()), self.cfg.tau)
-        for t, o in zip(self.target.buffers(), self.agent.buffers()):
-            t.copy_(o)
+        torch._foreach_lerp_(*self._averaged, self.cfg.tau)
+        torch._foreach_copy_(*self._copied)
 
     def _stats(self, names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, frac: float) -> dict:
         """Diagnostics as floats (one host sync) and the new priorities."""
@@ -160,6 +167,11 @@ class SAC(_QpgAlgo):
 
     def _optimizers(self) -> list[tuple[torch.optim.Optimizer, float]]:
         return super()._optimizers() + [(self.alpha_opt, self.cfg.alpha_lr)]
+
+    @staticmethod
+    def _averaged_params(agent: QpgAgent) -> list[torch.Tensor]:
+        """The critics only: SAC's TD target samples from the current actor."""
+        return list(agent.critics.parameters())
 
     def update(self, batch: Transition, progress: float) -> dict:
         """One update on N transitions (torch tensors on the agent's device). Returns floats

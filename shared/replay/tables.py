@@ -18,7 +18,7 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from shared.namedarraytuple import from_spec, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
+from shared.namedarraytuple import from_spec, leading_len, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
 from shared.replay import Transition
 from shared.replay.nstep import nstep_targets
 from shared.replay.rate_limiter import RateLimiter
@@ -165,7 +165,7 @@ class ColumnRing:
 
     def write(self, writer_id: int, samples) -> np.ndarray:
         """Append segment ``samples`` [T, B_w]; return the keys [T * B_w] it overwrote."""
-        T = next(leaves(samples))[1].shape[0]
+        T = leading_len(samples)
         s0 = self.written[writer_id]
         steps = np.arange(s0, s0 + T)
         off = self.offsets[writer_id]

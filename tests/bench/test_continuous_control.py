@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from tests.pipeline import Run, rlpipe, rlpipe_to_target, summary
+from tests.pipeline import Run, rlpipe, rlpipe_to_target, sb3_to_target, summary
 
 pytestmark = pytest.mark.bench
 SEEDS = range(3)
@@ -31,25 +31,14 @@ TARGET = -200.0
 
 def sb3_sac_to_target(seed: int) -> tuple[float, int]:
     import gymnasium as gym
-    import torch
     from stable_baselines3 import SAC
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.monitor import Monitor
 
-    torch.set_num_threads(1)
+    def make():
+        env = Monitor(gym.make("Pendulum-v1"))
+        return SAC("MlpPolicy", env, learning_rate=1e-3, seed=seed, device="cpu", verbose=0), env
 
-    class StopAtTarget(BaseCallback):
-        def _on_step(self) -> bool:
-            infos = list(self.model.ep_info_buffer)[-10:]
-            return not (len(infos) >= 10 and sum(i["r"] for i in infos) / len(infos) >= TARGET)
-
-    t0 = time.time()
-    env = Monitor(gym.make("Pendulum-v1"))
-    model = SAC("MlpPolicy", env, learning_rate=1e-3, seed=seed, device="cpu", verbose=0)
-    model.learn(total_timesteps=20_000, callback=StopAtTarget())
-    seconds = time.time() - t0
-    env.close()
-    return seconds, model.num_timesteps
+    return sb3_to_target(make, 20_000, TARGET, 10)
 
 
 def test_pendulum_sac_and_td3_launch_to_minus_200(tmp_path):

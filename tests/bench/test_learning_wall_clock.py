@@ -14,11 +14,10 @@ Run with `make bench`.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
-from tests.pipeline import rlpipe_to_target, summary
+from tests.pipeline import rlpipe_to_target, sb3_to_target, summary
 
 pytestmark = pytest.mark.bench
 SEEDS = range(5)
@@ -26,29 +25,19 @@ TARGET = 475.0
 
 
 def sb3_ppo_to_target(seed: int) -> tuple[float, int]:
-    import torch
     from stable_baselines3 import PPO
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.env_util import make_vec_env
-
-    torch.set_num_threads(1)
-
-    class StopAtTarget(BaseCallback):
-        def _on_step(self) -> bool:
-            infos = self.model.ep_info_buffer
-            return not (len(infos) >= 100 and sum(i["r"] for i in infos) / len(infos) >= TARGET)
 
     def linear(start: float):
         return lambda remaining: remaining * start
 
-    t0 = time.time()
-    env = make_vec_env("CartPole-v1", n_envs=8, seed=seed)
-    model = PPO("MlpPolicy", env, n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20,
-                ent_coef=0.0, learning_rate=linear(1e-3), clip_range=linear(0.2), seed=seed, device="cpu", verbose=0)
-    model.learn(total_timesteps=500_000, callback=StopAtTarget())
-    seconds = time.time() - t0
-    env.close()
-    return seconds, model.num_timesteps
+    def make():
+        env = make_vec_env("CartPole-v1", n_envs=8, seed=seed)
+        return PPO("MlpPolicy", env, n_steps=32, batch_size=256, gae_lambda=0.8, gamma=0.98, n_epochs=20,
+                   ent_coef=0.0, learning_rate=linear(1e-3), clip_range=linear(0.2), seed=seed, device="cpu",
+                   verbose=0), env
+
+    return sb3_to_target(make, 500_000, TARGET, 100)
 
 
 def test_ppo_cartpole_launch_to_475_vs_stable_baselines3(tmp_path):
