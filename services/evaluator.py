@@ -8,6 +8,7 @@ tracker sits below reward clipping and episodic life).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int = 10, envs: int = 8) 
     state = torch.load(path, map_location="cpu", weights_only=True)
     agent.load_state_dict(state["agent"])
     agent.eval()
-    example = example_step(exp, probe, agent)
+    example = example_step(exp, probe)
     probe.close()
     n = max(1, min(envs, episodes))
     group = EnvGroup(exp.env, n, exp.run.seed + HELD_OUT_SEED)
@@ -45,12 +46,14 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int = 10, envs: int = 8) 
     reward, terminated, truncated = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros(n, bool)
     returns: list[float] = []
     group.reset(slot.observation)
+    first = np.ones(n, bool)  # per-env state (recurrent agents) resets at each episode start
     try:
         while len(returns) < episodes:
             with torch.no_grad():
-                action, _ = agent.step(torchify(slot.observation), EVALUATE)
+                action, _ = agent.step(torchify(slot.observation), replace(EVALUATE, first=first, reward=reward))
             slot.action[:] = numpify(action)
             ended = group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
+            np.logical_or(terminated, truncated, out=first)
             returns.extend(ret for _, ret, _ in ended)
     finally:
         group.close()

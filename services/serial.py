@@ -70,7 +70,7 @@ def train_serial(exp: Experiment) -> dict:
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
     learner = Learner(exp, agent, make_algo(exp, agent), device, run_dir=None)
-    example = example_step(exp, probe, agent)
+    example = example_step(exp, probe)
     probe.close()
     n = batch_items(exp)
     table = make_table(exp.replay, {i: exp.sampler.envs for i in range(exp.sampler.count)},
@@ -80,7 +80,7 @@ def train_serial(exp: Experiment) -> dict:
     moments = Moments(example.observation.shape) if exp.model.normalize_observations else None
     samplers, parts = [], []
     for i in range(exp.sampler.count):
-        s = Sampler(exp, i, run_id="serial", agent_info_example=agent.example_info(), shared_memory=False)
+        s = Sampler(exp, i, run_id="serial", shared_memory=False)
         actions = LocalActions(agent, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs)
         sink = LocalSink(table, i, s.ring, counters, moments)
         s.start(actions)

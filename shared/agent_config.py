@@ -23,6 +23,17 @@ QAgentInfo = namedarraytuple("QAgentInfo", ["value"])
 """Per env and step: max_a Q(obs, a) under the behaviour parameters (expected Q for C51)."""
 QpgAgentInfo = namedarraytuple("QpgAgentInfo", [])
 """Q-policy-gradient agents keep nothing per step: their losses need only (s, a, r, s')."""
+RnnState = namedarraytuple("RnnState", ["h", "c"])
+"""An LSTM core's state per env: hidden and cell vectors, float32 [lstm_size] each."""
+Memory = namedarraytuple("Memory", ["prev_action", "prev_reward", "state"])
+"""What a recurrent agent's step took besides the observation, per env: the previous action
+and reward (zeros at an episode's first step) and the ``RnnState`` it started from (zeros
+at an episode's first step). Stored with every step, so a segment or sequence carries the
+state at its first step and the learner replays the same inputs."""
+RecurrentAgentInfo = namedarraytuple("RecurrentAgentInfo", ["log_prob", "value", "memory"])
+"""``AgentInfo`` of a recurrent policy-gradient agent, with its ``Memory``."""
+RecurrentQAgentInfo = namedarraytuple("RecurrentQAgentInfo", ["value", "memory"])
+"""``QAgentInfo`` of a recurrent Q agent (R2D1), with its ``Memory``."""
 FAMILIES = ("pg", "q", "qpg")
 """Agent families: policy gradient (A2C, PPO), Q-learning (DQN family), Q-policy-gradient (DDPG, TD3, SAC)."""
 NOISES = ("gaussian", "ou")
@@ -46,6 +57,14 @@ class ModelConfig:
     and ``rlpipe evaluate`` use the same); for MuJoCo-like observations of mixed scales."""
     obs_clip: float = 10.0
     """Normalised observations are clipped to +-this."""
+    lstm_size: int = 0
+    """Width of an LSTM core after the encoder (0 = a feed-forward agent). Each env's state lives
+    where its actions are computed (action-server or local sampler), resets at episode starts
+    and is stored with every step (``Memory``); learners replay whole sequences from it."""
+    lstm_prev_action: bool = False
+    """Feed the previous action (one-hot for discrete spaces) to the LSTM with the features."""
+    lstm_prev_reward: bool = False
+    """Feed the previous reward to the LSTM with the features."""
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:
@@ -58,6 +77,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.obs_clip: must be > 0, got {self.obs_clip}")
         if any(int(h) <= 0 for h in self.hidden_sizes):
             raise ValueError(f"ModelConfig.hidden_sizes: widths must be positive, got {self.hidden_sizes}")
+        if self.lstm_size < 0:
+            raise ValueError(f"ModelConfig.lstm_size: must be >= 0 (0 = no LSTM), got {self.lstm_size}")
 
 
 @dataclass(frozen=True)
@@ -165,10 +186,19 @@ class QpgAgentConfig:
                              f"({self.log_std_max})")
 
 
-def info_example(family: str):
-    """One env's agent info of numpy float32 zeros for an agent family (``FAMILIES``)."""
+def info_example(family: str, model: ModelConfig = ModelConfig(), action_example=None):
+    """One env's agent info of zeros for an agent family (``FAMILIES``); with
+    ``model.lstm_size`` the recurrent variant, whose ``Memory.prev_action`` is shaped like
+    ``action_example`` (one env's action)."""
+    zero = np.zeros((), np.float32)
+    if model.lstm_size and family == "qpg":
+        raise ValueError("model.lstm_size: recurrent agents exist for the pg (ppo, a2c) and q (r2d1) families only")
+    if not model.lstm_size:
+        return {"pg": AgentInfo(log_prob=zero, value=zero), "q": QAgentInfo(value=zero)}.get(family, QpgAgentInfo())
+    if action_example is None:
+        raise ValueError("info_example: a recurrent agent's info needs the action example")
+    h = np.zeros(model.lstm_size, np.float32)
+    memory = Memory(prev_action=np.zeros_like(action_example), prev_reward=zero, state=RnnState(h=h, c=h.copy()))
     if family == "pg":
-        return AgentInfo(log_prob=np.zeros((), np.float32), value=np.zeros((), np.float32))
-    if family == "q":
-        return QAgentInfo(value=np.zeros((), np.float32))
-    return QpgAgentInfo()
+        return RecurrentAgentInfo(log_prob=zero, value=zero, memory=memory)
+    return RecurrentQAgentInfo(value=zero, memory=memory)

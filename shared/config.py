@@ -144,6 +144,8 @@ class NetworkConfig:
 
 
 INFERENCE = ("auto", "local", "server")
+RECURRENT_ALGOS = ("ppo", "a2c")
+"""Algorithms that train recurrent agents (``model.lstm_size > 0``) on whole sequences."""
 
 # algo.name -> (algorithm config, agent config, agent family: see agent_config.FAMILIES)
 ALGOS: dict[str, tuple[type, type, str]] = {
@@ -304,6 +306,13 @@ def _check(exp: Experiment, check_ports: bool) -> None:
                           f"of all {exp.sampler.count * exp.sampler.envs} envs")
     if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
         raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
+    if exp.model.lstm_size and exp.algo_name not in RECURRENT_ALGOS:
+        raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: {exp.algo_name} has no recurrent agent; "
+                          f"recurrent algorithms: {', '.join(RECURRENT_ALGOS)}")
+    if exp.model.lstm_size and exp.algo_name == "ppo" and exp.algo.minibatches > exp.sampler.envs * exp.learner.batch_segments:
+        raise ConfigError(f"algo.minibatches = {exp.algo.minibatches}: a recurrent agent's minibatches are whole env "
+                          f"sequences; at most sampler.envs * learner.batch_segments = "
+                          f"{exp.sampler.envs * exp.learner.batch_segments}")
     dev = exp.run.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"run.device = {dev!r}: allowed: auto, cpu, cuda, cuda:N")

@@ -43,8 +43,10 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.wrappers import FrameStackObservation, TimeLimit, TransformReward
 
-from shared import atari
+from shared import atari, tasks
 from shared.namedarraytuple import is_nat, leaves, namedarraytuple
+
+tasks.register()
 
 
 @dataclass(frozen=True)

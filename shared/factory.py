@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from shared.agent_config import info_example
 from shared.config import ALGOS, ConfigError, Experiment
 from shared.envs import EnvGroup
 from shared.layout import segment_spec, step_example
@@ -66,8 +67,10 @@ def make_algo(exp: Experiment, agent):
     return {"ppo": PPO, "a2c": A2C, "dqn": DQN, "ddpg": DDPG, "td3": DDPG, "sac": SAC}[exp.algo_name](agent, exp.algo)
 
 
-def example_step(exp: Experiment, probe: EnvGroup, agent):
-    return step_example(probe.example_observation(), probe.example_action(), agent.example_info())
+def example_step(exp: Experiment, probe: EnvGroup):
+    """One step of samples of the experiment (the layout of every buffer that holds steps)."""
+    action = probe.example_action()
+    return step_example(probe.example_observation(), action, info_example(family(exp), exp.model, action))
 
 
 def batch_items(exp: Experiment) -> int:

@@ -11,10 +11,11 @@ import numpy as np
 from shared.algos import OnPolicyBatch, Samples
 from shared.namedarraytuple import namedarraytuple, spec_of, with_leading_dims
 
-StepSlot = namedarraytuple("StepSlot", ["observation", "action", "agent_info", "first"])
+StepSlot = namedarraytuple("StepSlot", ["observation", "action", "agent_info", "first", "reward"])
 """What a sampler and whoever acts for it share per env group: the observations [B, ...],
-``first`` [B] (bool: the observation starts an episode; per-env exploration state resets),
-and the actions and agent info written back."""
+``first`` [B] (bool: the observation starts an episode; per-env exploration and recurrent
+state resets), ``reward`` [B] (float32: the reward of the step that led to the observation,
+a recurrent agent's input), and the actions and agent info written back."""
 
 
 def step_example(obs_example, action_example, agent_info_example) -> Samples:
@@ -32,9 +33,9 @@ def step_example(obs_example, action_example, agent_info_example) -> Samples:
 
 
 def slot_spec(example: Samples, envs: int):
-    """A step slot for ``envs`` environments: observation, action, agent_info, first, each [B, ...]."""
+    """A step slot for ``envs`` environments: observation, action, agent_info, first, reward, each [B, ...]."""
     return with_leading_dims(spec_of(StepSlot(example.observation, example.action, example.agent_info,
-                                              np.bool_(False))), [envs])
+                                              np.bool_(False), np.float32(0))), [envs])
 
 
 def segment_spec(example: Samples, horizon: int, envs: int):

@@ -96,12 +96,6 @@ def test_step_leaves_the_state_dict_unchanged_and_accepts_numpy():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_example_info_lays_out_float32_scalars():
-    info = PgAgent(OBS, gym.spaces.Discrete(2)).example_info()
-    assert isinstance(info, AgentInfo)
-    assert info.log_prob.dtype == info.value.dtype == np.float32 and info.log_prob.shape == ()
-
-
 def test_dict_observation_with_image_and_shared_encoder():
     Obs = namedarraytuple("Obs", ["pixels", "state"])
     example = Obs(np.zeros((64, 64, 3), np.uint8), np.zeros(5, np.float32))

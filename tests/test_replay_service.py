@@ -15,7 +15,7 @@ import zmq
 from services.replay.service import ReplayService
 from services.replay.tables import make_table
 from shared import config, metrics, shm, wire
-from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent
+from shared.factory import batch_items, batch_spec, env_probe, example_step
 from shared.layout import segment_spec
 from shared.namedarraytuple import with_leading_dims
 from shared.sockets import Endpoint
@@ -31,7 +31,7 @@ def exp_and_example():
         "sampler.count=2", f"sampler.envs={B}", f"sampler.horizon={T}", f"sampler.ring={RING}",
         "replay.capacity=1000", "replay.min_size_to_sample=1", f"replay.n_step={N_STEP}", "replay.samples_per_insert=0.0", "algo.batch_size=4"])
     probe = env_probe(exp)
-    example = example_step(exp, probe, make_agent(exp, probe))
+    example = example_step(exp, probe)
     probe.close()
     return exp, example
 

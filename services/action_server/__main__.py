@@ -22,7 +22,7 @@ def run(exp, run_dir, instance: int) -> None:
     device = torch_device(exp.run.device)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device).eval()
-    slot_item_spec = drop_leading_dims(slot_spec(example_step(exp, probe, agent), 1), 1)
+    slot_item_spec = drop_leading_dims(slot_spec(example_step(exp, probe), 1), 1)
     ctx = zmq.Context()
     bad = metrics_mod.bad_message_counter(m)
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, f"action_server{instance}"), bind=True,

@@ -198,7 +198,8 @@ class ActionServer:
         obs = zip_map(lambda *xs: np.concatenate(xs), *[s.observation for s in slots])
         env_index = np.concatenate([p.env_index[r.slot] for p, r in zip(peers, batch)])
         first = np.concatenate([s.first for s in slots])
-        action, info = act(self.agent, obs, env_index, first, self.reader.env_steps, self.envs_total)
+        reward = np.concatenate([s.reward for s in slots])
+        action, info = act(self.agent, obs, env_index, first, reward, self.reader.env_steps, self.envs_total)
         start = 0
         version = max(self.reader.version, 0)
         lost = []

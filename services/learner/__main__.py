@@ -27,7 +27,7 @@ def run(exp, run_dir, instance: int) -> None:
     learner = Learner(exp, agent, algo, device, run_dir, m)
     learner.resume()
     run_id = run_id_of(run_dir)
-    spec = batch_spec(exp, example_step(exp, probe, agent))
+    spec = batch_spec(exp, example_step(exp, probe))
     probe.close()
     segments, slots, descriptors = [], [], []
     for i in range(exp.learner.prefetch):

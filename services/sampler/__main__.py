@@ -9,10 +9,9 @@ from services.sampler.sampler import Sampler, run_loop
 from services.sampler.transport import RemoteActions, RemoteSink
 from shared import metrics as metrics_mod
 from shared import shm
-from shared.agent_config import info_example
 from shared.auth import read_secret
 from shared.config import endpoint, socket_dir
-from shared.factory import env_probe, family, make_agent
+from shared.factory import env_probe, make_agent
 from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.sampler")
@@ -33,7 +32,7 @@ def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("sampler", instance)
     ctx = zmq.Context()
     run_id = run_id_of(run_dir)
-    sampler = Sampler(exp, instance, run_id, info_example(family(exp)), metrics=m)
+    sampler = Sampler(exp, instance, run_id, metrics=m)
     name = f"sampler{instance}"
     incarnation, secret = time.time_ns(), read_secret(run_dir)  # a restarted sampler's incarnation is newer
     actions = sink = None

@@ -38,8 +38,8 @@ class LocalActions:
     def request(self, group: int) -> None:
         self.params.poll()
         slot = self.slots[group]
-        action, info = act(self.agent, slot.observation, self.env_index[group], slot.first, self.params.env_steps,
-                           self.envs_total)
+        action, info = act(self.agent, slot.observation, self.env_index[group], slot.first, slot.reward,
+                           self.params.env_steps, self.envs_total)
         slot.action[:] = action
         slot.agent_info[:] = info
         self.versions[group] = max(self.params.version, 0)

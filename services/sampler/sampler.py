@@ -20,7 +20,8 @@ from typing import Protocol
 import numpy as np
 
 from shared import shm
-from shared.config import Experiment
+from shared.agent_config import info_example
+from shared.config import ALGOS, Experiment
 from shared.envs import EnvError, EnvGroup
 from shared.layout import segment_spec, slot_spec, step_example
 from shared.namedarraytuple import from_spec, with_leading_dims
@@ -56,15 +57,16 @@ def group_slices(envs: int, alternating: bool) -> list[slice]:
 class Sampler:
     """Owns the envs, the step slots and the segment ring of one sampler instance."""
 
-    def __init__(self, exp: Experiment, instance: int, run_id: str, agent_info_example, metrics=None,
-                 shared_memory: bool = True):
+    def __init__(self, exp: Experiment, instance: int, run_id: str, metrics=None, shared_memory: bool = True):
         cfg = exp.sampler
         self.cfg, self.instance, self.metrics = cfg, instance, metrics
         # Alternating pays only while another process computes the actions.
         self.groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
         seed = exp.run.seed + 10_007 * instance
         self.envs = [EnvGroup(exp.env, g.stop - g.start, seed + g.start) for g in self.groups]
-        self.example = step_example(self.envs[0].example_observation(), self.envs[0].example_action(), agent_info_example)
+        action = self.envs[0].example_action()
+        info = info_example(ALGOS[exp.algo_name][2], exp.model, action)
+        self.example = step_example(self.envs[0].example_observation(), action, info)
         self.segments: list[shm.Segment] = []
         specs = [slot_spec(self.example, g.stop - g.start) for g in self.groups]
         rspec = with_leading_dims(segment_spec(self.example, cfg.horizon, cfg.envs), [cfg.ring])
@@ -92,6 +94,7 @@ class Sampler:
         for g, env in enumerate(self.envs):
             env.reset(self.slots[g].observation)
             self.slots[g].first[:] = True
+            self.slots[g].reward[:] = 0.0
             actions.request(g)
 
     def collect_segment(self, actions: ActionSource, sink: SegmentSink) -> None:
@@ -161,6 +164,7 @@ class Sampler:
             ended = e.finished
         # Envs reset themselves at an episode's end (and recreated ones count as truncated).
         np.logical_or(step.terminated, step.truncated, out=slot.first)
+        slot.reward[:] = step.reward
         for _, ret, length in ended:
             self.episodes.append([float(ret), int(length)])
 

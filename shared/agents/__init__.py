@@ -7,9 +7,9 @@
 
 Every agent acts with ``agent.step(obs, ctx) -> (action, agent_info)`` on a batch of
 observations, and ``ctx`` (a ``StepContext``) says which envs the rows belong to, which of
-them start an episode, how far the run is and whether to act for evaluation. Exploration is
+them start an episode, what reward led to each observation, how far the run is and whether to act for evaluation. Exploration is
 the agent's business: epsilon per env (Q), per-env noise processes and random warm-up
-(Q-policy-gradient), sampling (policy gradient). The same call runs in the action-server,
+(Q-policy-gradient), sampling (policy gradient), and so is a recurrent agent's state per env. The same call runs in the action-server,
 in local-inference samplers, in serial mode and in ``rlpipe evaluate``.
 
 This module is torch-free (samplers in server mode import nothing from the agents).
@@ -30,6 +30,8 @@ class StepContext:
     """Global index in [0, envs_total) of each row's env; None = rows 0..B-1 of B envs."""
     first: np.ndarray | None = None
     """bool [B]: the row's observation is the first of an episode (per-env state resets); None = none is."""
+    reward: np.ndarray | None = None
+    """float32 [B]: the reward of the step that led to each row's observation (recurrent agents' input); None = zeros."""
     env_steps: int = 0
     """The run's env steps as the learner last announced them (exploration schedules)."""
     envs_total: int = 0

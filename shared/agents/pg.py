@@ -15,9 +15,11 @@ import torch
 from torch import nn
 from torch.distributions import Normal
 
-from shared.agent_config import AgentInfo, ModelConfig, PgAgentConfig, info_example
+from shared.agent_config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, StepContext
+from shared.agents.memory import make_core, sequence_reset
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
+from shared.namedarraytuple import leading_len, map_leaves
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
@@ -31,6 +33,11 @@ class PgAgent(nn.Module):
     Box: state-independent learned log-std; sampled actions are returned raw (unclipped),
     so their stored log-prob is exact; the env adapter clips them to the bounds.
     All inputs are moved to the device the module is on; outputs live there too.
+
+    Recurrent (``ModelConfig.lstm_size``): policy and value share the encoder and an
+    ``LstmCore``; ``step`` keeps each env's state and returns it in ``RecurrentAgentInfo``,
+    and the learner's calls (``evaluate``, ``segment_values``) take whole sequences [T, B]
+    with their stored ``Memory``.
     """
 
     def __init__(
@@ -65,7 +72,14 @@ class PgAgent(nn.Module):
 
         self.obs_norm = make_obs_norm(obs_example, cfg)
         self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
-        self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
+        self.core = make_core(feat_dim, cfg, action_space)
+        shared = agent_cfg.shared_encoder or self.core is not None
+        self.v_encoder = None if shared else make_encoder(obs_example, cfg)[0]
+        if self.core is not None:
+            feat_dim = self.core.out_dim
+            example = action_space.sample()
+            self._action_example = torch.as_tensor(np.zeros_like(example, dtype=np.int64 if self.kind != "box"
+                                                                 else np.float32))
         self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
         self.v_head = MLP(feat_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
         if self.kind == "box":
@@ -97,7 +111,12 @@ class PgAgent(nn.Module):
         # distribution objects costs more than the small networks' forward pass.
         greedy = ctx.greedy
         obs = obs_to(obs, self.device, self.obs_norm)
-        out, value = self._forward(obs)
+        if self.core is None:
+            out, value = self._forward(obs)
+        else:
+            memory = self.core.recall(ctx, leading_len(obs), self._action_example)
+            h, c = self.core(self.pi_encoder(obs)[None], map_leaves(lambda x: x[None], memory))
+            out, value = self.pi_head(h[0]), self.v_head(h[0]).squeeze(-1)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
             log_std = self.log_std.reshape(self.action_shape)
@@ -113,16 +132,35 @@ class PgAgent(nn.Module):
                 idx.append(pick)
             stacked = torch.stack(idx, dim=-1)
             action = stacked[:, 0] if self.kind == "discrete" else stacked
-        return action, AgentInfo(log_prob=log_prob.float(), value=value)
+        if self.core is None:
+            return action, AgentInfo(log_prob=log_prob.float(), value=value)
+        self.core.remember(ctx, action, h[0], c[0])
+        return action, RecurrentAgentInfo(log_prob=log_prob.float(), value=value, memory=memory)
 
-    def evaluate(self, obs, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """log pi(action|obs) [N], policy entropy [N] and V(obs) [N], with grad.
+    def evaluate(self, obs, action: torch.Tensor, memory: Memory | None = None, reset: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """log pi(action|obs), policy entropy and V(obs), with grad, each shaped like the leading dims.
 
-        obs tree [N, ...]; action as ``step`` returns it, [N] or [N, ...].
+        Feed-forward: obs tree [N, ...]; action as ``step`` returns it, [N] or [N, ...].
+        Recurrent: whole sequences, obs [T, B, ...], action [T, B, ...], their stored
+        ``memory`` [T, B] and ``reset`` [T, B] (``memory.sequence_reset``) -> [T, B] each.
         """
         obs = obs_to(obs, self.device, self.obs_norm)
         action = torch.as_tensor(action).to(self.device)
-        out, value = self._forward(obs)
+        if self.core is None:
+            out, value = self._forward(obs)
+        else:
+            lead = action.shape[:2]
+            h, _ = self.core(self.pi_encoder(obs), memory, reset)
+            out, value = self.pi_head(h), self.v_head(h).squeeze(-1)
+            out, value, action = out.flatten(0, 1), value.flatten(0, 1), action.flatten(0, 1)
+        log_prob, entropy = self._log_prob_entropy(out, action)
+        if self.core is not None:
+            log_prob, entropy, value = log_prob.reshape(lead), entropy.reshape(lead), value.reshape(lead)
+        return log_prob, entropy, value
+
+    def _log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """log pi(action) [N] and entropy [N] of the policy output ``out`` [N, ...]."""
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
             dist = Normal(mean, self.log_std.exp().reshape(self.action_shape))
@@ -137,8 +175,29 @@ class PgAgent(nn.Module):
                 logp = torch.log_softmax(chunk, -1)
                 log_prob = log_prob + logp.gather(-1, idx[:, j:j + 1]).squeeze(-1)
                 entropy = entropy - (logp.exp() * logp).sum(-1)
-        return log_prob, entropy, value
+        return log_prob, entropy
 
-    def example_info(self) -> AgentInfo:
-        """One env's AgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
-        return info_example("pg")
+    @torch.no_grad()
+    def segment_values(self, samples, bootstrap_observation, cut: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Recurrent agents: current values for GAE over a segment batch, V(s_t) [T, B],
+        V(bootstrap observation) [B] and V(final observation) [k] of the ``cut`` [T, B] steps
+        (truncated, not terminated). The segments run as sequences from their stored memory;
+        the bootstrap and final observations are one more step from the state after their step.
+        """
+        memory = samples.agent_info.memory
+        reset = sequence_reset(samples.terminated, samples.truncated)
+        h, c = self.core(self.pi_encoder(obs_to(samples.observation, self.device, self.obs_norm)), memory, reset)
+        value = self.v_head(h).squeeze(-1)
+
+        def after(t, rows, obs):
+            feats = self.pi_encoder(obs_to(obs, self.device, self.obs_norm))
+            return self.v_head(self.core.step_from(feats, h[t, rows], c[t, rows], samples.action[t, rows],
+                                                   samples.reward[t, rows])).squeeze(-1)
+
+        last = torch.arange(h.shape[1], device=h.device)
+        bootstrap = after(-1, last, bootstrap_observation)
+        t, b = torch.nonzero(cut, as_tuple=True)
+        final = after(t, b, samples.final_observation[t, b]) if len(t) else value.new_zeros(0)
+        return value, bootstrap, final
+

@@ -15,10 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.agent_config import ModelConfig, QAgentConfig, QAgentInfo, info_example
+from shared.agent_config import Memory, ModelConfig, QAgentConfig, QAgentInfo, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
+from shared.agents.memory import make_core
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
-from shared.namedarraytuple import leading_len
+from shared.namedarraytuple import leading_len, map_leaves
 
 
 class QAgent(nn.Module):
@@ -27,6 +28,10 @@ class QAgent(nn.Module):
     Actions are indices 0..A-1 (the env adapter adds the space's ``start``). The head gives
     Q [N, A], or C51 logits [N, A, atoms] over the fixed ``support`` buffer [atoms].
     All inputs are moved to the device the module is on; outputs live there too.
+
+    Recurrent (``ModelConfig.lstm_size``, R2D1): an ``LstmCore`` sits between encoder and
+    head; ``step`` keeps each env's state and returns it in ``RecurrentQAgentInfo``, and
+    the learner evaluates whole sequences with ``q_sequence``.
     """
 
     def __init__(
@@ -44,6 +49,13 @@ class QAgent(nn.Module):
         self.n_atoms = cfg.n_atoms if cfg.distributional else 1
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
         self.encoder, feat_dim = make_encoder(obs_example, model_cfg)
+        self.core = make_core(feat_dim, model_cfg, action_space)
+        if self.core is not None:
+            if cfg.distributional:
+                raise ValueError("QAgent: a recurrent agent (model.lstm_size) has a scalar Q head; "
+                                 "set agent.distributional = false")
+            feat_dim = self.core.out_dim
+            self._action_example = torch.zeros((), dtype=torch.int64)
         hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
         self.advantage = MLP(feat_dim, hidden, act, output_size=self.n_actions * self.n_atoms)
         self.value = MLP(feat_dim, hidden, act, output_size=self.n_atoms) if cfg.dueling else None
@@ -58,11 +70,22 @@ class QAgent(nn.Module):
 
     def _head(self, obs) -> torch.Tensor:
         """Q [N, A] or C51 logits [N, A, atoms] for obs tree [N, ...], with grad."""
-        features = self.encoder(obs_to(obs, self.device, self.obs_norm))
-        out = self.advantage(features).reshape(-1, self.n_actions, self.n_atoms)
+        return self._from_features(self.encoder(obs_to(obs, self.device, self.obs_norm)))
+
+    def _from_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The head on features [*L, F]: Q [*L, A] or C51 logits [*L, A, atoms]."""
+        lead = features.shape[:-1]
+        out = self.advantage(features).reshape(*lead, self.n_actions, self.n_atoms)
         if self.value is not None:
-            out = self.value(features).unsqueeze(1) + out - out.mean(dim=1, keepdim=True)
+            out = self.value(features).unsqueeze(-2) + out - out.mean(dim=-2, keepdim=True)
         return out if self.cfg.distributional else out.squeeze(-1)
+
+    def q_sequence(self, obs, memory: Memory, reset: torch.Tensor | None = None) -> torch.Tensor:
+        """Recurrent agents: Q [T, B, A] over whole sequences, with grad: obs tree [T, B, ...],
+        their stored ``memory`` [T, B] (the state at step 0 is the one used) and ``reset``
+        [T, B] (``memory.sequence_reset``)."""
+        h, _ = self.core(self.encoder(obs_to(obs, self.device, self.obs_norm)), memory, reset)
+        return self._from_features(h)
 
     def q_values(self, obs) -> torch.Tensor:
         """Q(obs, .) float32 [N, A] for obs tree [N, ...]; the expectation over the support for C51."""
@@ -80,10 +103,17 @@ class QAgent(nn.Module):
     def step(self, obs, ctx: StepContext = EXPLORE) -> tuple[torch.Tensor, QAgentInfo]:
         """Epsilon-greedy actions for obs tree [B, ...]: each env's epsilon for ``ctx.env_steps``
         (``epsilon``), or ``eps_eval`` for a greedy context."""
-        if ctx.greedy:
-            return self.epsilon_greedy(obs, self.cfg.eps_eval)
-        index, total = ctx.rows(leading_len(obs))
-        return self.epsilon_greedy(obs, self.epsilon(ctx.env_steps, index, total))
+        n = leading_len(obs)
+        eps = self.cfg.eps_eval if ctx.greedy else self.epsilon(ctx.env_steps, *ctx.rows(n))
+        if self.core is None:
+            return self.epsilon_greedy(obs, eps)
+        with torch.no_grad():
+            memory = self.core.recall(ctx, n, self._action_example)
+            features = self.encoder(obs_to(obs, self.device, self.obs_norm))
+            h, c = self.core(features[None], map_leaves(lambda x: x[None], memory))
+            action, value = self._pick(self._from_features(h[0]), eps)
+        self.core.remember(ctx, action, h[0], c[0])
+        return action, RecurrentQAgentInfo(value=value, memory=memory)
 
     @torch.no_grad()
     def epsilon_greedy(self, obs, epsilon: torch.Tensor | np.ndarray | float) -> tuple[torch.Tensor, QAgentInfo]:
@@ -92,14 +122,16 @@ class QAgent(nn.Module):
         ``epsilon``: a float for all rows or one per row [B].
         Returns action int64 [B] in 0..A-1 and QAgentInfo(value float32 [B] = max_a Q).
         """
-        q = self.q_values(obs)
+        action, value = self._pick(self.q_values(obs), epsilon)
+        return action, QAgentInfo(value=value)
+
+    def _pick(self, q: torch.Tensor, epsilon) -> tuple[torch.Tensor, torch.Tensor]:
+        """Epsilon-greedy actions [B] and max_a Q [B] for Q [B, A]."""
         B, device = q.shape[0], q.device
-        greedy = q.argmax(-1)
         eps = torch.as_tensor(epsilon, dtype=torch.float32, device=device)
         explore = torch.rand(B, device=device) < eps
         random = torch.randint(self.n_actions, (B,), device=device)
-        action = torch.where(explore, random, greedy)
-        return action, QAgentInfo(value=q.max(-1).values.float())
+        return torch.where(explore, random, q.argmax(-1)), q.max(-1).values.float()
 
     def epsilon(self, env_steps: int, env_index: np.ndarray | int, n_envs_total: int) -> np.ndarray:
         """Exploration epsilons float32, shaped like ``env_index``, after ``env_steps`` env steps.
@@ -117,6 +149,3 @@ class QAgent(nn.Module):
         frac = min(1.0, env_steps / cfg.eps_decay_steps) if cfg.eps_decay_steps > 0 else 1.0
         return (cfg.eps_start + (final - cfg.eps_start) * frac).astype(np.float32)
 
-    def example_info(self) -> QAgentInfo:
-        """One env's QAgentInfo of numpy float32 zeros (lays out shared-memory buffers)."""
-        return info_example("q")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo, info_example
+from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo
 from shared.agents import EXPLORE, StepContext
 from shared.models import MLP, EnsembleMLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len
@@ -134,8 +134,6 @@ class QpgAgent(nn.Module):
     def explore(self, obs, ctx: StepContext) -> torch.Tensor:
         raise NotImplementedError
 
-    def example_info(self) -> QpgAgentInfo:
-        return info_example("qpg")
 
 
 class DeterministicAgent(QpgAgent):

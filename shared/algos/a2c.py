@@ -42,7 +42,7 @@ class A2C:
         data = pg_targets(
             self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
         )
-        log_prob, entropy, value = self.agent.evaluate(data.observation, data.action)
+        log_prob, entropy, value = self.agent.evaluate(data.observation, data.action, data.memory, data.reset)
         advantage = data.advantage
         if cfg.normalize_advantage and advantage.numel() > 1:
             advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)

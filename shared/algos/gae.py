@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from shared.agents.memory import sequence_reset
 from shared.algos import OnPolicyBatch
 from shared.namedarraytuple import map_leaves, namedarraytuple
 
 PgTargets = namedarraytuple(
-    "PgTargets", ["observation", "action", "old_log_prob", "old_value", "advantage", "returns"]
+    "PgTargets", ["observation", "action", "old_log_prob", "old_value", "advantage", "returns", "memory", "reset"]
 )
-"""One on-policy batch flattened to [T*B] with its GAE targets (what A2C/PPO train on)."""
+"""One on-policy batch with its GAE targets (what A2C/PPO train on): flattened to [T*B] for a
+feed-forward agent (memory and reset None); kept as sequences [T, B] for a recurrent one,
+with the stored ``Memory`` and the ``reset`` flags [T, B] its ``evaluate`` replays."""
 
 
 def gae(
@@ -68,10 +71,11 @@ def batch_advantages(
     """GAE advantages, returns and the V(s_t) used, all [T, B], on ``agent``'s device.
 
     V(s_t) and the bootstrap V(s_T) come from the current value net (``recompute_values``:
-    one forward pass over the segment and its bootstrap observation), or are the behaviour
-    values stored at sampling time; never a mix, so the advantages do not compare values of
-    two networks. Where a step was truncated (and not terminated) V(final observation)
-    comes from the current value net, in one forward pass over those steps only. Rewards
+    ``agent.segment_values``, one pass over the segments; a recurrent agent runs them as
+    sequences from their stored memory), or are the behaviour values stored at sampling
+    time; never a mix, so the advantages do not compare values of two networks. Where a
+    step was truncated (and not terminated) V(final observation) comes from the current
+    value net. Rewards
     are multiplied by ``reward_scale`` (the value net learns scaled returns).
 
     Why recompute: batches from asynchronous samplers are 1-2 versions stale, and early in
@@ -80,15 +84,23 @@ def batch_advantages(
     against ~120k with stored ones.
     """
     s = batch.samples
-    if recompute_values:
-        value = agent.value(s.observation).float()
-        bootstrap = agent.value(batch.bootstrap_observation).float()
-    else:
-        value, bootstrap = s.agent_info.value.float(), batch.bootstrap_value.float()
-    next_value = torch.cat([value[1:], bootstrap[None]], dim=0)
     cut = s.truncated & ~s.terminated
-    if bool(cut.any()):
-        next_value[cut] = agent.value(s.final_observation[cut]).float()
+    if getattr(agent, "core", None) is not None:  # recurrent: values come from whole sequences
+        value, bootstrap, final = agent.segment_values(s, batch.bootstrap_observation, cut)
+        if not recompute_values:
+            value, bootstrap = s.agent_info.value, batch.bootstrap_value
+        next_value = torch.cat([value[1:], bootstrap[None]], dim=0).float()
+        next_value[cut] = final.float()
+        value = value.float()
+    else:
+        if recompute_values:
+            value = agent.value(s.observation).float()
+            bootstrap = agent.value(batch.bootstrap_observation).float()
+        else:
+            value, bootstrap = s.agent_info.value.float(), batch.bootstrap_value.float()
+        next_value = torch.cat([value[1:], bootstrap[None]], dim=0)
+        if bool(cut.any()):
+            next_value[cut] = agent.value(s.final_observation[cut]).float()
     done = s.terminated | s.truncated
     advantage, returns = gae(s.reward.float() * reward_scale, value, next_value, s.terminated, done, gamma, lam)
     return advantage, returns, value
@@ -102,7 +114,8 @@ def pg_targets(
     reward_scale: float = 1.0,
     recompute_values: bool = True,
 ) -> PgTargets:
-    """Move ``batch`` to the agent's device, compute GAE and flatten [T, B] to [T*B].
+    """Move ``batch`` to the agent's device, compute GAE and flatten [T, B] to [T*B] (a
+    recurrent agent's batch stays [T, B]: see ``PgTargets``).
 
     ``old_value`` is the V(s_t) the advantages were computed with (see ``batch_advantages``).
     """
@@ -111,6 +124,7 @@ def pg_targets(
     advantage, returns, value = batch_advantages(agent, batch, gamma, lam, reward_scale, recompute_values)
     s = batch.samples
     T, B = s.reward.shape
+    recurrent = "memory" in s.agent_info
     targets = PgTargets(
         observation=s.observation,
         action=s.action,
@@ -118,8 +132,10 @@ def pg_targets(
         old_value=value,
         advantage=advantage,
         returns=returns,
+        memory=s.agent_info.memory if recurrent else None,
+        reset=sequence_reset(s.terminated, s.truncated) if recurrent else None,
     )
-    return map_leaves(lambda x: x.reshape(T * B, *x.shape[2:]), targets)
+    return targets if recurrent else map_leaves(lambda x: x.reshape(T * B, *x.shape[2:]), targets)
 
 
 def explained_variance(prediction: torch.Tensor, target: torch.Tensor) -> float:

@@ -38,7 +38,10 @@ class PPO:
         data = pg_targets(
             self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
         )
-        n = data.advantage.shape[0]
+        # Minibatches split the rows: transitions [T*B] feed-forward, whole env sequences (the
+        # columns of [T, B]) for a recurrent agent, which replays each from its stored state.
+        recurrent = data.memory is not None
+        n = data.advantage.shape[1 if recurrent else 0]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         # Diagnostics stay tensors until the end: one host sync per update, not per step.
         per_step = []
@@ -47,8 +50,8 @@ class PPO:
             parts = [None] if cfg.minibatches == 1 else torch.tensor_split(
                 torch.randperm(n, device=data.advantage.device), cfg.minibatches)
             for idx in parts:
-                mb = data if idx is None else data[idx]
-                log_prob, entropy, value = self.agent.evaluate(mb.observation, mb.action)
+                mb = data if idx is None else (data[:, idx] if recurrent else data[idx])
+                log_prob, entropy, value = self.agent.evaluate(mb.observation, mb.action, mb.memory, mb.reset)
                 log_ratio = log_prob - mb.old_log_prob
                 ratio = log_ratio.exp()
                 with torch.no_grad():

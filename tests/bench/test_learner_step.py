@@ -92,7 +92,7 @@ def rlpipe_learner(config_file: str):
     probe = env_probe(exp)
     agent = make_agent(exp, probe)
     learner = Learner(exp, agent, make_algo(exp, agent), torch.device("cpu"), run_dir=None)
-    slot = from_spec(batch_spec(exp, example_step(exp, probe, agent)))
+    slot = from_spec(batch_spec(exp, example_step(exp, probe)))
     rng = np.random.default_rng(0)
     for _, leaf in leaves(slot):
         if leaf.dtype == np.bool_:

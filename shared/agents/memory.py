@@ -1,0 +1,172 @@
+"""Recurrent cores: an LSTM after the encoder, and each env's state between two steps.
+
+An agent with ``model.lstm_size > 0`` puts an ``LstmCore`` between its encoder and its
+heads (rlpyt's recurrent agents, R2D2's core). The same core runs in two ways:
+
+- acting, one step for a batch of envs (``recall`` -> ``forward`` over T = 1 -> ``remember``):
+  the core keeps every env's state, previous action and reward in a table indexed by the
+  env's global index (``StepContext.env_index``), so it works wherever the agent acts (the
+  action-server for all samplers, a local sampler for its own envs, serial mode). A row whose
+  observation starts an episode (``StepContext.first``) starts from zeros. What each step
+  started from is returned as a ``Memory`` in the agent info and stored with the step.
+- learning, whole sequences [T, B] from a stored ``Memory``: the state at the first step
+  comes from the store, the later ones from the core itself, zeroed after every episode end
+  inside the sequence (``reset``), so a sequence replays exactly what the actor computed.
+
+A process that starts acting (a restarted action-server or sampler) has no state for
+episodes already running: their state starts from zeros, which the core logs once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import gymnasium as gym
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.agent_config import Memory, ModelConfig, RnnState
+from shared.agents import StepContext
+
+log = logging.getLogger(__name__)
+
+
+def action_features(action: torch.Tensor, space: gym.Space) -> torch.Tensor:
+    """Actions [*L] (Discrete), [*L, k] (MultiDiscrete) or [*L, *shape] (Box) as float
+    features [*L, d]: one-hot for discrete parts, the raw values for a Box."""
+    if isinstance(space, gym.spaces.Discrete):
+        return F.one_hot(action.long(), int(space.n)).float()
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        parts = [F.one_hot(action[..., j].long(), int(n)).float() for j, n in enumerate(space.nvec)]
+        return torch.cat(parts, dim=-1)
+    if isinstance(space, gym.spaces.Box):
+        lead = action.dim() - len(space.shape)
+        return action.float().flatten(lead) if space.shape else action.float()[..., None]
+    raise ValueError(f"model.lstm_prev_action: action space {space} cannot be an LSTM input")
+
+
+def _action_dim(space: gym.Space) -> int:
+    if isinstance(space, gym.spaces.Discrete):
+        return int(space.n)
+    if isinstance(space, gym.spaces.MultiDiscrete):
+        return int(np.sum(space.nvec))
+    if isinstance(space, gym.spaces.Box):
+        return max(1, int(np.prod(space.shape, dtype=np.int64)))
+    raise ValueError(f"model.lstm_prev_action: action space {space} cannot be an LSTM input")
+
+
+def sequence_reset(terminated: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """reset [T, B] bool for a sequence of steps: the state is zeroed before step t when step
+    t - 1 ended an episode; never before step 0 (the stored state is already reset)."""
+    done = terminated | truncated
+    return torch.cat([torch.zeros_like(done[:1]), done[:-1]], dim=0)
+
+
+class LstmCore(nn.Module):
+    """One LSTM layer over the encoder's features, optionally with the previous action and
+    reward appended to them. Gate order and parameters are ``nn.LSTMCell``'s; the step is
+    written out so that acting and learning run the same arithmetic.
+    """
+
+    def __init__(self, feat_dim: int, cfg: ModelConfig, action_space: gym.Space) -> None:
+        super().__init__()
+        self.size, self.action_space = cfg.lstm_size, action_space
+        self.use_action, self.use_reward = cfg.lstm_prev_action, cfg.lstm_prev_reward
+        in_dim = feat_dim + (_action_dim(action_space) if self.use_action else 0) + int(self.use_reward)
+        self.cell = nn.LSTMCell(in_dim, self.size)
+        self.out_dim = self.size
+        self._table: dict[str, torch.Tensor] | None = None  # acting state per global env; not a parameter
+
+    # ------------------------------------------------------------ learning (and acting with T = 1)
+
+    def forward(self, features: torch.Tensor, memory: Memory, reset: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs h [T, B, H] and cell states c [T, B, H] after each step.
+
+        ``features`` [T, B, F]; ``memory`` with leaves [T, B, ...]: prev_action and
+        prev_reward of every step, and the state to start from in ``memory.state`` [0];
+        ``reset`` [T, B] bool (see ``sequence_reset``) or None.
+        """
+        cell = self.cell
+        x = self._inputs(features, memory.prev_action, memory.prev_reward)
+        gates_x = F.linear(x, cell.weight_ih, cell.bias_ih + cell.bias_hh)  # every step's input part at once
+        h, c = memory.state.h[0].float(), memory.state.c[0].float()
+        hs, cs = [], []
+        for t in range(x.shape[0]):
+            if reset is not None and t > 0:
+                keep = (~reset[t]).to(h.dtype)[:, None]
+                h, c = h * keep, c * keep
+            h, c = self._cell(gates_x[t], h, c)
+            hs.append(h)
+            cs.append(c)
+        return torch.stack(hs), torch.stack(cs)
+
+    def step_from(self, features: torch.Tensor, h: torch.Tensor, c: torch.Tensor, prev_action: torch.Tensor,
+                  prev_reward: torch.Tensor) -> torch.Tensor:
+        """One more step from states (h, c) [N, H]: features [N, F] and the inputs [N] -> h [N, H].
+        For the observation after a sequence (a bootstrap) or an episode's final observation."""
+        cell = self.cell
+        x = self._inputs(features, prev_action, prev_reward)
+        return self._cell(F.linear(x, cell.weight_ih, cell.bias_ih + cell.bias_hh), h, c)[0]
+
+    def _inputs(self, features: torch.Tensor, prev_action: torch.Tensor, prev_reward: torch.Tensor) -> torch.Tensor:
+        parts = [features]
+        if self.use_action:
+            parts.append(action_features(prev_action, self.action_space))
+        if self.use_reward:
+            parts.append(prev_reward.float()[..., None])
+        return torch.cat(parts, dim=-1) if len(parts) > 1 else features
+
+    def _cell(self, gates_x: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        i, f, g, o = (gates_x + F.linear(h, self.cell.weight_hh)).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+
+    # ------------------------------------------------------------ acting: each env's state between steps
+
+    def recall(self, ctx: StepContext, n: int, action_example: torch.Tensor) -> Memory:
+        """The memory [n] the rows of ``ctx`` start from: zeros where ``ctx.first``, else what
+        ``remember`` kept for the env. ``action_example``: one row's action (dtype and shape)."""
+        index, total = ctx.rows(n)
+        device = self.cell.weight_hh.device
+        table = self._grow(total, action_example, device)
+        idx = torch.as_tensor(index, device=device)
+        keep = torch.ones(n, device=device) if ctx.first is None else \
+            1.0 - torch.as_tensor(ctx.first, device=device).float()
+        reward = torch.zeros(n, device=device) if ctx.reward is None else \
+            torch.as_tensor(ctx.reward, device=device).float()
+        expand = keep.reshape(n, *[1] * (table["prev_action"].dim() - 1))
+        return Memory(prev_action=table["prev_action"][idx] * expand.to(table["prev_action"].dtype),
+                      prev_reward=reward * keep,
+                      state=RnnState(h=table["h"][idx] * keep[:, None], c=table["c"][idx] * keep[:, None]))
+
+    def remember(self, ctx: StepContext, action: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> None:
+        """Keep the rows' new states [n, H] and the actions [n, ...] they chose for their next step."""
+        index, _ = ctx.rows(len(action))
+        idx = torch.as_tensor(index, device=h.device)
+        table = self._table
+        table["h"][idx], table["c"][idx] = h, c
+        table["prev_action"][idx] = action.to(table["prev_action"].dtype)
+
+    def _grow(self, total: int, action_example: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+        table = self._table
+        if table is not None and len(table["h"]) >= total and table["h"].device == device:
+            return table
+        old = 0 if table is None else len(table["h"])
+        if table is None:
+            log.info("recurrent state of %d envs starts from zeros (episodes running before this process "
+                     "started continue without their earlier memory)", total)
+        new = {"h": torch.zeros(total, self.size, device=device), "c": torch.zeros(total, self.size, device=device),
+               "prev_action": torch.zeros(total, *action_example.shape, dtype=action_example.dtype, device=device)}
+        if table is not None:
+            for k in new:
+                new[k][:old] = table[k].to(device)
+        self._table = new
+        return new
+
+
+def make_core(feat_dim: int, cfg: ModelConfig, action_space: gym.Space) -> LstmCore | None:
+    """The agent's recurrent core, or None for a feed-forward agent (``lstm_size = 0``)."""
+    return LstmCore(feat_dim, cfg, action_space) if cfg.lstm_size else None
