@@ -10,13 +10,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.replay.tables import make_table
+from shared import config
 from shared.agent_config import QAgentInfo
 from shared.envs import EnvConfig, EnvGroup
-from shared.layout import step_example
+from shared.layout import segment_spec, step_example
 from shared.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from tests.pipeline import CONFIGS
 
 H, W = 2, 3
 
@@ -185,3 +188,13 @@ def test_pong_stacks_come_back_exactly():
     last = (len(segments) * T - 1) % store.ring.rows
     np.testing.assert_array_equal(view.frames.frames[last, 1], segments[-1].observation[-1, 1, -1])
     assert table.metrics()["frames_unrebuilt_items"] == 0 and table.metrics()["final_frame_evictions"] == 0
+
+
+def test_frame_store_needs_frame_stack_observations():
+    example = step_example(np.zeros(4, np.float32), np.int64(0), QAgentInfo(value=np.float32(0)))
+    exp = config.load(CONFIGS / "cartpole_dqn.toml", ["replay.frame_store=true"])
+    with pytest.raises(ValueError, match=r"replay.frame_store: needs observations that are one \[K, H, W\] uint8.*"
+                                         r"dtype float32 shape \[4\]"):
+        make_table(exp.replay, {0: 4}, segment_spec(example, 8, 4), sample_size=32)
+    with pytest.raises(config.ConfigError, match="replay.frame_store = true: only the off-policy tables"):
+        config.load(CONFIGS / "cartpole_ppo.toml", ["replay.frame_store=true"])
