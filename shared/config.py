@@ -93,6 +93,9 @@ class ReplayConfig:
     """Off-policy: rewards summed per transition before bootstrapping."""
     gamma: float = 0.99
     """Off-policy: discount per step used for n-step returns."""
+    frame_store: bool = False
+    """Off-policy: store each frame of [K, H, W] uint8 frame-stack observations once and rebuild
+    the stacks at sample time (Atari: ~8 KB a transition instead of ~56 KB)."""
     alpha: float = 0.6
     """Prioritized: priority exponent (0 = uniform)."""
     beta0: float = 0.4
@@ -304,6 +307,9 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     if not on_policy and exp.replay.capacity < exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
                           f"of all {exp.sampler.count * exp.sampler.envs} envs")
+    if exp.replay.frame_store and on_policy:
+        raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized) store "
+                          "frames once; the on-policy queue keeps whole segments, set it to false")
     if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
         raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
     if exp.model.lstm_size and exp.algo_name not in RECURRENT_ALGOS:

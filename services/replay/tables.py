@@ -21,7 +21,8 @@ def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_sp
         storage = SegmentStorage(samples_spec, columns_per_writer, SegmentStorageConfig(capacity=cfg.capacity))
         return Table(storage, Fifo(), RateLimiter(RateLimiterConfig()), seed=seed)
     storage = TransitionStorage(samples_spec, columns_per_writer,
-                                TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma))
+                                TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma,
+                                                        frame_store=cfg.frame_store))
     if cfg.table == "prioritized":
         selector = Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
                                                  beta_steps=cfg.beta_steps))

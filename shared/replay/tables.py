@@ -20,6 +20,7 @@ import numpy as np
 
 from shared.namedarraytuple import from_spec, leading_len, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
 from shared.replay import Transition
+from shared.replay.frames import FrameStacks, frame_stack_shape
 from shared.replay.nstep import nstep_targets
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Selector
@@ -127,23 +128,57 @@ class ColumnRing:
     Writer w owns the column block [offset_w, offset_w + B_w) and its own write cursor, so
     samplers that insert at different rates each overwrite only their own oldest steps.
     Step s of writer w lives in row s % rows; its key is row * B_total + column. Shared by
-    the transition storage and (later) a sequence storage for R2D1.
+    the transition storage and (later) a sequence storage for R2D1, which read observations
+    only through ``gather_observation`` / ``gather_final_observation`` and ask
+    ``observation_ok`` / ``final_observation_ok`` before making an item live.
+
+    With ``frame_stack`` (Atari: observations are [K, H, W] uint8 rolling frame stacks) the
+    observation and final_observation fields are not stored as such: an injected
+    ``FrameStacks`` part (frames.py) keeps each step's newest frame once, final frames of
+    done steps only, and rebuilds the stacks. The ring then holds ``live_rows + K - 1`` rows:
+    a step counts as overwritten (``write`` returns its key) K - 1 steps before its row is
+    reused, so the frames a live step's stack needs are always present.
     """
 
-    def __init__(self, step_spec, columns_per_writer: dict[int, int], rows: int, buffer=None):
+    def __init__(self, step_spec, columns_per_writer: dict[int, int], live_rows: int, buffer=None,
+                 frame_stack: bool = False, final_slots: int = 0):
+        """live_rows: steps per column an item may live in. frame_stack: deduplicate frame
+        stacks (observation must be one [K, H, W] uint8 array). final_slots: frame_stack only,
+        final frames kept (>= the done steps of one write). buffer: optional memory
+        (>= ``nbytes``) for everything the ring stores, e.g. a shared-memory mmap."""
         if not columns_per_writer or min(columns_per_writer.values()) < 1:
             raise ValueError(f"columns_per_writer needs >= 1 column per writer, got {columns_per_writer}")
-        self.rows = int(rows)
         self.offsets: dict[int, int] = {}
         self.widths = dict(columns_per_writer)
         for w in sorted(columns_per_writer):
             self.offsets[w] = sum(self.widths[v] for v in self.offsets)
         self.B_total = sum(self.widths.values())
-        self.spec = with_leading_dims(step_spec, [self.rows, self.B_total])
-        self.data = from_spec(self.spec, buffer)
+        self.live_rows = int(live_rows)
+        self.frames: FrameStacks | None = None
+        stored = step_spec
+        if frame_stack:
+            K, H, W = frame_stack_shape(_field(step_spec, "observation"))
+            stored = {"type": step_spec["type"], "fields": [
+                [f, None if f in ("observation", "final_observation") else c] for f, c in step_spec["fields"]]}
+        self.rows = self.live_rows + (K - 1 if frame_stack else 0)
+        self.steps_spec = with_leading_dims(stored, [self.rows, self.B_total])
+        n_steps = spec_nbytes(self.steps_spec)
+        view = None if buffer is None else memoryview(buffer).cast("B")
+        self.data = from_spec(self.steps_spec, None if view is None else view[:n_steps])
         self.flat = map_leaves(lambda a: a.reshape(self.rows * self.B_total, *a.shape[2:]), self.data)
+        self.spec = self.steps_spec
+        if frame_stack:
+            self.frames = FrameStacks(K, H, W, self.rows, self.B_total, final_slots,
+                                      None if view is None else view[n_steps:])
+            # One spec for the whole buffer (a peer attaching it sees steps, then frames).
+            self.spec = {"type": "FrameRingData", "fields": [["steps", self.steps_spec], ["frames", self.frames.spec]]}
         self.written = {w: 0 for w in self.widths}  # steps written by w since the table began
         self.traj_start = {w: 0 for w in self.widths}  # first step of w's current trajectory
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a ``buffer`` must have."""
+        return spec_nbytes(self.spec)
 
     def width(self, writer_id: int) -> int:
         """B of ``writer_id``; ValueError for a writer the table was not built for."""
@@ -163,20 +198,62 @@ class ColumnRing:
         rows = np.arange(start, stop) % self.rows
         return getattr(self.data, field)[rows, off : off + self.widths[writer_id]]
 
-    def write(self, writer_id: int, samples) -> np.ndarray:
-        """Append segment ``samples`` [T, B_w]; return the keys [T * B_w] it overwrote."""
+    def write(self, writer_id: int, samples) -> tuple[np.ndarray, np.ndarray]:
+        """Append segment ``samples`` [T, B_w]; return (keys [T * B_w] of the steps it made
+        unreadable, keys of earlier done steps whose final observation it dropped)."""
         T = leading_len(samples)
         s0 = self.written[writer_id]
         steps = np.arange(s0, s0 + T)
-        off = self.offsets[writer_id]
-        self.data[steps % self.rows, off : off + self.widths[writer_id]] = samples
+        off, Bw = self.offsets[writer_id], self.widths[writer_id]
+        lost_final = _NO_KEYS
+        if self.frames is not None:
+            done = samples.terminated | samples.truncated
+            start = np.empty((T, Bw), dtype=bool)
+            start[1:] = done[:-1]
+            if s0 > self.traj_start[writer_id]:  # else a seam: the first step starts an episode
+                prev = self.read(writer_id, "terminated", s0 - 1, s0)[0] | self.read(writer_id, "truncated", s0 - 1, s0)[0]
+                start[0] = prev
+                prev_back = self.frames.data.back[(s0 - 1) % self.rows, off : off + Bw]
+            else:
+                start[0] = True
+                prev_back = np.zeros(Bw, dtype=np.uint8)
+            lost_final = self.frames.write(self.keys(writer_id, steps), samples.observation,
+                                           samples.final_observation, done, start, prev_back.copy())
+        self.data[steps % self.rows, off : off + Bw] = samples
         self.written[writer_id] = s0 + T
-        overwritten = steps[steps >= self.rows]  # rows written before hold older steps
-        return self.keys(writer_id, overwritten).reshape(-1)
+        gone = steps[steps >= self.live_rows] - self.live_rows
+        return self.keys(writer_id, gone).reshape(-1), lost_final
 
     def reset_writer(self, writer_id: int) -> None:
         self.width(writer_id)
         self.traj_start[writer_id] = self.written[writer_id]
+
+    def gather_observation(self, keys: np.ndarray, out) -> None:
+        """out[i] = the observation of step ``keys[i]``; ``out`` leaves [n, ...] as Samples.observation."""
+        if self.frames is None:
+            _take_into(out, self.flat.observation, keys)
+        else:
+            self.frames.gather_stacks(keys, out)
+
+    def gather_final_observation(self, keys: np.ndarray, out) -> None:
+        """out[i] = the final_observation of done step ``keys[i]`` (see ``final_observation_ok``)."""
+        if self.frames is None:
+            _take_into(out, self.flat.final_observation, keys)
+        else:
+            self.frames.gather_final_stacks(keys, out)
+
+    def observation_ok(self, keys: np.ndarray) -> np.ndarray:
+        """bool [n]: ``gather_observation`` returns exactly what the env produced for ``keys``
+        (always, without frame_stack; with it, where the rebuilt stack matched at write)."""
+        if self.frames is None:
+            return np.ones(len(keys), dtype=bool)
+        return self.frames.stack_ok[keys]
+
+    def final_observation_ok(self, keys: np.ndarray) -> np.ndarray:
+        """bool [n]: as ``observation_ok`` for the final_observation of done steps ``keys``."""
+        if self.frames is None:
+            return np.ones(len(keys), dtype=bool)
+        return self.frames.final_ok[keys]
 
 
 # ---------------------------------------------------------------- transitions
@@ -190,6 +267,12 @@ class TransitionStorageConfig:
     """Rewards summed per transition before bootstrapping."""
     gamma: float = 0.99
     """Discount per step."""
+    frame_store: bool = False
+    """Keep each frame of [K, H, W] uint8 frame-stack observations once and rebuild the stacks
+    at sample time (Atari; see frames.py)."""
+    final_frames: int = 0
+    """frame_store: final-observation frames kept for done steps; 0 = capacity // 32 (at least
+    one segment's steps). When they wrap, items bootstrapping from a dropped one leave early."""
 
 
 def transition_batch_spec(step_spec, n: int) -> Any:
@@ -222,7 +305,10 @@ class TransitionStorage:
     that no done had closed never become live, since their windows would cross it.
 
     Memory: the whole Samples structure is stored per step, final_observation included
-    (it is only valid on done steps); for Atari use a frame-deduplicating storage.
+    (it is only valid on done steps), unless ``config.frame_store``: then the ring keeps one
+    frame per step and final frames of done steps only, and rebuilds the stacks (frames.py);
+    an item becomes live only if its stacks rebuild exactly, and leaves when the final frame
+    it bootstraps from is dropped.
     """
 
     def __init__(
@@ -250,23 +336,36 @@ class TransitionStorage:
             )
         self.config = config
         self.step_spec = step_spec
-        self.ring = ColumnRing(step_spec, columns_per_writer, rows, buffer)
-        self.num_slots = rows * self.ring.B_total
+        # A write never drops the final frames it adds itself.
+        final_slots = max(config.final_frames or config.capacity // 32, self.T * max(columns_per_writer.values()))
+        self.ring = ColumnRing(step_spec, columns_per_writer, rows, buffer, frame_stack=config.frame_store,
+                               final_slots=final_slots)
+        self.num_slots = self.ring.rows * self.ring.B_total
         self.return_ = np.zeros(self.num_slots, dtype=np.float32)
         self.discount = np.zeros(self.num_slots, dtype=np.float32)
         self.bootstrap_key = np.zeros(self.num_slots, dtype=np.int64)
         self.bootstrap_final = np.zeros(self.num_slots, dtype=bool)
         self._batch_specs: dict[int, Any] = {}
+        # frame_store: items never made live because a stack did not rebuild exactly (the K - 1
+        # steps after a seam that cut an episode; all episode starts if the padding is not
+        # FrameStackObservation's "reset"), and items dropped with a final frame.
+        self.unrebuilt = 0
+        self.final_frame_evictions = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {"frames_unrebuilt_items": float(self.unrebuilt),
+                "final_frame_evictions": float(self.final_frame_evictions)}
 
     @property
     def storage_spec(self) -> Any:
-        """Spec of the data that ``buffer`` holds: the Samples structure with dims [rows, B_total]."""
+        """Spec of the data that ``buffer`` holds: the Samples structure with dims [rows, B_total]
+        (frame_store: FrameRingData, those steps without observations, then the frames)."""
         return self.ring.spec
 
     @property
     def nbytes(self) -> int:
         """Bytes a ``buffer`` must have."""
-        return spec_nbytes(self.ring.spec)
+        return self.ring.nbytes
 
     def batch_spec(self, n: int) -> Any:
         spec = self._batch_specs.get(n)
@@ -286,12 +385,16 @@ class TransitionStorage:
         here (n-step transitions bootstrap from the observations they store)."""
         ring, n = self.ring, self.config.n_step
         T = _check_segment(samples, self.step_spec, ring.width(writer_id), f"segment of writer {writer_id}")
-        if T + n > ring.rows:
-            raise ValueError(f"segment of writer {writer_id}: T={T} > rows - n_step = {ring.rows - n}")
+        if T + n > ring.live_rows:
+            raise ValueError(f"segment of writer {writer_id}: T={T} > rows - n_step = {ring.live_rows - n}")
         s0 = ring.written[writer_id]
         k_old = min(n, s0 - ring.traj_start[writer_id])  # earlier steps whose items may be pending
         old = {f: ring.read(writer_id, f, s0 - k_old, s0) for f in ("reward", "terminated", "truncated")}
-        overwritten = ring.write(writer_id, samples)
+        overwritten, lost_final = ring.write(writer_id, samples)
+        if lost_final.size:
+            lost = self._bootstrapping_from_final(lost_final)
+            self.final_frame_evictions += lost.size
+            overwritten = np.union1d(overwritten, lost)
 
         window = {f: np.concatenate([old[f], getattr(samples, f)]) for f in old}
         tg = nstep_targets(window["reward"], window["terminated"], window["truncated"], n, self.config.gamma)
@@ -303,12 +406,27 @@ class TransitionStorage:
         steps = s0 - k_old + j
         cols = ring.offsets[writer_id] + b
         keys = (steps % ring.rows) * ring.B_total + cols
-        boot_steps = steps + tg.bootstrap_offset[j, b]
+        boot_keys = ((steps + tg.bootstrap_offset[j, b]) % ring.rows) * ring.B_total + cols
+        from_final = tg.from_final[j, b]
+        # Only items whose observations the ring returns exactly (always true without frame_store).
+        ok = ring.observation_ok(keys) & np.where(from_final, ring.final_observation_ok(boot_keys),
+                                                   ring.observation_ok(boot_keys))
+        self.unrebuilt += int(ok.size - ok.sum())
+        keys, j, b, boot_keys, from_final = keys[ok], j[ok], b[ok], boot_keys[ok], from_final[ok]
         self.return_[keys] = tg.return_[j, b]
         self.discount[keys] = tg.discount[j, b]
-        self.bootstrap_key[keys] = (boot_steps % ring.rows) * ring.B_total + cols
-        self.bootstrap_final[keys] = tg.from_final[j, b]
+        self.bootstrap_key[keys] = boot_keys
+        self.bootstrap_final[keys] = from_final
         return overwritten, keys.astype(np.int64)
+
+    def _bootstrapping_from_final(self, done_keys: np.ndarray) -> np.ndarray:
+        """Keys of the items (live or not) that bootstrap from the final observation of
+        ``done_keys``: they can only be the n steps up to each done step, in its column."""
+        rows, B = self.ring.rows, self.ring.B_total
+        back = np.arange(self.config.n_step, dtype=np.int64)[None, :] * B
+        cand = ((done_keys[:, None] - back) % (rows * B)).reshape(-1)
+        owner = np.repeat(done_keys, self.config.n_step)
+        return cand[self.bootstrap_final[cand] & (self.bootstrap_key[cand] == owner)]
 
     def reset_writer(self, writer_id: int) -> None:
         self.ring.reset_writer(writer_id)
@@ -317,19 +435,20 @@ class TransitionStorage:
         _check_like(spec_of(dest), self.batch_spec(n), "destination Transition batch")
 
     def gather(self, keys: np.ndarray, is_weights: np.ndarray, dest) -> None:
-        flat = self.ring.flat
-        _take_into(dest.observation, flat.observation, keys)
+        ring, flat = self.ring, self.ring.flat
+        ring.gather_observation(keys, dest.observation)
         _take_into(dest.action, flat.action, keys)
         np.take(self.return_, keys, out=dest.return_)
         np.take(self.discount, keys, out=dest.bootstrap_discount)
         dest.is_weight[:] = is_weights
         np.take(flat.policy_version, keys, axis=0, out=dest.policy_version)
         boot = self.bootstrap_key[keys]
-        _take_into(dest.bootstrap_observation, flat.observation, boot)
+        ring.gather_observation(boot, dest.bootstrap_observation)
         final = np.flatnonzero(self.bootstrap_final[keys])  # done steps: rare, patch them
         if final.size:
-            for (_, d), (_, s) in zip(leaves(dest.bootstrap_observation), leaves(flat.final_observation)):
-                d[final] = s[boot[final]]
+            patch = map_leaves(lambda d: np.empty((final.size, *d.shape[1:]), d.dtype), dest.bootstrap_observation)
+            ring.gather_final_observation(boot[final], patch)
+            dest.bootstrap_observation[final] = patch
 
     def release(self, keys: np.ndarray) -> None:
         """No-op: the steps stay, since other items may bootstrap from them; the ring
@@ -585,6 +704,7 @@ class Table:
         }
         out.update(self.rate_limiter.metrics())
         out.update(self.selector.metrics())
+        out.update(getattr(self.storage, "metrics", dict)())
         return out
 
     def _forget(self, keys: np.ndarray) -> None:
