@@ -115,7 +115,7 @@ class PgAgent(nn.Module):
             out, value = self._forward(obs)
         else:
             memory = self.core.recall(ctx, leading_len(obs), self._action_example)
-            h, c = self.core(self.pi_encoder(obs)[None], map_leaves(lambda x: x[None], memory))
+            h, c = self.core.run(self.pi_encoder(obs)[None], map_leaves(lambda x: x[None], memory))
             out, value = self.pi_head(h[0]), self.v_head(h[0]).squeeze(-1)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
@@ -151,7 +151,7 @@ class PgAgent(nn.Module):
             out, value = self._forward(obs)
         else:
             lead = action.shape[:2]
-            h, _ = self.core(self.pi_encoder(obs), memory, reset)
+            h = self.core(self.pi_encoder(obs), memory, reset)
             out, value = self.pi_head(h), self.v_head(h).squeeze(-1)
             out, value, action = out.flatten(0, 1), value.flatten(0, 1), action.flatten(0, 1)
         log_prob, entropy = self._log_prob_entropy(out, action)
@@ -187,7 +187,7 @@ class PgAgent(nn.Module):
         """
         memory = samples.agent_info.memory
         reset = sequence_reset(samples.terminated, samples.truncated)
-        h, c = self.core(self.pi_encoder(obs_to(samples.observation, self.device, self.obs_norm)), memory, reset)
+        h, c = self.core.run(self.pi_encoder(obs_to(samples.observation, self.device, self.obs_norm)), memory, reset)
         value = self.v_head(h).squeeze(-1)
 
         def after(t, rows, obs):

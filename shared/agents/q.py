@@ -84,7 +84,7 @@ class QAgent(nn.Module):
         """Recurrent agents: Q [T, B, A] over whole sequences, with grad: obs tree [T, B, ...],
         their stored ``memory`` [T, B] (the state at step 0 is the one used) and ``reset``
         [T, B] (``memory.sequence_reset``)."""
-        h, _ = self.core(self.encoder(obs_to(obs, self.device, self.obs_norm)), memory, reset)
+        h = self.core(self.encoder(obs_to(obs, self.device, self.obs_norm)), memory, reset)
         return self._from_features(h)
 
     def q_values(self, obs) -> torch.Tensor:
@@ -110,7 +110,7 @@ class QAgent(nn.Module):
         with torch.no_grad():
             memory = self.core.recall(ctx, n, self._action_example)
             features = self.encoder(obs_to(obs, self.device, self.obs_norm))
-            h, c = self.core(features[None], map_leaves(lambda x: x[None], memory))
+            h, c = self.core.run(features[None], map_leaves(lambda x: x[None], memory))
             action, value = self._pick(self._from_features(h[0]), eps)
         self.core.remember(ctx, action, h[0], c[0])
         return action, RecurrentQAgentInfo(value=value, memory=memory)
