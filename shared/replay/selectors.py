@@ -237,9 +237,10 @@ class Prioritized:
         p = np.asarray(priorities, dtype=np.float64)
         if p.size == 0:
             return
-        if not np.all(np.isfinite(p)) or p.min() < 0:
+        lo, hi = float(p.min()), float(p.max())
+        if not (lo >= 0 and hi < np.inf):  # also False for NaN
             raise ValueError("Prioritized.update: priorities must be finite and >= 0")
-        self.max_priority = max(self.max_priority, float(p.max()))
+        self.max_priority = max(self.max_priority, hi)
         self._tree.set(keys, (p + self.config.eps) ** self.config.alpha)
 
     def metrics(self) -> dict[str, float]:

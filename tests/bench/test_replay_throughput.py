@@ -3,7 +3,9 @@
 Capacity 1M transitions of CartPole-sized steps, segments of 64 steps x 16 envs, batches
 of 256; uniform and prioritized (n-step 3) tables against a ring that stores the same
 arrays and samples uniform indices with fancy indexing, measured in the same run, median
-of 5 repetitions. Run with `make bench`.
+of 5 repetitions. Then R2D1's hot path in batches/s: a prioritized sample of 256 plus the
+priority update of those 256, from a full 1M-item table, against the ring's uniform sample
+of 256. Run with `make bench`.
 """
 
 from __future__ import annotations
@@ -101,3 +103,57 @@ def test_replay_tables_vs_numpy_ring():
         print(f"{name:12s} insert {ins:12,.0f} transitions/s ({ins / base_ins:5.2f}x ring)   "
               f"sample {smp:12,.0f} transitions/s ({smp / base_smp:5.2f}x ring)")
     assert base_ins > 0 and base_smp > 0
+
+
+def test_prioritized_batches_vs_numpy_ring():
+    """Batches/s of 256 from full 1M-item tables, median of 5 alternating repetitions.
+
+    "selector": Prioritized.sample (keys and importance weights) + Prioritized.update, the
+    sum-tree work alone. "table": Table.sample_into (also gathers the n-step transitions)
+    + Table.update_priorities, what the replay service does per learner batch.
+    """
+    rng = np.random.default_rng(0)
+    example, seg = _segment(rng)
+    fill = -(-CAPACITY // (T * B))  # enough segments to fill every slot
+    ring = NumpyRing(example, CAPACITY)
+    for _ in range(fill):
+        ring.insert(seg)
+    selector = Prioritized(PrioritizedConfig())
+    selector.allocate(CAPACITY)
+    selector.insert(np.arange(CAPACITY))
+    selector.update(np.arange(CAPACITY), rng.random(CAPACITY))
+    storage = TransitionStorage(with_leading_dims(spec_of(example), [T, B]), {0: B},
+                                TransitionStorageConfig(capacity=CAPACITY, n_step=3, gamma=0.99))
+    table = Table(storage, Prioritized(PrioritizedConfig()), RateLimiter(RateLimiterConfig()))
+    for _ in range(fill):
+        table.insert(0, seg)
+    dest = from_spec(storage.batch_spec(BATCH))
+
+    def selector_batch():
+        keys, _ = selector.sample(BATCH, rng)
+        selector.update(keys, rng.random(BATCH))
+
+    def table_batch():
+        info = table.sample_into(dest, BATCH)
+        table.update_priorities(info["keys"], info["generations"], rng.random(BATCH))
+
+    runs = {"numpy ring": lambda: ring.sample(rng), "selector": selector_batch, "table": table_batch}
+    results = {name: [] for name in runs}
+    for _ in range(REPEAT):
+        for name, batch in runs.items():
+            for _ in range(20):  # warm caches (and the compiled tree loops)
+                batch()
+            n = 1000
+            t0 = time.perf_counter()
+            for _ in range(n):
+                batch()
+            results[name].append(n / (time.perf_counter() - t0))
+    base = statistics.median(results["numpy ring"])
+    print()
+    print(f"{len(selector):,} prioritized items, {table.size:,} in the table, batches of {BATCH}")
+    for name, what in (("numpy ring", "uniform sample"), ("selector", "prioritized sample + update"),
+                       ("table", "sample_into + update_priorities")):
+        rate = statistics.median(results[name])
+        print(f"{name:10s} {what:32s} {rate:9,.0f} batches/s ({rate / base:5.2f}x ring)   "
+              f"reps {' '.join(f'{r:,.0f}' for r in results[name])}")
+    assert base > 0 and len(selector) == CAPACITY and table.size > 0.99 * CAPACITY
