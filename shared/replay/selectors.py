@@ -16,7 +16,6 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.replay.sumtree import SumTree
 
 
 class Selector(Protocol):
@@ -204,6 +203,10 @@ class Prioritized:
         self.sample_calls = 0
 
     def allocate(self, num_slots: int) -> None:
+        # Imported here: the sum-tree's compiled code (numba) costs a replay process ~1 s to
+        # load, which runs with a queue or a uniform table should not pay.
+        from shared.replay.sumtree import SumTree
+
         self._tree = SumTree(num_slots)
         self._size = 0
 
