@@ -24,7 +24,8 @@ QAgentInfo = namedarraytuple("QAgentInfo", ["value"])
 QpgAgentInfo = namedarraytuple("QpgAgentInfo", [])
 """Q-policy-gradient agents keep nothing per step: their losses need only (s, a, r, s')."""
 RnnState = namedarraytuple("RnnState", ["h", "c"])
-"""An LSTM core's state per env: hidden and cell vectors, float32 [lstm_size] each."""
+"""The LSTM cores' state per env: hidden and cell vectors, float32 [cores, lstm_size] each
+(one core, or a policy and a value core: ``lstm_cores``)."""
 Memory = namedarraytuple("Memory", ["prev_action", "prev_reward", "state"])
 """What a recurrent agent's step took besides the observation, per env: the previous action
 and reward (zeros at an episode's first step) and the ``RnnState`` it started from (zeros
@@ -186,10 +187,18 @@ class QpgAgentConfig:
                              f"({self.log_std_max})")
 
 
-def info_example(family: str, model: ModelConfig = ModelConfig(), action_example=None):
+def lstm_cores(family: str, agent) -> int:
+    """LSTM cores of a recurrent agent: a policy-gradient agent without ``shared_encoder`` has
+    one for the policy and one for the value (as SB3-contrib's RecurrentPPO and rl_games'
+    separate actor-critic); every other agent has one."""
+    return 2 if family == "pg" and not agent.shared_encoder else 1
+
+
+def info_example(family: str, model: ModelConfig = ModelConfig(), action_example=None, agent=None):
     """One env's agent info of zeros for an agent family (``FAMILIES``); with
     ``model.lstm_size`` the recurrent variant, whose ``Memory.prev_action`` is shaped like
-    ``action_example`` (one env's action)."""
+    ``action_example`` (one env's action) and whose state has ``lstm_cores(family, agent)``
+    rows (``agent``: the family's agent config, its defaults if None)."""
     zero = np.zeros((), np.float32)
     if model.lstm_size and family == "qpg":
         raise ValueError("model.lstm_size: recurrent agents exist for the pg (ppo, a2c) and q (r2d1) families only")
@@ -197,7 +206,9 @@ def info_example(family: str, model: ModelConfig = ModelConfig(), action_example
         return {"pg": AgentInfo(log_prob=zero, value=zero), "q": QAgentInfo(value=zero)}.get(family, QpgAgentInfo())
     if action_example is None:
         raise ValueError("info_example: a recurrent agent's info needs the action example")
-    h = np.zeros(model.lstm_size, np.float32)
+    if agent is None:
+        agent = PgAgentConfig() if family == "pg" else QAgentConfig()
+    h = np.zeros((lstm_cores(family, agent), model.lstm_size), np.float32)
     memory = Memory(prev_action=np.zeros_like(action_example), prev_reward=zero, state=RnnState(h=h, c=h.copy()))
     if family == "pg":
         return RecurrentAgentInfo(log_prob=zero, value=zero, memory=memory)

@@ -70,7 +70,7 @@ def make_algo(exp: Experiment, agent):
 def example_step(exp: Experiment, probe: EnvGroup):
     """One step of samples of the experiment (the layout of every buffer that holds steps)."""
     action = probe.example_action()
-    return step_example(probe.example_observation(), action, info_example(family(exp), exp.model, action))
+    return step_example(probe.example_observation(), action, info_example(family(exp), exp.model, action, exp.agent))
 
 
 def batch_items(exp: Experiment) -> int:

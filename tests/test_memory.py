@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
 from shared import config as config_mod
-from shared.agent_config import (AgentInfo, Memory, ModelConfig, QAgentConfig, RecurrentAgentInfo,
+from shared.agent_config import (AgentInfo, Memory, ModelConfig, PgAgentConfig, QAgentConfig, RecurrentAgentInfo,
                                  RecurrentQAgentInfo, RnnState, info_example)
 from shared.agents import StepContext
 from shared.agents.memory import sequence_reset
@@ -48,7 +48,7 @@ def test_recurrent_info_carries_the_memory_of_a_step():
     assert isinstance(info_example("pg"), AgentInfo)
     info = info_example("pg", MODEL, np.int64(0))
     assert isinstance(info, RecurrentAgentInfo)
-    assert info.memory.state.h.shape == info.memory.state.c.shape == (8,)
+    assert info.memory.state.h.shape == info.memory.state.c.shape == (2, 8)  # policy and value cores
     assert info.memory.prev_action.dtype == np.int64 and info.memory.prev_reward.dtype == np.float32
     q = info_example("q", MODEL, np.int64(0))
     assert isinstance(q, RecurrentQAgentInfo) and q.value.dtype == np.float32
@@ -138,7 +138,7 @@ def test_the_learner_replays_stored_sequences_to_what_the_actor_computed():
     zeroed = s.agent_info.memory._replace(state=RnnState(*(torch.zeros_like(x) for x in s.agent_info.memory.state)))
     with torch.no_grad():
         other, _, _ = agent.evaluate(s.observation, s.action, zeroed, sequence_reset(s.terminated, s.truncated))
-    started = s.agent_info.memory.state.h[0].abs().sum(-1) > 0
+    started = s.agent_info.memory.state.h[0].abs().sum((-2, -1)) > 0
     assert started.any() and not torch.allclose(other[:, started], s.agent_info.log_prob[:, started])
 
 
@@ -154,13 +154,18 @@ def test_ppo_and_a2c_update_a_recurrent_agent_on_whole_sequences(algo):
     assert any(not torch.equal(b, p) for b, p in zip(before, agent.parameters()))
 
 
-def test_a_recurrent_pg_agent_shares_one_encoder_and_core():
-    agent = PgAgent(np.zeros(2, np.float32), gym.spaces.Discrete(2), MODEL)
-    assert agent.v_encoder is None and agent.core is not None
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_recurrent_pg_agent_has_a_value_core_unless_it_shares_its_encoder(shared):
+    agent = PgAgent(np.zeros(2, np.float32), gym.spaces.Discrete(2), MODEL, PgAgentConfig(shared_encoder=shared))
+    cores = 1 if shared else 2
+    assert (agent.v_core is None) == shared and info_example("pg", MODEL, np.int64(0), PgAgentConfig(
+        shared_encoder=shared)).memory.state.h.shape == (cores, 8)
     memory = Memory(prev_action=torch.zeros(3, 2, dtype=torch.int64), prev_reward=torch.zeros(3, 2),
-                    state=RnnState(torch.zeros(3, 2, 8), torch.zeros(3, 2, 8)))
+                    state=RnnState(torch.zeros(3, 2, cores, 8), torch.zeros(3, 2, cores, 8)))
     log_prob, entropy, value = agent.evaluate(torch.zeros(3, 2, 2), torch.zeros(3, 2, dtype=torch.int64), memory)
     assert log_prob.shape == entropy.shape == value.shape == (3, 2)
+    _, info = agent.step(torch.zeros(4, 2))
+    assert info.memory.state.h.shape == (4, cores, 8)
 
 
 def test_recurrent_agents_are_refused_where_no_algorithm_trains_them():

@@ -188,6 +188,17 @@ class LstmCore(nn.Module):
         return new
 
 
+def core_memory(memory: Memory, k: int) -> Memory:
+    """What core k of an agent starts from: ``memory`` with its state [..., cores, H] cut to core k's [..., H]."""
+    return memory._replace(state=RnnState(h=memory.state.h[..., k, :], c=memory.state.c[..., k, :]))
+
+
+def joint_memory(memories: list[Memory]) -> Memory:
+    """The cores' memories [n] (states [n, H]) as one whose state is [n, cores, H] (what a step stores)."""
+    return memories[0]._replace(state=RnnState(h=torch.stack([m.state.h for m in memories], dim=-2),
+                                               c=torch.stack([m.state.c for m in memories], dim=-2)))
+
+
 def make_core(feat_dim: int, cfg: ModelConfig, action_space: gym.Space) -> LstmCore | None:
     """The agent's recurrent core, or None for a feed-forward agent (``lstm_size = 0``)."""
     return LstmCore(feat_dim, cfg, action_space) if cfg.lstm_size else None

@@ -17,7 +17,7 @@ from torch.distributions import Normal
 
 from shared.agent_config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, StepContext
-from shared.agents.memory import make_core, sequence_reset
+from shared.agents.memory import core_memory, joint_memory, make_core, sequence_reset
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len, map_leaves
 
@@ -34,10 +34,10 @@ class PgAgent(nn.Module):
     so their stored log-prob is exact; the env adapter clips them to the bounds.
     All inputs are moved to the device the module is on; outputs live there too.
 
-    Recurrent (``ModelConfig.lstm_size``): policy and value share the encoder and an
-    ``LstmCore``; ``step`` keeps each env's state and returns it in ``RecurrentAgentInfo``,
-    and the learner's calls (``evaluate``, ``segment_values``) take whole sequences [T, B]
-    with their stored ``Memory``.
+    Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
+    policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each
+    env's state and returns it in ``RecurrentAgentInfo``, and the learner's calls
+    (``evaluate``, ``segment_values``) take whole sequences [T, B] with their stored ``Memory``.
     """
 
     def __init__(
@@ -73,8 +73,8 @@ class PgAgent(nn.Module):
         self.obs_norm = make_obs_norm(obs_example, cfg)
         self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
         self.core = make_core(feat_dim, cfg, action_space)
-        shared = agent_cfg.shared_encoder or self.core is not None
-        self.v_encoder = None if shared else make_encoder(obs_example, cfg)[0]
+        self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
+        self.v_core = None if agent_cfg.shared_encoder else make_core(feat_dim, cfg, action_space)
         if self.core is not None:
             feat_dim = self.core.out_dim
             example = action_space.sample()
@@ -114,9 +114,11 @@ class PgAgent(nn.Module):
         if self.core is None:
             out, value = self._forward(obs)
         else:
-            memory = self.core.recall(ctx, leading_len(obs), self._action_example)
-            h, c = self.core.run(self.pi_encoder(obs)[None], map_leaves(lambda x: x[None], memory))
-            out, value = self.pi_head(h[0]), self.v_head(h[0]).squeeze(-1)
+            states = []
+            for core, encoder in self._cores():
+                memory = core.recall(ctx, leading_len(obs), self._action_example)
+                states.append((memory, *core.run(encoder(obs)[None], map_leaves(lambda x: x[None], memory))))
+            out, value = self.pi_head(states[0][1][0]), self.v_head(states[-1][1][0]).squeeze(-1)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
             log_std = self.log_std.reshape(self.action_shape)
@@ -134,8 +136,14 @@ class PgAgent(nn.Module):
             action = stacked[:, 0] if self.kind == "discrete" else stacked
         if self.core is None:
             return action, AgentInfo(log_prob=log_prob.float(), value=value)
-        self.core.remember(ctx, action, h[0], c[0])
+        for (core, _), (_, h, c) in zip(self._cores(), states):
+            core.remember(ctx, action, h[0], c[0])
+        memory = joint_memory([m for m, _, _ in states])
         return action, RecurrentAgentInfo(log_prob=log_prob.float(), value=value, memory=memory)
+
+    def _cores(self) -> list[tuple]:
+        """(core, encoder) of the policy, then of the value if it has its own."""
+        return [(self.core, self.pi_encoder)] + ([(self.v_core, self.v_encoder)] if self.v_core is not None else [])
 
     def evaluate(self, obs, action: torch.Tensor, memory: Memory | None = None, reset: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,8 +159,8 @@ class PgAgent(nn.Module):
             out, value = self._forward(obs)
         else:
             lead = action.shape[:2]
-            h = self.core(self.pi_encoder(obs), memory, reset)
-            out, value = self.pi_head(h), self.v_head(h).squeeze(-1)
+            h = [core(encoder(obs), core_memory(memory, k), reset) for k, (core, encoder) in enumerate(self._cores())]
+            out, value = self.pi_head(h[0]), self.v_head(h[-1]).squeeze(-1)
             out, value, action = out.flatten(0, 1), value.flatten(0, 1), action.flatten(0, 1)
         log_prob, entropy = self._log_prob_entropy(out, action)
         if self.core is not None:
@@ -185,15 +193,17 @@ class PgAgent(nn.Module):
         (truncated, not terminated). The segments run as sequences from their stored memory;
         the bootstrap and final observations are one more step from the state after their step.
         """
-        memory = samples.agent_info.memory
+        k = len(self._cores()) - 1
+        core, encoder = self._cores()[k]
+        memory = core_memory(samples.agent_info.memory, k)
         reset = sequence_reset(samples.terminated, samples.truncated)
-        h, c = self.core.run(self.pi_encoder(obs_to(samples.observation, self.device, self.obs_norm)), memory, reset)
+        h, c = core.run(encoder(obs_to(samples.observation, self.device, self.obs_norm)), memory, reset)
         value = self.v_head(h).squeeze(-1)
 
         def after(t, rows, obs):
-            feats = self.pi_encoder(obs_to(obs, self.device, self.obs_norm))
-            return self.v_head(self.core.step_from(feats, h[t, rows], c[t, rows], samples.action[t, rows],
-                                                   samples.reward[t, rows])).squeeze(-1)
+            feats = encoder(obs_to(obs, self.device, self.obs_norm))
+            return self.v_head(core.step_from(feats, h[t, rows], c[t, rows], samples.action[t, rows],
+                                              samples.reward[t, rows])).squeeze(-1)
 
         last = torch.arange(h.shape[1], device=h.device)
         bootstrap = after(-1, last, bootstrap_observation)

@@ -17,7 +17,7 @@ from torch import nn
 
 from shared.agent_config import Memory, ModelConfig, QAgentConfig, QAgentInfo, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
-from shared.agents.memory import make_core
+from shared.agents.memory import core_memory, joint_memory, make_core
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len, map_leaves
 
@@ -82,9 +82,9 @@ class QAgent(nn.Module):
 
     def q_sequence(self, obs, memory: Memory, reset: torch.Tensor | None = None) -> torch.Tensor:
         """Recurrent agents: Q [T, B, A] over whole sequences, with grad: obs tree [T, B, ...],
-        their stored ``memory`` [T, B] (the state at step 0 is the one used) and ``reset``
+        their stored ``memory`` [T, B] (the state at step 0 is the one used, [cores = 1, H]) and ``reset``
         [T, B] (``memory.sequence_reset``)."""
-        h = self.core(self.encoder(obs_to(obs, self.device, self.obs_norm)), memory, reset)
+        h = self.core(self.encoder(obs_to(obs, self.device, self.obs_norm)), core_memory(memory, 0), reset)
         return self._from_features(h)
 
     def q_values(self, obs) -> torch.Tensor:
@@ -113,7 +113,7 @@ class QAgent(nn.Module):
             h, c = self.core.run(features[None], map_leaves(lambda x: x[None], memory))
             action, value = self._pick(self._from_features(h[0]), eps)
         self.core.remember(ctx, action, h[0], c[0])
-        return action, RecurrentQAgentInfo(value=value, memory=memory)
+        return action, RecurrentQAgentInfo(value=value, memory=joint_memory([memory]))
 
     @torch.no_grad()
     def epsilon_greedy(self, obs, epsilon: torch.Tensor | np.ndarray | float) -> tuple[torch.Tensor, QAgentInfo]:

@@ -1,0 +1,22 @@
+"""Memory through the real pipeline: on CartPole without velocities, a recurrent agent learns
+what a feed-forward one cannot."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.learning
+
+
+def test_recurrent_ppo_solves_cartpole_without_velocities_within_200k_steps(runs):
+    """Server inference: the action-server keeps every sampler's envs' LSTM states apart (by
+    global env index) and resets them at episode starts; the learner replays the stored ones."""
+    run = runs("cartpole_novel_ppo_lstm.toml", "sampler.inference=server")
+    result = run.wait_result(300)
+    assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 200_000, result
+
+
+def test_feed_forward_ppo_stays_below_200_with_the_same_budget(runs):
+    """The same config without the LSTM: what the recurrent agent solves is memory."""
+    result = runs("cartpole_novel_ppo_lstm.toml", "model.lstm_size=0", "run.target_return=200").wait_result(300)
+    assert result["reason"] == "budget" and result["env_steps"] >= 200_000 and result["mean_return"] < 200, result
