@@ -20,7 +20,7 @@ L, N, H, A = 10, 6, 8, 3
 MODEL = ModelConfig(hidden_sizes=(16,), lstm_size=H, lstm_prev_action=True, lstm_prev_reward=True)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(-1e4, 1e4, allow_nan=False), min_size=1, max_size=64),
        st.sampled_from([1e-3, 1e-2, 0.0]))
 def test_h_and_h_inv_are_inverse(xs, eps):
