@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from shared.agent_config import ModelConfig, PgAgentConfig, QAgentConfig, QpgAgentConfig
-from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, SACConfig, TD3Config
+from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, R2D1Config, SACConfig, TD3Config
 from shared.envs import EnvConfig, validate_env_config
 
 
@@ -86,9 +86,11 @@ class ActionServerConfig:
 @dataclass(frozen=True)
 class ReplayConfig:
     table: str = "queue"
-    """queue (on-policy FIFO, each segment sampled once), uniform or prioritized (n-step transitions)."""
+    """queue (on-policy FIFO, each segment sampled once), uniform or prioritized (n-step transitions),
+    sequence (R2D1: prioritized sequences of sequence_length steps)."""
     capacity: int = 2
-    """Items held: segments for the queue (one per sampler keeps policy lag at 1), else transitions."""
+    """Items held: segments for the queue (one per sampler keeps policy lag at 1), else transitions
+    (the sequence table: env steps; it holds about capacity / sequence_period sequences)."""
     n_step: int = 1
     """Off-policy: rewards summed per transition before bootstrapping."""
     gamma: float = 0.99
@@ -96,6 +98,10 @@ class ReplayConfig:
     frame_store: bool = False
     """Off-policy: store each frame of [K, H, W] uint8 frame-stack observations once and rebuild
     the stacks at sample time (Atari: ~8 KB a transition instead of ~56 KB)."""
+    sequence_length: int = 80
+    """Sequence table: L, steps per sequence including the learner's burn-in."""
+    sequence_period: int = 40
+    """Sequence table: a new sequence starts every this many steps of an env (< sequence_length: overlap)."""
     alpha: float = 0.6
     """Prioritized: priority exponent (0 = uniform)."""
     beta0: float = 0.4
@@ -147,7 +153,7 @@ class NetworkConfig:
 
 
 INFERENCE = ("auto", "local", "server")
-RECURRENT_ALGOS = ("ppo", "a2c")
+RECURRENT_ALGOS = ("ppo", "a2c", "r2d1")
 """Algorithms that train recurrent agents (``model.lstm_size > 0``) on whole sequences."""
 
 # algo.name -> (algorithm config, agent config, agent family: see agent_config.FAMILIES)
@@ -155,6 +161,7 @@ ALGOS: dict[str, tuple[type, type, str]] = {
     "ppo": (PPOConfig, PgAgentConfig, "pg"),
     "a2c": (A2CConfig, PgAgentConfig, "pg"),
     "dqn": (DQNConfig, QAgentConfig, "q"),
+    "r2d1": (R2D1Config, QAgentConfig, "q"),
     "ddpg": (DDPGConfig, QpgAgentConfig, "qpg"),
     "td3": (TD3Config, QpgAgentConfig, "qpg"),
     "sac": (SACConfig, QpgAgentConfig, "qpg"),
@@ -295,7 +302,7 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
         raise ConfigError(f"sampler.envs = {exp.sampler.envs}: alternating mode needs >= 2 (or set sampler.alternating = false)")
     on_policy = ALGOS[exp.algo_name][2] == "pg"
-    tables = ("queue",) if on_policy else ("uniform", "prioritized")
+    tables = ("queue",) if on_policy else ("sequence",) if exp.algo_name == "r2d1" else ("uniform", "prioritized")
     if exp.replay.table not in tables:
         raise ConfigError(f"replay.table = {exp.replay.table!r}: {exp.algo_name} needs one of: {', '.join(tables)}")
     if on_policy and exp.replay.release_on_sample and exp.learner.batch_segments > exp.sampler.count * exp.sampler.ring:
@@ -304,11 +311,13 @@ def _check(exp: Experiment, check_ports: bool) -> None:
                           "ring slots until a batch is sampled")
     if on_policy and exp.replay.capacity < exp.learner.batch_segments:
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
-    if not on_policy and exp.replay.capacity < exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
+    if exp.algo_name == "r2d1":
+        _check_r2d1(exp)
+    elif not on_policy and exp.replay.capacity < exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
                           f"of all {exp.sampler.count * exp.sampler.envs} envs")
     if exp.replay.frame_store and on_policy:
-        raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized) store "
+        raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")
     if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
         raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
@@ -343,6 +352,22 @@ def _check(exp: Experiment, check_ports: bool) -> None:
             host = net.metrics_host if name == "network.metrics_port" else net.host
             if not port_free(host, port):
                 raise ConfigError(f"{name} = {port}: port already in use on {host}; pick another")
+
+
+def _check_r2d1(exp: Experiment) -> None:
+    r, a = exp.replay, exp.algo
+    if not exp.model.lstm_size:
+        raise ConfigError("model.lstm_size = 0: r2d1 trains a recurrent Q agent; set model.lstm_size > 0 (e.g. 64)")
+    if r.sequence_length < 2 or not 1 <= r.sequence_period <= r.sequence_length:
+        raise ConfigError(f"replay.sequence_period = {r.sequence_period}: need 1 <= sequence_period <= "
+                          f"sequence_length ({r.sequence_length}) and sequence_length >= 2")
+    if a.burn_in > r.sequence_length - 2:
+        raise ConfigError(f"algo.burn_in = {a.burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
+                          "(a sequence must keep steps to train on)")
+    need = exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
+    if r.capacity < need:
+        raise ConfigError(f"replay.capacity = {r.capacity}: the sequence table needs at least (horizon + "
+                          f"sequence_length) steps of all {exp.sampler.count * exp.sampler.envs} envs = {need}")
 
 
 def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:

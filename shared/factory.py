@@ -63,8 +63,10 @@ def make_algo(exp: Experiment, agent):
     from shared.algos.dqn import DQN
     from shared.algos.ppo import PPO
     from shared.algos.qpg import DDPG, SAC
+    from shared.algos.r2d1 import R2D1
 
-    return {"ppo": PPO, "a2c": A2C, "dqn": DQN, "ddpg": DDPG, "td3": DDPG, "sac": SAC}[exp.algo_name](agent, exp.algo)
+    return {"ppo": PPO, "a2c": A2C, "dqn": DQN, "r2d1": R2D1, "ddpg": DDPG, "td3": DDPG,
+            "sac": SAC}[exp.algo_name](agent, exp.algo)
 
 
 def example_step(exp: Experiment, probe: EnvGroup):
@@ -74,15 +76,20 @@ def example_step(exp: Experiment, probe: EnvGroup):
 
 
 def batch_items(exp: Experiment) -> int:
-    """What the learner asks replay for per batch: segments (on-policy) or transitions."""
+    """What the learner asks replay for per batch: segments (on-policy), transitions or sequences (r2d1)."""
     return exp.learner.batch_segments if on_policy(exp) else exp.algo.batch_size
 
 
 def batch_spec(exp: Experiment, example):
-    """Layout of one learner batch slot: OnPolicyBatch [T, n*B] or Transition [batch_size]."""
+    """Layout of one learner batch slot: OnPolicyBatch [T, n*B], Transition [batch_size] or
+    SequenceBatch [sequence_length, batch_size] (r2d1)."""
     if on_policy(exp):
         return segment_spec(example, exp.sampler.horizon, exp.sampler.envs * exp.learner.batch_segments)
     from shared.namedarraytuple import spec_of
+    if exp.replay.table == "sequence":
+        from shared.replay.sequences import sequence_batch_spec
+
+        return sequence_batch_spec(spec_of(example), exp.replay.sequence_length, exp.algo.batch_size)
     from shared.replay.tables import transition_batch_spec
 
     return transition_batch_spec(spec_of(example), exp.algo.batch_size)

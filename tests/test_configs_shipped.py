@@ -40,3 +40,14 @@ def test_continuous_control_configs_run_updates_in_serial_mode(name):
                                                  "replay.min_size_to_sample=256", "replay.samples_per_insert=64"])
     result = train_serial(exp)
     assert result["reason"] == "budget" and result["updates"] >= 50
+
+
+def test_atari_pong_r2d1_runs_updates_in_serial_mode():
+    """The frame store under the sequence table, the CNN + LSTM agent, burn-in over the
+    config's own 80-step sequences; a small batch keeps CPU time down."""
+    exp = config.load(CONFIGS / "atari_pong_r2d1.toml", ["run.max_env_steps=960", "sampler.count=1", "sampler.envs=4",
+                                                          "sampler.horizon=40", "replay.capacity=2000",
+                                                          "replay.min_size_to_sample=8", "replay.samples_per_insert=0.5",
+                                                          "algo.batch_size=4"])
+    result = train_serial(exp)
+    assert result["reason"] == "budget" and result["updates"] >= 2

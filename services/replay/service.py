@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 
-from services.replay.tables import sample_batch
+from services.replay.tables import PRIORITIZED, sample_batch
 from shared import shm
 from shared.auth import check_secret
 from shared.config import ReplayConfig
@@ -230,7 +230,7 @@ class ReplayService:
                     break
                 self._reply_sampled(slot, body, info)
         self.m.size.set(self.table.size)
-        if self.cfg.table == "prioritized":
+        if self.cfg.table in PRIORITIZED:
             stats = self.table.selector.metrics()
             self.m.priority_max.set(stats["priority_max"])
             self.m.priority_mean.set(stats["priority_alpha_mean"])
@@ -282,7 +282,7 @@ class ReplayService:
         reply = {"slot": slot, "n": body["n"], "env_steps": self.steps_unreported,
                  "episodes": self.episodes_unreported, "dropped": self.dropped_unreported,
                  **(NO_MOMENTS if self.moments is None else self.moments.take())}
-        if self.cfg.table == "prioritized":
+        if self.cfg.table in PRIORITIZED:
             reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
         self.router.send("sampled", reply, to=reader.peer)
         self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0

@@ -7,28 +7,38 @@ import numpy as np
 from shared.config import ReplayConfig
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
+from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
 from shared.replay.tables import (SegmentStorage, SegmentStorageConfig, Table, TransitionStorage,
                                   TransitionStorageConfig)
+
+
+PRIORITIZED = ("prioritized", "sequence")
+"""Tables whose items carry priorities (the learner sends them back; replies carry keys)."""
 
 
 def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, sample_size: int,
                seed: int = 0) -> Table:
     """``segment_spec``: one sampler segment (OnPolicyBatch, samples [T, B]); ``sample_size``:
-    items per learner request (segments on-policy, transitions off-policy)."""
+    items per learner request (segments on-policy, transitions or sequences off-policy)."""
     samples_spec = segment_spec["fields"][0][1]
     if cfg.table == "queue":
         # On-policy: each segment once, in order; back-pressure comes from the queue's capacity.
         storage = SegmentStorage(samples_spec, columns_per_writer, SegmentStorageConfig(capacity=cfg.capacity))
         return Table(storage, Fifo(), RateLimiter(RateLimiterConfig()), seed=seed)
-    storage = TransitionStorage(samples_spec, columns_per_writer,
-                                TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma,
-                                                        frame_store=cfg.frame_store))
-    if cfg.table == "prioritized":
+    if cfg.table == "sequence":
+        storage = SequenceStorage(samples_spec, columns_per_writer,
+                                  SequenceStorageConfig(capacity=cfg.capacity, length=cfg.sequence_length,
+                                                        period=cfg.sequence_period, frame_store=cfg.frame_store))
+    else:
+        storage = TransitionStorage(samples_spec, columns_per_writer,
+                                    TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma,
+                                                            frame_store=cfg.frame_store))
+    if cfg.table in PRIORITIZED:
         selector = Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
                                                  beta_steps=cfg.beta_steps))
     else:
         selector = Uniform()
-    insert_size = max(columns_per_writer.values()) * samples_spec_T(samples_spec)
+    insert_size = max(storage.items_per_write(w) for w in columns_per_writer)
     spi = cfg.samples_per_insert or None
     # The narrowest band in which one insert and one sample can never block each other.
     error_buffer = cfg.error_buffer or ((insert_size * spi + sample_size) / 2 if spi else 0.0)

@@ -196,3 +196,39 @@ class SACConfig(QpgConfig):
         super().__post_init__()
         if self.init_alpha <= 0:
             raise ValueError(f"SACConfig.init_alpha: must be > 0, got {self.init_alpha}")
+
+
+@dataclass(frozen=True)
+class R2D1Config:
+    """R2D1 hyperparameters: R2D2 (Kapturowski et al. 2019) in one learner, on replayed sequences
+    (``replay.table = "sequence"``, L = ``replay.sequence_length`` steps, burn-in included)."""
+
+    lr: float = 1e-4
+    """Adam learning rate."""
+    adam_eps: float = 1e-3
+    """Adam epsilon (R2D2: 1e-3)."""
+    batch_size: int = 64
+    """Sequences in one batch (the learner asks replay for this many per update)."""
+    burn_in: int = 40
+    """First steps of each sequence that only warm up the LSTM from the stored state: no loss, no gradient."""
+    n_step: int = 5
+    """Rewards summed per target before bootstrapping (shorter at a sequence's end, see r2d1.py)."""
+    gamma: float = 0.997
+    """Discount per step."""
+    double: bool = True
+    """Double Q: the online net picks the bootstrap action, the target net evaluates it."""
+    target_update_period: int = 2500
+    """Updates between copies of the online net into the target net."""
+    value_rescale_eps: float = 1e-3
+    """epsilon of the value rescaling h(x) = sign(x)(sqrt(|x| + 1) - 1) + eps x; 0 = no rescaling."""
+    priority_eta: float = 0.9
+    """A sequence's priority: eta * max + (1 - eta) * mean of |TD| over its trained steps."""
+    max_grad_norm: float = 40.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.target_update_period < 1 or self.n_step < 1 or self.burn_in < 0:
+            raise ValueError(f"R2D1Config: need batch_size, target_update_period, n_step >= 1 and burn_in >= 0, got "
+                             f"{self.batch_size}, {self.target_update_period}, {self.n_step}, {self.burn_in}")
+        if not 0.0 <= self.priority_eta <= 1.0 or self.value_rescale_eps < 0 or not 0 <= self.gamma <= 1:
+            raise ValueError("R2D1Config: need 0 <= priority_eta <= 1, value_rescale_eps >= 0 and 0 <= gamma <= 1")
