@@ -65,7 +65,7 @@ class Sampler:
         seed = exp.run.seed + 10_007 * instance
         self.envs = [EnvGroup(exp.env, g.stop - g.start, seed + g.start) for g in self.groups]
         action = self.envs[0].example_action()
-        info = info_example(ALGOS[exp.algo_name][2], exp.model, action)
+        info = info_example(ALGOS[exp.algo_name][2], exp.model, action, exp.agent)
         self.example = step_example(self.envs[0].example_observation(), action, info)
         self.segments: list[shm.Segment] = []
         specs = [slot_spec(self.example, g.stop - g.start) for g in self.groups]
