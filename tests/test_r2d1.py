@@ -74,7 +74,7 @@ def _batch(seed=0):
         terminated=term, truncated=torch.zeros(L, N, dtype=torch.bool),
         prev_action=torch.cat([torch.zeros(1, N, dtype=torch.long), action[:-1]]),
         prev_reward=torch.randn(L, N, generator=g),
-        start_state=RnnState(h=torch.randn(N, H, generator=g), c=torch.randn(N, H, generator=g)),
+        start_state=RnnState(h=torch.randn(N, 1, H, generator=g), c=torch.randn(N, 1, H, generator=g)),
         is_weight=torch.ones(N), policy_version=torch.zeros(N, dtype=torch.long))
 
 
@@ -94,7 +94,7 @@ def test_burn_in_steps_get_no_gradient_and_their_targets_do_not_matter():
     loss2, _ = algo.loss(other)
     torch.testing.assert_close(loss2, loss.detach())
     # ...while the stored start state does (it seeds the burn-in).
-    loss3, _ = algo.loss(batch._replace(start_state=RnnState(h=torch.zeros(N, H), c=torch.zeros(N, H))))
+    loss3, _ = algo.loss(batch._replace(start_state=RnnState(h=torch.zeros(N, 1, H), c=torch.zeros(N, 1, H))))
     assert not torch.allclose(loss3, loss.detach())
 
 

@@ -38,8 +38,8 @@ def _segment(writer: int, s0: int, B: int, done_at=()):
     m = seg.agent_info.memory
     m.prev_action[:] = code + 1
     m.prev_reward[:] = code + 2
-    m.state.h[:] = code[..., None] + 0.5
-    m.state.c[:] = code[..., None] + 0.25
+    m.state.h[:] = code[..., None, None] + 0.5  # [T, B, cores = 1, H]
+    m.state.c[:] = code[..., None, None] + 0.25
     seg.agent_info.value[:] = 0
     seg.policy_version[:] = np.arange(s0, s0 + T)[:, None]
     return seg
@@ -80,8 +80,8 @@ def test_a_sample_returns_the_stored_start_state_and_the_steps_in_order():
     np.testing.assert_array_equal(dest.reward, steps)
     np.testing.assert_array_equal(dest.prev_action, steps + 1)
     np.testing.assert_array_equal(dest.prev_reward, steps + 2)
-    np.testing.assert_array_equal(dest.start_state.h, code + 0.5 + np.zeros((2, H)))
-    np.testing.assert_array_equal(dest.start_state.c, code + 0.25 + np.zeros((2, H)))
+    np.testing.assert_array_equal(dest.start_state.h, code[:, :, None] + 0.5 + np.zeros((2, 1, H)))
+    np.testing.assert_array_equal(dest.start_state.c, code[:, :, None] + 0.25 + np.zeros((2, 1, H)))
     np.testing.assert_array_equal(dest.is_weight, [0.5, 1.0])
     np.testing.assert_array_equal(dest.policy_version, [3, 6])
 

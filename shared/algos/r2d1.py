@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from shared.agent_config import Memory, RnnState
-from shared.agents.memory import sequence_reset
+from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
 from shared.algos.optim import adam
@@ -109,23 +109,23 @@ def sequence_priorities(td_abs: torch.Tensor, mask: torch.Tensor, eta: float) ->
 
 
 def _memory(batch: SequenceBatch, start: slice, state: RnnState) -> Memory:
-    """Memory [T, n] of steps ``start`` with ``state`` [n, H] as the state of its first step."""
+    """Memory [T, n] of steps ``start`` with ``state`` [n, cores = 1, H] as the state of its first step."""
     return Memory(prev_action=batch.prev_action[start], prev_reward=batch.prev_reward[start],
                   state=RnnState(h=state.h[None], c=state.c[None]))
 
 
 def burned_in_state(agent: QAgent, batch: SequenceBatch, burn_in: int, reset: torch.Tensor) -> RnnState:
-    """The LSTM state [n, H] before step ``burn_in``: the stored start state run through the
-    first ``burn_in`` steps without gradient, zeroed if step burn_in - 1 ended an episode."""
+    """The LSTM state [n, cores = 1, H] before step ``burn_in``: the stored start state run
+    through the first ``burn_in`` steps without gradient, zeroed if step burn_in - 1 ended an episode."""
     state = RnnState(h=batch.start_state.h.float(), c=batch.start_state.c.float())
     if burn_in == 0:
         return state
     with torch.no_grad():
         obs = map_leaves(lambda x: x[:burn_in], batch.observation)
         features = agent.encoder(obs_to(obs, agent.device, agent.obs_norm))
-        hs, cs = agent.core(features, _memory(batch, slice(0, burn_in), state), reset[:burn_in])
+        hs, cs = agent.core.run(features, core_memory(_memory(batch, slice(0, burn_in), state), 0), reset[:burn_in])
     keep = (~(batch.terminated[burn_in - 1] | batch.truncated[burn_in - 1])).float()[:, None]
-    return RnnState(h=hs[-1] * keep, c=cs[-1] * keep)
+    return RnnState(h=(hs[-1] * keep)[:, None], c=(cs[-1] * keep)[:, None])
 
 
 class R2D1:
