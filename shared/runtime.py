@@ -19,6 +19,9 @@ from shared import config as config_mod
 from shared import shm
 
 RUN_CONFIG = "config.toml"
+TB_DIR = "tb"
+"""The run directory's TensorBoard folder: the learner's event files (progress scalars and
+algorithm diagnostics against env steps); other services add theirs beside them with their own writers."""
 
 
 def service_args(service: str, argv=None) -> argparse.Namespace:

@@ -28,6 +28,7 @@ import torch
 
 from shared.config import Experiment
 from shared.namedarraytuple import torchify
+from shared.runtime import TB_DIR
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoints/latest.pt"
@@ -39,8 +40,8 @@ RESULT = "result.json"
 # before an action-server's SUB finished connecting is lost, and with stale parameters
 # its samplers' segments would only be dropped for policy lag.
 REANNOUNCE_MS = 500
-PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "policy_version", "episodes",
-                   "mean_return", "policy_lag", "dropped"]
+PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
+                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped"]
 
 
 class BatchSource(Protocol):
@@ -68,6 +69,7 @@ class Learner:
         self.episodes_seen = 0
         self.dropped = 0
         self.returns: collections.deque = collections.deque(maxlen=exp.run.return_window)
+        self.lengths: collections.deque = collections.deque(maxlen=exp.run.return_window)
         self.wall_before = 0.0  # wall seconds of earlier incarnations (from the checkpoint)
         self.t_start = time.monotonic()
         self.t_first_batch: float | None = None
@@ -75,8 +77,17 @@ class Learner:
         self.t_checkpoint = time.monotonic()
         self.last_lag = 0.0
         self.last_diag: dict = {}
+        self.diag_sums: collections.Counter = collections.Counter()  # per term, over the updates since the last report
+        self.diag_updates = 0
         self.steps_at_progress = 0
+        self.updates_at_progress = 0
         self.wall_at_progress = 0.0
+        self.tb = None
+        if run_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Events are flushed at each progress row (maybe_report), not per update.
+            self.tb = SummaryWriter(str(run_dir / TB_DIR), max_queue=10_000, flush_secs=3600)
 
     # ------------------------------------------------------------ training
 
@@ -89,8 +100,9 @@ class Learner:
             self.t_first_batch = time.monotonic()
         self.env_steps += meta["env_steps"]
         self.dropped += meta.get("dropped", 0)
-        for ret, _length in meta["episodes"]:
+        for ret, length in meta["episodes"]:
             self.returns.append(ret)
+            self.lengths.append(length)
         self.episodes_seen += len(meta["episodes"])
         if meta.get("obs_count") and self.agent.obs_norm is not None:
             self.agent.obs_norm.update(meta["obs_count"], meta["obs_sum"], meta["obs_sumsq"])
@@ -101,6 +113,8 @@ class Learner:
         t0 = time.perf_counter()
         self.last_diag = self.algo.update(batch, progress)
         priorities = self.last_diag.pop("priorities", None)
+        self.diag_sums.update({term: float(value) for term, value in self.last_diag.items()})
+        self.diag_updates += 1
         self.updates += 1
         self.version += 1
         if self.m is not None:
@@ -140,12 +154,30 @@ class Learner:
 
     def progress_row(self) -> dict:
         now = self.wall_s()
-        rate = (self.env_steps - self.steps_at_progress) / max(now - self.wall_at_progress, 1e-9)
-        self.steps_at_progress, self.wall_at_progress = self.env_steps, now
+        elapsed = max(now - self.wall_at_progress, 1e-9)
+        rate = (self.env_steps - self.steps_at_progress) / elapsed
+        update_rate = (self.updates - self.updates_at_progress) / elapsed
+        self.steps_at_progress, self.updates_at_progress, self.wall_at_progress = self.env_steps, self.updates, now
+        mean_length = float(np.mean(self.lengths)) if self.lengths else float("nan")
         return {"wall_s": round(now, 2), "env_steps": self.env_steps, "env_steps_per_s": round(rate, 1),
-                "updates": self.updates, "policy_version": self.version, "episodes": self.episodes_seen,
-                "mean_return": round(self.mean_return(), 2), "policy_lag": round(self.last_lag, 2),
-                "dropped": self.dropped}
+                "updates": self.updates, "updates_per_s": round(update_rate, 2), "policy_version": self.version,
+                "episodes": self.episodes_seen, "mean_return": round(self.mean_return(), 2),
+                "mean_length": round(mean_length, 1), "policy_lag": round(self.last_lag, 2), "dropped": self.dropped}
+
+    def write_scalars(self, row: dict) -> None:
+        """The progress row (``progress/<field>``) and the means of the algorithm's diagnostics
+        over the updates since the last row (``algo/<term>``) as TensorBoard scalars at the
+        run's env steps, then one flush."""
+        scalars = {f"progress/{field}": value for field, value in row.items() if field != "env_steps"}
+        scalars.update({f"algo/{term}": total / self.diag_updates for term, total in self.diag_sums.items()})
+        self.diag_sums.clear()
+        self.diag_updates = 0
+        if self.tb is None:
+            return
+        for tag, value in scalars.items():
+            if np.isfinite(value):  # no mean return before the first episode ends
+                self.tb.add_scalar(tag, value, self.env_steps)
+        self.tb.flush()
 
     def maybe_report(self, force: bool = False) -> dict | None:
         if not force and time.monotonic() - self.t_progress < self.exp.run.log_interval_s:
@@ -160,6 +192,7 @@ class Learner:
                 if new:
                     w.writeheader()
                 w.writerow(row)
+        self.write_scalars(row)
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
                  len(self.returns), row["policy_lag"])
@@ -176,7 +209,8 @@ class Learner:
         tmp = path.with_suffix(".tmp")
         torch.save({"agent": self.agent.state_dict(), "algo": self.algo.state_dict(), "version": self.version,
                     "env_steps": self.env_steps, "updates": self.updates, "episodes_seen": self.episodes_seen,
-                    "returns": list(self.returns), "wall_s": self.wall_s(), "dropped": self.dropped}, tmp)
+                    "returns": list(self.returns), "lengths": list(self.lengths), "wall_s": self.wall_s(),
+                    "dropped": self.dropped}, tmp)
         if path.exists():
             os.replace(path, self.run_dir / PREVIOUS_CHECKPOINT)
         os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoints intact
@@ -194,15 +228,17 @@ class Learner:
                 self.agent.load_state_dict(ck["agent"])
                 self.algo.load_state_dict(ck["algo"])
                 counters = (ck["version"], ck["env_steps"], ck["updates"], ck["episodes_seen"], ck["dropped"],
-                            ck["wall_s"], list(ck["returns"]))
+                            ck["wall_s"], list(ck["returns"]), list(ck.get("lengths", ())))
             except Exception as e:  # truncated zip, unpickling error, missing key, shape mismatch...
                 errors.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                 log.warning("cannot resume from %s (%s); trying the previous checkpoint", path, errors[-1])
                 continue
             (self.version, self.env_steps, self.updates, self.episodes_seen, self.dropped, self.wall_before,
-             returns) = counters
+             returns, lengths) = counters
             self.returns.extend(returns)
-            self.steps_at_progress, self.wall_at_progress = self.env_steps, self.wall_before
+            self.lengths.extend(lengths)
+            self.steps_at_progress, self.updates_at_progress = self.env_steps, self.updates
+            self.wall_at_progress = self.wall_before
             log.info("resumed from %s: version %d, %d env steps, %d updates", path, self.version, self.env_steps,
                      self.updates)
             return True
@@ -218,6 +254,8 @@ class Learner:
                   "wall_s": round(self.wall_s(), 2), "first_batch_to_end_s": to_target}
         if self.run_dir is not None:
             (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
+        if self.tb is not None:
+            self.tb.close()
         return result
 
 
