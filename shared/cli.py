@@ -1,4 +1,4 @@
-"""The `rlpipe` command line: launch, train, status, stop, logs, clean."""
+"""The `rlpipe` command line: launch, train, grid, status, ls, stop, logs, clean, evaluate, plot, tensorboard."""
 
 from __future__ import annotations
 
@@ -33,6 +33,25 @@ def main(argv=None) -> int:
     c = sub.add_parser("evaluate", help="greedy episodes of a run's latest checkpoint on held-out seeds")
     c.add_argument("run")
     c.add_argument("--episodes", type=int, default=10)
+    c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
+    c.add_argument("config", help="experiment TOML file")
+    c.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                   help="values to try for a config field (repeatable: the grid is their product)")
+    c.add_argument("--seeds", default="0", help="run.seed values, comma-separated (default: 0)")
+    c.add_argument("--parallel", type=int, metavar="K", help="runs at a time (default: as many as the cores hold)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value of every run (repeatable)")
+    c = sub.add_parser("ls", help="list runs (also inside grid directories) with status and results")
+    c.add_argument("dir", nargs="?", default="runs", help="directory to search (default: runs)")
+    c = sub.add_parser("plot", help="learning curves of runs (seeds of one config as mean and min-max band)")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run ids, or directories holding runs")
+    c.add_argument("--out", default="learning_curves.png", help="PNG file to write (default: learning_curves.png)")
+    c.add_argument("--x", choices=("steps", "time"), default="steps", help="x axis: env steps or wall time")
+    c.add_argument("--group-by", metavar="SECTION.KEY", help="one curve per value of this config field "
+                                                             "(default: one per config, seeds together)")
+    c = sub.add_parser("tensorboard", help="serve the runs' TensorBoard files on 127.0.0.1")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run ids, or directories holding runs")
+    c.add_argument("--port", type=int, default=6006)
     c = sub.add_parser("logs", help="show a run's logs")
     c.add_argument("run")
     c.add_argument("service", nargs="?", help="e.g. learner, sampler, sampler1; default: all")
@@ -40,7 +59,7 @@ def main(argv=None) -> int:
 
     args = p.parse_args(argv)
     return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "status": _status, "stop": _stop, "logs": _logs,
-            "clean": _clean}[args.cmd](args)
+            "clean": _clean, "grid": _grid, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
 
 
 def _load(args):
@@ -196,6 +215,79 @@ def _evaluate(args) -> int:
           f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "
           f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
     return 0
+
+
+def _run_dirs(names: list[str]) -> list[Path] | None:
+    """Run directories from run paths, run ids or directories holding runs (a grid's); None
+    after printing what was not found."""
+    from shared import launch, runs
+
+    found = []
+    for name in names:
+        try:
+            found.append(launch.resolve_run(name))
+        except FileNotFoundError as e:
+            inside = runs.find_runs(Path(name))
+            if not inside:
+                print(f"rlpipe: {e}", file=sys.stderr)
+                return None
+            found += inside
+    return found
+
+
+def _grid(args) -> int:
+    from shared import config as config_mod
+    from shared.grid import Grid, parse_seeds, parse_vary
+
+    try:
+        grid = Grid(args.config, args.overrides, parse_vary(args.vary), parse_seeds(args.seeds), args.parallel)
+    except config_mod.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return 2
+    rows = grid.run()
+    return 0 if all(r["reason"] in ("target", "budget", "wall") for r in rows) else 1
+
+
+def _ls(args) -> int:
+    from shared import runs
+
+    root = Path(args.dir)
+    found = runs.find_runs(root)
+    if not found:
+        print(f"no runs under {root}", file=sys.stderr)
+        return 1
+    rows = [{**runs.summary(d), "run": str(d.relative_to(root))} for d in found]
+    print(runs.markdown_table(rows, runs.COLUMNS))
+    return 0
+
+
+def _plot(args) -> int:
+    from shared.plots import plot_runs
+
+    dirs = _run_dirs(args.runs)
+    if dirs is None:
+        return 2
+    try:
+        out = plot_runs(dirs, args.out, x=args.x, group_by=args.group_by)
+    except ValueError as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def _tensorboard(args) -> int:
+    import os
+
+    from shared.runtime import TB_DIR
+
+    dirs = _run_dirs(args.runs)
+    if dirs is None:
+        return 2
+    spec = ",".join(f"{d.name}:{d / TB_DIR}" for d in dirs)
+    print(f"TensorBoard on http://127.0.0.1:{args.port}/ for {len(dirs)} run(s)", flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec,
+                              "--host", "127.0.0.1", "--port", str(args.port)])
 
 
 def _logs(args) -> int:

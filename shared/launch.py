@@ -47,12 +47,12 @@ environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1"
 """
 
 
-def make_run_dir(exp: Experiment) -> Path:
-    """A fresh run directory ``<runs_dir>/<name>_<stamp>_<random>`` with the run's config and
-    secret, and its private socket directory. The random suffix makes run ids unguessable
-    and keeps two runs started in the same second apart."""
+def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
+    """A fresh run directory ``<runs_dir>/<name>_<stamp>_<random>`` (name: ``run.name`` unless
+    given) with the run's config and secret, and its private socket directory. The random
+    suffix makes run ids unguessable and keeps two runs started in the same second apart."""
     stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
-    base = "".join(c if c.isalnum() or c in "_." else "_" for c in exp.run.name)
+    base = safe_name(name or exp.run.name)
     root = Path(exp.run.runs_dir)
     root.mkdir(parents=True, exist_ok=True)
     while True:
@@ -71,6 +71,11 @@ def make_run_dir(exp: Experiment) -> Path:
         write_curve_keys(run_dir)
     (run_dir / RUN_CONFIG).write_text(config_mod.dumps(exp))
     return run_dir.resolve()
+
+
+def safe_name(name: str) -> str:
+    """``name`` with each character a run id may not hold (letters, digits, '_' and '.') made '_'."""
+    return "".join(c if c.isalnum() or c in "_." else "_" for c in name)
 
 
 def make_private_dir(path: Path) -> None:
