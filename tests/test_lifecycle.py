@@ -1,0 +1,190 @@
+"""Watching and comparing runs: the learner's TensorBoard files, `rlpipe plot`, `rlpipe grid`,
+`rlpipe ls` and `rlpipe tensorboard`.
+
+One tiny grid of real runs serves every test here (module fixture): CartPole PPO with
+algo.lr = 1e-3 (learns) and -1 (the learner's optimizer refuses it, so the run crashes),
+seeds 0 and 1, 12k env steps each (mean returns reach 40-80, short of the target 150, which
+keeps the plot's y axis close to the curves), one run at a time.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared import config, launch, runs
+from shared.grid import SUMMARY, Ports, parse_vary, processes_per_run
+from shared.plots import flat_config
+from shared.runtime import TB_DIR
+from tests.pipeline import CONFIGS, REPO, free_port, rlpipe
+
+STEPS = 12_000
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """(grid directory, `rlpipe grid` output, {(algo.lr, run.seed): run dir})."""
+    root = tmp_path_factory.mktemp("grid")
+    out = rlpipe("grid", str(CONFIGS / "cartpole_ppo.toml"), "--vary", "algo.lr=1e-3,-1", "--seeds", "0,1",
+                 "--parallel", "1", "--set", f"run.runs_dir='{root}'", "--set", f"run.max_env_steps={STEPS}",
+                 "--set", "run.log_interval_s=0.5", "--set", "run.target_return=150", timeout=600)
+    grid_dir = Path(re.search(r"^grid (\S+):", out.stdout, re.M).group(1))
+    run_dirs = {(c["algo.lr"], c["run.seed"]): d for d, c in ((d, flat_config(d)) for d in runs.find_runs(grid_dir))}
+    yield grid_dir, out, run_dirs
+    for d in run_dirs.values():
+        killed, removed = launch.clean(d)
+        assert not killed and not removed, f"{d.name} left processes {killed} or segments {removed}"
+
+
+def good_runs(grid) -> list[Path]:
+    return [grid[2][(1e-3, seed)] for seed in (0, 1)]
+
+
+def test_grid_runs_every_variant_and_seed_and_reports_the_crashing_one(grid):
+    grid_dir, out, run_dirs = grid
+    assert out.returncode == 1, out.stdout + out.stderr  # not every run ended with a result
+    assert sorted(run_dirs) == [(-1.0, 0), (-1.0, 1), (1e-3, 0), (1e-3, 1)], out.stdout
+    assert all(d.parent == grid_dir and d.name.startswith(("lr_0.001_seed_", "lr__1_seed_")) for d in run_dirs.values())
+    rows = [line.split("|")[1:-1] for line in (grid_dir / SUMMARY).read_text().splitlines()[2:]]
+    summary = {(r[0].strip(), int(r[1])): [c.strip() for c in r] for r in rows}
+    for seed in (0, 1):
+        good, bad = summary[("lr=0.001", seed)], summary[("lr=-1", seed)]
+        assert good[2] == "budget" and int(good[6]) >= STEPS and math.isfinite(float(good[5])), good
+        assert bad[2] == "crashed", bad
+        assert launch.read_result(run_dirs[(-1.0, seed)]) is None
+    assert "Invalid learning rate" in out.stdout  # the crashed run's log tail is shown
+    assert out.stdout.count("crashed") >= 2
+    assert (grid_dir / "lr_0.001.png").stat().st_size > 10_000
+    assert (grid_dir / "all.png").exists()
+    assert not (grid_dir / "lr__1.png").exists() and "no plot lr__1.png" in out.stdout
+
+
+def test_tensorboard_files_hold_the_progress_scalars_and_diagnostics_against_env_steps(grid):
+    from tensorboard.backend.event_processing import event_accumulator
+
+    run_dir = good_runs(grid)[0]
+    acc = event_accumulator.EventAccumulator(str(run_dir / TB_DIR))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {f"progress/{f}" for f in ("mean_return", "mean_length", "env_steps_per_s", "updates_per_s",
+                                          "policy_lag", "wall_s", "episodes", "updates", "dropped")}
+    expected |= {f"algo/{t}" for t in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
+                                       "grad_norm", "explained_variance", "lr")}
+    assert expected <= tags, expected - tags
+    rows = launch.read_progress(run_dir)
+    returns = {int(r["env_steps"]): float(r["mean_return"]) for r in rows if math.isfinite(float(r["mean_return"]))}
+    events = {e.step: e.value for e in acc.Scalars("progress/mean_return")}
+    assert len(events) >= 5 and events.keys() == returns.keys()
+    assert all(abs(events[s] - returns[s]) < 1e-3 for s in returns)
+    assert max(e.step for e in acc.Scalars("algo/entropy")) == int(rows[-1]["env_steps"])
+    assert 0 < acc.Scalars("algo/entropy")[0].value <= math.log(2) + 1e-6  # CartPole: 2 actions
+    lengths = [e.value for e in acc.Scalars("progress/mean_length")]
+    assert min(lengths) >= 8 and max(lengths) <= 500
+
+
+def band_pixels(png: Path, color: str, alpha: float) -> int:
+    """Pixels of ``png`` of ``color`` drawn at ``alpha`` over white (a band nothing covers)."""
+    from matplotlib import colors, image
+
+    img = image.imread(png)[..., :3]
+    band = alpha * np.array(colors.to_rgb(color)) + (1 - alpha)
+    return int((np.abs(img - band).max(axis=-1) < 2 / 255).sum())
+
+
+def test_plot_of_two_seeds_draws_one_band_for_their_config(grid, tmp_path):
+    from matplotlib import image
+
+    from shared.plots import BAND_ALPHA
+
+    runs_ = [str(d) for d in good_runs(grid)]
+    one, per_seed = tmp_path / "one.png", tmp_path / "per_seed.png"
+    for png, extra in ((one, []), (per_seed, ["--group-by", "run.seed"])):
+        out = rlpipe("plot", *runs_, "--out", str(png), *extra)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert image.imread(png).shape[:2] == (500, 800)
+    bands = [band_pixels(one, c, BAND_ALPHA) for c in ("C0", "C1")]
+    assert bands[0] > 2000 and bands[1] == 0, bands
+    # one curve per seed: two lines and no band
+    assert max(band_pixels(per_seed, c, BAND_ALPHA) for c in ("C0", "C1")) < bands[0] / 10
+
+
+def test_ls_lists_each_run_with_its_status_and_result(grid):
+    grid_dir, _, run_dirs = grid
+    out = rlpipe("ls", str(grid_dir))
+    assert out.returncode == 0, out.stderr
+    lines = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+             for line in out.stdout.splitlines()[2:]}
+    assert set(lines) == {d.name for d in run_dirs.values()}
+    for (lr, _), d in run_dirs.items():
+        row = lines[d.name]
+        assert row[1:3] == (["ended", "budget"] if lr > 0 else ["crashed", ""]), row
+
+
+def test_tensorboard_serves_the_runs_on_loopback(grid):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "tensorboard", str(grid[0]), "--port", str(port)],
+                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        expected = {f"{d.name}/." for d in good_runs(grid)}  # each name's tb dir itself holds the events
+        deadline, served = time.monotonic() + 60, set()
+        while not expected <= served:
+            assert time.monotonic() < deadline, f"TensorBoard served {served} after 60 s, not {expected}"
+            time.sleep(0.5)
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs", timeout=5) as r:
+                    served = set(json.loads(r.read()))
+            except OSError:
+                pass  # not listening yet
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ---------------------------------------------------------------- without runs
+
+
+def test_vary_makes_the_product_of_values_with_short_labels():
+    variants = parse_vary(["algo.lr=1e-3,3e-4", "sampler.count=1,2"])
+    assert [v.label for v in variants] == ["lr=0.001,count=1", "lr=0.001,count=2", "lr=0.0003,count=1",
+                                           "lr=0.0003,count=2"]
+    assert variants[3].overrides == ("algo.lr=3e-4", "sampler.count=2")
+    assert [v.label for v in parse_vary(["algo.lr=1", "run.lr=2"])] == ["algo.lr=1,run.lr=2"]
+    with pytest.raises(config.ConfigError, match="algo.lr=1e-3,3e-4"):
+        parse_vary(["lr=1"])
+
+
+def test_concurrent_runs_get_distinct_free_ports():
+    exp = config.load(CONFIGS / "cartpole_ppo.toml", ["network.transport='tcp'"])
+    ports = Ports()
+    first, second = ports.assign(exp), ports.assign(exp)
+    blocks = [set(range(e.network.base_port, e.network.base_port + len(config.tcp_offsets(e)))) | {e.network.metrics_port}
+              for e in (first, second)]
+    assert not blocks[0] & blocks[1]
+    assert all(config.port_free("127.0.0.1", p) for p in blocks[0] | blocks[1])
+    ports.release(first)
+    assert ports.assign(exp).network.metrics_port == first.network.metrics_port
+    # the typical run keeps 4 processes busy: on 2 cores one run at a time
+    assert processes_per_run(config.resolve_inference(config.load(CONFIGS / "cartpole_ppo.toml"))[0]) == 4
+
+
+def test_summary_counts_steps_and_time_to_target_only_for_runs_that_reached_it(tmp_path):
+    (tmp_path / "config.toml").write_text("")
+    with (tmp_path / "progress.csv").open("w", newline="") as f:
+        csv.writer(f).writerows([["wall_s", "env_steps", "mean_return"], [1.0, 100, 20.0]])
+    assert runs.summary(tmp_path)["status"] == "crashed"
+    assert runs.summary(tmp_path)["final_return"] == "20.0"
+    for reason, to_target in (("target", 5000), ("budget", "")):
+        (tmp_path / "result.json").write_text(json.dumps({"reason": reason, "env_steps": 5000, "wall_s": 9.5,
+                                                          "mean_return": 480.0}))
+        row = runs.summary(tmp_path)
+        assert (row["status"], row["steps_to_target"], row["final_return"]) == ("ended", to_target, 480.0)
