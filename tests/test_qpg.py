@@ -228,6 +228,7 @@ def test_updates_return_priorities_and_checkpoints_round_trip():
                  SAC(SacAgent(OBS, box(), MODEL), SACConfig())):
         stats = algo.update(batch(), 0.5)
         assert stats["priorities"].shape == (64,) and (stats["priorities"] >= 0).all()
+        assert stats["td_abs_mean"] == pytest.approx(float(stats["priorities"].mean()), rel=1e-5)
         assert all(math.isfinite(v) for k, v in stats.items() if k != "priorities")
         state = algo.state_dict()
         clone = type(algo)(type(algo.agent)(OBS, box(), MODEL, n_critics=algo.cfg.n_critics), algo.cfg)

@@ -101,8 +101,10 @@ class _QpgAlgo:
         torch._foreach_copy_(*self._copied)
 
     def _stats(self, names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, frac: float) -> dict:
-        """Diagnostics as floats (one host sync) and the new priorities."""
-        stats = dict(zip(names, torch.stack([v.float() for v in values]).tolist()))
+        """Diagnostics as floats (one host sync), td_abs_mean (|TD| of critic 0, as DQN reports it)
+        among them, and the new priorities."""
+        means = torch.stack([*(v.float() for v in values), td_abs.float().mean()]).tolist()
+        stats = dict(zip((*names, "td_abs_mean"), means))
         stats["lr_frac"] = frac
         stats["priorities"] = td_abs.float().cpu().numpy()
         return stats
@@ -138,7 +140,7 @@ class DDPG(_QpgAlgo):
     def update(self, batch: Transition, progress: float) -> dict:
         """One update on N transitions (torch tensors on the agent's device); ``progress`` in
         [0, 1] anneals the learning rates. Returns floats critic_loss, actor_loss (of the last
-        actor step), q_mean, target_mean, critic_grad_norm, lr_frac and "priorities" [N]."""
+        actor step), q_mean, target_mean, critic_grad_norm, td_abs_mean, lr_frac and "priorities" [N]."""
         frac = self._anneal(progress)
         with torch.no_grad():
             target_q = self.target.q(batch.bootstrap_observation, self.target_action(batch.bootstrap_observation))
@@ -176,7 +178,7 @@ class SAC(_QpgAlgo):
     def update(self, batch: Transition, progress: float) -> dict:
         """One update on N transitions (torch tensors on the agent's device). Returns floats
         critic_loss, actor_loss, alpha, entropy (-mean log pi), q_mean, target_mean,
-        critic_grad_norm, lr_frac and "priorities" [N]."""
+        critic_grad_norm, td_abs_mean, lr_frac and "priorities" [N]."""
         frac = self._anneal(progress)
         agent = self.agent
         alpha = self.log_alpha.detach().exp()
