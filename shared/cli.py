@@ -183,7 +183,7 @@ def _evaluate(args) -> int:
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    from services.evaluator import evaluate
+    from services.evaluator.episodes import evaluate
     from shared import config as config_mod
     from shared.runtime import RUN_CONFIG
 
