@@ -19,6 +19,8 @@ from shared import config as config_mod
 from shared import shm
 
 RUN_CONFIG = "config.toml"
+TB_DIR = "tb"
+"""TensorBoard event files of a run live in <run>/tb (the evaluator's beside the learner's)."""
 
 
 def service_args(service: str, argv=None) -> argparse.Namespace:

@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from shared import evaluation
 from shared.config import Experiment
 from shared.namedarraytuple import torchify
 
@@ -40,7 +41,7 @@ RESULT = "result.json"
 # its samplers' segments would only be dropped for policy lag.
 REANNOUNCE_MS = 500
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "policy_version", "episodes",
-                   "mean_return", "policy_lag", "dropped"]
+                   "mean_return", "policy_lag", "dropped", *evaluation.PROGRESS_COLUMNS]
 
 
 class BatchSource(Protocol):
@@ -153,6 +154,7 @@ class Learner:
         self.t_progress = time.monotonic()
         row = self.progress_row()
         if self.run_dir is not None:
+            row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
             path = self.run_dir / PROGRESS
             new = not path.exists()
             with path.open("a", newline="") as f:
