@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from shared.runtime import append_csv
+
 EVAL_CSV = "eval.csv"
 LATEST = "eval.json"
 FIELDS = ["wall_time", "policy_version", "env_steps", "episodes", "mean_return", "std_return", "min_return",
@@ -26,13 +28,7 @@ PROGRESS_COLUMNS = {"eval_return": "mean_return", "eval_return_std": "std_return
 
 def record(run_dir: Path, row: dict) -> None:
     """Append ``row`` (FIELDS) to eval.csv and make it the latest result."""
-    path = Path(run_dir) / EVAL_CSV
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    append_csv(Path(run_dir) / EVAL_CSV, FIELDS, row)
     tmp = Path(run_dir) / (LATEST + ".tmp")
     tmp.write_text(json.dumps(row))
     os.replace(tmp, Path(run_dir) / LATEST)

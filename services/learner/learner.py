@@ -14,7 +14,6 @@ first one's segments).
 from __future__ import annotations
 
 import collections
-import csv
 import fcntl
 import json
 import logging
@@ -28,6 +27,7 @@ import torch
 
 from shared import evaluation
 from shared.config import Experiment
+from shared.runtime import append_csv
 from shared.namedarraytuple import torchify
 
 log = logging.getLogger(__name__)
@@ -155,13 +155,7 @@ class Learner:
         row = self.progress_row()
         if self.run_dir is not None:
             row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
-            path = self.run_dir / PROGRESS
-            new = not path.exists()
-            with path.open("a", newline="") as f:
-                w = csv.DictWriter(f, PROGRESS_FIELDS)
-                if new:
-                    w.writeheader()
-                w.writerow(row)
+            append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, row)
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
                  len(self.returns), row["policy_lag"])
