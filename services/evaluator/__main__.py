@@ -14,6 +14,7 @@ from services.evaluator.reports import Reports
 from shared import metrics as metrics_mod
 from shared import shm
 from shared.factory import env_probe, make_agent
+from shared.params import ParamFollower
 from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.evaluator")
@@ -27,8 +28,6 @@ def run(exp, run_dir, instance: int) -> None:
         log.warning("eval.every_s = 0: evaluation is off; this evaluator only waits")
         while True:
             time.sleep(IDLE_S)
-    from shared.params import ParamFollower
-
     torch_device("cpu")  # one thread: evaluation must not take the samplers' and learner's cores
     probe = env_probe(exp)
     agent = make_agent(exp, probe).eval()

@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from torch.utils.tensorboard import SummaryWriter
+
 from shared import evaluation
 from shared.runtime import TB_DIR
 
 
 class Reports:
     def __init__(self, run_dir: Path, metrics):
-        from torch.utils.tensorboard import SummaryWriter
-
         self.run_dir, self.m = Path(run_dir), metrics
         # Its own event file beside the learner's (a restart adds one more); TensorBoard merges them.
         self.tb = SummaryWriter(str(self.run_dir / TB_DIR), filename_suffix=".evaluator")
