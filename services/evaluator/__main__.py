@@ -7,6 +7,7 @@ and report them (services/evaluator/reports.py). Between evaluations the process
 """
 
 import logging
+import os
 import time
 
 from services.evaluator.episodes import play, summary
@@ -18,6 +19,7 @@ from shared.params import ParamFollower
 from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.evaluator")
+NICE = 10  # scheduling priority below the run's other processes (which keep the default 0)
 IDLE_S = 3600.0  # evaluation off (eval.every_s = 0, e.g. under the Procfile): wake this seldom
 
 
@@ -29,6 +31,7 @@ def run(exp, run_dir, instance: int) -> None:
         while True:
             time.sleep(IDLE_S)
     torch_device("cpu")  # one thread: evaluation must not take the samplers' and learner's cores
+    os.nice(NICE)  # and it yields to them: on a busy machine evaluations take longer, learning does not
     probe = env_probe(exp)
     agent = make_agent(exp, probe).eval()
     probe.close()
