@@ -403,8 +403,8 @@ def _check_eval(exp: Experiment) -> None:
             raise ConfigError(f"{name} = {value}: must be >= 1")
     training = SAMPLER_SEED_STRIDE * exp.sampler.count
     if e.seed_offset < training:
-        raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * sampler.count) so that "
-                          "evaluation seeds are held out from the samplers' seeds")
+        raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "
+                          "sampler.count) so that evaluation seeds are held out from the samplers' seeds")
 
 
 def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:
