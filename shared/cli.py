@@ -32,7 +32,8 @@ def main(argv=None) -> int:
         c.add_argument("run", help="run directory or run id (under runs/)")
     c = sub.add_parser("evaluate", help="greedy episodes of a run's latest checkpoint on held-out seeds")
     c.add_argument("run")
-    c.add_argument("--episodes", type=int, default=10)
+    c.add_argument("--episodes", type=int, default=None, help="default: the run's eval.episodes (10)")
+    c.add_argument("--video", metavar="DIR", help="play the episodes in one env and record the first to an mp4 in DIR")
     c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
     c.add_argument("config", help="experiment TOML file")
     c.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
@@ -202,18 +203,25 @@ def _evaluate(args) -> int:
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    from services.evaluator import evaluate
+    from services.evaluator.episodes import CannotRender, evaluate
     from shared import config as config_mod
     from shared.runtime import RUN_CONFIG
 
+    exp = config_mod.load(run_dir / RUN_CONFIG)
+    episodes = exp.eval.episodes if args.episodes is None else args.episodes
+    if episodes < 1:
+        print(f"rlpipe: --episodes {episodes}: must be >= 1", file=sys.stderr)
+        return 2
     try:
-        result = evaluate(config_mod.load(run_dir / RUN_CONFIG), run_dir, args.episodes)
-    except FileNotFoundError as e:
+        result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None)
+    except (FileNotFoundError, CannotRender) as e:
         print(f"rlpipe: {e}", file=sys.stderr)
         return 1
     print(f"{run_dir.name}: {result['episodes']} greedy episodes of policy version {result['policy_version']} "
           f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "
           f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
+    if args.video:
+        print(f"video of the first episode: {', '.join(str(p) for p in sorted(Path(args.video).glob('*.mp4')))}")
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import socket
 import tempfile
@@ -152,6 +153,20 @@ class NetworkConfig:
     """Address the Prometheus endpoint binds to."""
 
 
+@dataclass(frozen=True)
+class EvalConfig:
+    every_s: float = 0.0
+    """Seconds between the starts of two evaluations of the newest parameter version by the
+    evaluator service (0 = no evaluator). A version already evaluated is not evaluated again."""
+    episodes: int = 10
+    """Greedy episodes per evaluation (also `rlpipe evaluate`'s default)."""
+    envs: int = 8
+    """Envs stepped side by side during an evaluation (at most `episodes` are made)."""
+    seed_offset: int = 1_000_003
+    """The evaluation envs are seeded from run.seed + seed_offset (env i: + i), apart from every
+    sampler's seeds (run.seed + 10007 * instance + env); each evaluation replays the same seeds."""
+
+
 INFERENCE = ("auto", "local", "server")
 RECURRENT_ALGOS = ("ppo", "a2c", "r2d1")
 """Algorithms that train recurrent agents (``model.lstm_size > 0``) on whole sequences."""
@@ -181,6 +196,7 @@ class Experiment:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -192,6 +208,7 @@ SECTIONS: dict[str, type] = {
     "replay": ReplayConfig,
     "learner": LearnerConfig,
     "network": NetworkConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -328,6 +345,7 @@ def _check(exp: Experiment, check_ports: bool) -> None:
         raise ConfigError(f"algo.minibatches = {exp.algo.minibatches}: a recurrent agent's minibatches are whole env "
                           f"sequences; at most sampler.envs * learner.batch_segments = "
                           f"{exp.sampler.envs * exp.learner.batch_segments}")
+    _check_eval(exp)
     dev = exp.run.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"run.device = {dev!r}: allowed: auto, cpu, cuda, cuda:N")
@@ -368,6 +386,25 @@ def _check_r2d1(exp: Experiment) -> None:
     if r.capacity < need:
         raise ConfigError(f"replay.capacity = {r.capacity}: the sequence table needs at least (horizon + "
                           f"sequence_length) steps of all {exp.sampler.count * exp.sampler.envs} envs = {need}")
+
+
+SAMPLER_SEED_STRIDE = 10_007
+"""Sampler i seeds its envs from run.seed + SAMPLER_SEED_STRIDE * i (services/sampler/sampler.py)."""
+
+
+def _check_eval(exp: Experiment) -> None:
+    e = exp.eval
+    if not (math.isfinite(e.every_s) and e.every_s >= 0):
+        raise ConfigError(f"eval.every_s = {e.every_s}: must be a finite number of seconds >= 0 (0 = no evaluator)")
+    if 0 < e.every_s < 1:
+        raise ConfigError(f"eval.every_s = {e.every_s}: at least 1 s between evaluations (or 0 = no evaluator)")
+    for name, value in (("eval.episodes", e.episodes), ("eval.envs", e.envs)):
+        if value < 1:
+            raise ConfigError(f"{name} = {value}: must be >= 1")
+    training = SAMPLER_SEED_STRIDE * exp.sampler.count
+    if e.seed_offset < training:
+        raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "
+                          "sampler.count) so that evaluation seeds are held out from the samplers' seeds")
 
 
 def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:

@@ -225,10 +225,13 @@ class EpisodeTracker(gym.Wrapper):
         return self.env.reset(seed=seed, options=options)
 
 
-def make_env(cfg: EnvConfig) -> tuple[gym.Env, EpisodeTracker]:
-    """Build one env with ``cfg``'s wrappers; returns (the outer env, its EpisodeTracker)."""
+def make_env(cfg: EnvConfig, render_mode: str | None = None) -> tuple[gym.Env, EpisodeTracker]:
+    """Build one env with ``cfg``'s wrappers; returns (the outer env, its EpisodeTracker).
+    ``render_mode`` (e.g. "rgb_array" for videos) goes to the env's constructor."""
     wrappers = _parse_wrappers(cfg.wrappers)
     kwargs = _parse_kwargs(cfg.kwargs)
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
     use_atari = "atari" in wrappers
     limit = cfg.max_episode_steps
     # gym.make's own TimeLimit (which replaces the spec's) counts agent steps unless the
@@ -394,18 +397,21 @@ def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
 class EnvGroup:
     """B gymnasium envs stepped one after another, auto-reset, writing into [B, ...] arrays."""
 
-    def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int):
-        """``n_envs`` = B envs; env i is seeded with ``base_seed + i`` on the first reset."""
+    def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int,
+                 make: Callable[[EnvConfig], tuple[gym.Env, EpisodeTracker]] = make_env):
+        """``n_envs`` = B envs, each built by ``make(cfg)``; env i is seeded with ``base_seed + i``
+        on the first reset."""
         validate_env_config(cfg)
         if n_envs < 1:
             raise ValueError(f"EnvGroup: n_envs must be >= 1, got {n_envs}")
         self.cfg = cfg
+        self._make = make
         self.n_envs = n_envs
         self.base_seed = base_seed
         self._envs: list[gym.Env] = []
         self._trackers: list[EpisodeTracker] = []
         for _ in range(n_envs):
-            env, tracker = make_env(cfg)
+            env, tracker = make(cfg)
             self._envs.append(env)
             self._trackers.append(tracker)
         # The gymnasium spaces of the wrapped env (Atari: the stacked frames, not the screen).
@@ -562,7 +568,7 @@ class EnvGroup:
         except Exception:  # noqa: BLE001 - the old env is broken anyway; we only free it
             pass
         self._generation[i] += 1
-        env, tracker = make_env(self.cfg)
+        env, tracker = self._make(self.cfg)
         self._envs[i], self._trackers[i] = env, tracker
         got = self._reset_env(i, self.base_seed + i + self._generation[i] * self.n_envs)
         if isinstance(got, str):

@@ -96,6 +96,8 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
         services.insert(2, ("action_server", "action_server", exp.action_server.count, 30, "true"))
     if exp.network.metrics_port:
         services.insert(0, ("metrics", "metrics", 1, 5, "true"))
+    if exp.eval.every_s:
+        services.append(("evaluator", "evaluator", 1, 50, "true"))
     programs = "".join(PROGRAM.format(name=name, service=service, count=count, priority=priority,
                                       autorestart=autorestart, run_dir=run_dir, python=sys.executable)
                        for name, service, count, priority, autorestart in services)
@@ -309,6 +311,13 @@ class CrashWatch:
                     raise ServiceCrashLoop(name, str(self.logs / f"{name}.log"), self.crashes)
 
 
+def _eval_column(row: dict) -> str:
+    """The evaluator's latest return in a progress row, once there is one."""
+    if not row.get("eval_return"):
+        return ""
+    return f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
+
+
 def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
     """Print progress rows as the learner writes them; return the result when the run ends.
 
@@ -323,7 +332,7 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
             print(f"[{float(row['wall_s']):7.1f}s] steps {int(row['env_steps']):>8} "
                   f"({float(row['env_steps_per_s']):>7.0f}/s)  updates {int(row['updates']):>5}  "
                   f"return {float(row['mean_return']):8.1f}  episodes {int(row['episodes']):>5}  "
-                  f"lag {float(row['policy_lag']):.2f}", file=out, flush=True)
+                  f"lag {float(row['policy_lag']):.2f}" + _eval_column(row), file=out, flush=True)
         shown = len(rows)
         result = read_result(run_dir)
         if result is not None:

@@ -9,6 +9,7 @@ Names follow ``rlpipe_<service>_<thing>_<unit>``; every series carries ``service
 
 from __future__ import annotations
 
+import itertools
 import os
 from types import SimpleNamespace
 
@@ -61,12 +62,29 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "batch_wait": ("counter", "batch_wait_seconds_total", "Seconds waiting for a batch", ()),
         "update_time": ("counter", "update_seconds_total", "Seconds spent in updates", ()),
     },
+    "evaluator": {
+        "mean_return": ("gauge", "mean_return", "Mean return of the latest evaluation's greedy episodes", ()),
+        "std_return": ("gauge", "return_std", "Standard deviation of the latest evaluation's returns", ()),
+        "policy_version": ("gauge", "policy_version", "Parameter version the latest evaluation measured", ()),
+        "env_steps": ("gauge", "env_steps", "Run env steps at the version the latest evaluation measured", ()),
+        "evaluations": ("counter", "evaluations_total", "Evaluations finished", ()),
+        "eval_time": ("counter", "eval_seconds_total", "Seconds spent evaluating (the rest it sleeps)", ()),
+    },
 }
 _COMMON = {
     "up": ("gauge", "up", "1 while the process runs", ()),
     "healthy": ("gauge", "healthy", "1 while the service's peers answer", ()),
     "bad_messages": ("counter", "bad_messages_total", "Messages rejected or failed, by reason "
                      "(wire, auth, descriptor, value, state, internal)", ("reason",)),
+}
+# Label values known in advance: their series are created at 0 when a process starts, so a
+# counter that has not counted yet reads 0 instead of being absent (a dashboard panel shows
+# "0 bad messages", not "no data"). Labels not listed here (a loss term) appear when first set.
+KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
+    "reason": ("wire", "auth", "descriptor", "value", "state", "internal"),
+    "peer": ("action_server", "replay"),
+    "on": ("actions", "replay"),
+    "side": ("sampler", "learner"),
 }
 _families: dict[str, object] = {}
 
@@ -91,6 +109,9 @@ def for_service(service: str, instance: int) -> SimpleNamespace:
     for attr, (kind, suffix, doc, extra, *buckets) in defs.items():
         fam = _family(kind, f"rlpipe_{service}_{suffix}", doc, LABELS + extra, buckets[0] if buckets else None)
         out[attr] = _Partial(fam, service, str(instance)) if extra else fam.labels(service=service, instance=str(instance))
+        if extra and kind == "counter" and all(label in KNOWN_LABEL_VALUES for label in extra):
+            for values in itertools.product(*(KNOWN_LABEL_VALUES[label] for label in extra)):
+                out[attr].labels(**dict(zip(extra, values)))
     m = SimpleNamespace(**out)
     m.up.set(1)
     return m

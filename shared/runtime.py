@@ -7,6 +7,7 @@ it (it costs ~2 s of CPU at start-up). Services that run a network call ``torch_
 from __future__ import annotations
 
 import argparse
+import csv
 import logging
 import os
 import signal
@@ -103,3 +104,16 @@ def torch_device(name: str, threads: int = 1):
 def run_id_of(run_dir: Path) -> str:
     """The run id is the run directory's name (letters, digits, '_' and '.')."""
     return Path(run_dir).resolve().name
+
+
+def append_csv(path: Path, fields: list[str], row: dict) -> None:
+    """Append ``row`` to the CSV file ``path`` (columns ``fields``), header first if the file is new.
+
+    One process appends to each of a run's CSV files (progress.csv: the learner; eval.csv: the
+    evaluator), so rows never interleave."""
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        if new:
+            writer.writeheader()
+        writer.writerow(row)

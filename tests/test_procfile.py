@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import launch
+from shared import evaluation, launch
 from tests.pipeline import CONFIGS, REPO, Run, free_port, rlpipe
 
 pytestmark = pytest.mark.learning
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.learning
 
 def test_honcho_runs_the_procfile_pipeline(tmp_path):
     out = rlpipe("prepare", str(CONFIGS / "cartpole_ppo.toml"), "--set", f"run.runs_dir='{tmp_path}'",
-                 "--set", f"network.metrics_port={free_port()}")
+                 "--set", f"network.metrics_port={free_port()}", "--set", "eval.every_s=2.0")
     assert out.returncode == 0, out.stderr
     run_dir = Path(out.stdout.strip())
     env = dict(os.environ, RUN=str(run_dir))
@@ -26,6 +26,7 @@ def test_honcho_runs_the_procfile_pipeline(tmp_path):
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         Run(run_dir).wait_steps(5_000, timeout=90)
+        Run(run_dir).wait_for(lambda: evaluation.read_rows(run_dir), 60, "the Procfile's evaluator to report")
     finally:
         os.killpg(honcho.pid, signal.SIGTERM)
         honcho.communicate(timeout=60)

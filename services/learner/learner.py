@@ -14,7 +14,6 @@ first one's segments).
 from __future__ import annotations
 
 import collections
-import csv
 import fcntl
 import json
 import logging
@@ -26,9 +25,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from shared import evaluation
 from shared.config import Experiment
 from shared.namedarraytuple import torchify
-from shared.runtime import TB_DIR
+from shared.runtime import TB_DIR, append_csv
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoints/latest.pt"
@@ -41,7 +41,8 @@ RESULT = "result.json"
 # its samplers' segments would only be dropped for policy lag.
 REANNOUNCE_MS = 500
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
-                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped"]
+                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped",
+                   *evaluation.PROGRESS_COLUMNS]
 
 
 class BatchSource(Protocol):
@@ -184,15 +185,10 @@ class Learner:
             return None
         self.t_progress = time.monotonic()
         row = self.progress_row()
+        self.write_scalars(row)  # the evaluator writes its own scalars
         if self.run_dir is not None:
-            path = self.run_dir / PROGRESS
-            new = not path.exists()
-            with path.open("a", newline="") as f:
-                w = csv.DictWriter(f, PROGRESS_FIELDS)
-                if new:
-                    w.writeheader()
-                w.writerow(row)
-        self.write_scalars(row)
+            row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
+            append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, row)
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
                  len(self.returns), row["policy_lag"])

@@ -21,7 +21,7 @@ import numpy as np
 
 from shared import shm
 from shared.agent_config import info_example
-from shared.config import ALGOS, Experiment
+from shared.config import ALGOS, SAMPLER_SEED_STRIDE, Experiment
 from shared.envs import EnvError, EnvGroup
 from shared.layout import segment_spec, slot_spec, step_example
 from shared.namedarraytuple import from_spec, with_leading_dims
@@ -62,7 +62,7 @@ class Sampler:
         self.cfg, self.instance, self.metrics = cfg, instance, metrics
         # Alternating pays only while another process computes the actions.
         self.groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
-        seed = exp.run.seed + 10_007 * instance
+        seed = exp.run.seed + SAMPLER_SEED_STRIDE * instance
         self.envs = [EnvGroup(exp.env, g.stop - g.start, seed + g.start) for g in self.groups]
         action = self.envs[0].example_action()
         info = info_example(ALGOS[exp.algo_name][2], exp.model, action, exp.agent)

@@ -1,0 +1,64 @@
+"""python -m services.evaluator --run-dir RUN
+
+Every ``eval.every_s`` seconds: take the newest parameter version from the learner's
+segment (``ParamFollower``, as local-inference samplers do: no message, no checkpoint),
+and if it was not evaluated yet, play ``eval.episodes`` greedy episodes on held-out seeds
+and report them (services/evaluator/reports.py). Between evaluations the process sleeps.
+"""
+
+import logging
+import os
+import time
+
+from services.evaluator.episodes import play, summary
+from services.evaluator.reports import Reports
+from shared import metrics as metrics_mod
+from shared import shm
+from shared.factory import env_probe, make_agent
+from shared.params import ParamFollower
+from shared.runtime import run_id_of, serve, torch_device
+
+log = logging.getLogger("services.evaluator")
+NICE = 10  # scheduling priority below the run's other processes (which keep the default 0)
+IDLE_S = 3600.0  # evaluation off (eval.every_s = 0, e.g. under the Procfile): wake this seldom
+
+
+def run(exp, run_dir, instance: int) -> None:
+    m = metrics_mod.for_service("evaluator", instance)
+    cfg = exp.eval
+    if cfg.every_s == 0:
+        log.warning("eval.every_s = 0: evaluation is off; this evaluator only waits")
+        while True:
+            time.sleep(IDLE_S)
+    torch_device("cpu")  # one thread: evaluation must not take the samplers' and learner's cores
+    os.nice(NICE)  # and it yields to them: on a busy machine evaluations take longer, learning does not
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe).eval()
+    probe.close()
+    run_id = run_id_of(run_dir)
+    params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0))
+    reports = Reports(run_dir, m)
+    m.healthy.set(1)
+    log.info("evaluator: %d greedy episode(s) of %s in %d env(s) every %g s", cfg.episodes, exp.env.id,
+             min(cfg.envs, cfg.episodes), cfg.every_s)
+    evaluated = -1
+    try:
+        while True:
+            t0 = time.monotonic()
+            params.poll()
+            if params.version > evaluated:
+                version, env_steps = params.version, params.env_steps
+                result = summary(play(exp, agent, cfg.episodes, cfg.envs), version, env_steps)
+                reports.write(result, time.monotonic() - t0)
+                evaluated = version
+                log.info("version %d (%d env steps): return %.1f +- %.1f over %d episodes in %.2f s", version,
+                         env_steps, result["mean_return"], result["std_return"], result["episodes"],
+                         time.monotonic() - t0)
+            time.sleep(max(0.0, cfg.every_s - (time.monotonic() - t0)))
+    finally:
+        params.close()
+        reports.close()
+
+
+if __name__ == "__main__":
+    serve("evaluator", run)

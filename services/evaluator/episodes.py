@@ -1,0 +1,111 @@
+"""Greedy episodes on held-out env seeds: the loop `rlpipe evaluate` and the evaluator service share.
+
+Every agent acts for evaluation (``EVALUATE``): policy-gradient agents with the mode of
+their policy, Q agents epsilon-greedily with ``agent.eps_eval`` from the config, Q-policy-
+gradient agents with the actor's mean action. Episode returns are the true game scores (EnvGroup's
+tracker sits below reward clipping and episodic life). The envs are seeded from
+``run.seed + eval.seed_offset`` and made afresh for each evaluation, so every evaluation of a
+run plays the same start states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from services.learner.learner import CHECKPOINT
+from shared.agents import EVALUATE
+from shared.config import Experiment
+from shared.envs import EnvGroup, EpisodeTracker, make_env
+from shared.factory import env_probe, example_step, make_agent
+from shared.layout import slot_spec
+from shared.namedarraytuple import from_spec, numpify, torchify
+
+MakeEnv = Callable[..., tuple[gym.Env, EpisodeTracker]]
+
+
+class CannotRender(ValueError):
+    """The env cannot render RGB frames, so no video can be recorded of it."""
+
+
+def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make: MakeEnv = make_env) -> np.ndarray:
+    """Returns [episodes] (float64) of ``episodes`` greedy episodes of ``agent``, played in
+    ``min(envs, episodes)`` envs side by side (built by ``make``) on the held-out seeds."""
+    n = max(1, min(envs, episodes))
+    group = EnvGroup(exp.env, n, exp.run.seed + exp.eval.seed_offset, make=make)
+    try:
+        example = example_step(exp, group)
+        slot = from_spec(slot_spec(example, n))
+        final_obs = from_spec(slot_spec(example, n)).observation  # written on episode ends, not read
+        reward, terminated, truncated = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros(n, bool)
+        returns: list[float] = []
+        group.reset(slot.observation)
+        first = np.ones(n, bool)  # per-env state (recurrent agents) resets at each episode start
+        while len(returns) < episodes:
+            with torch.inference_mode():
+                action, _ = agent.step(torchify(slot.observation), replace(EVALUATE, first=first, reward=reward))
+            slot.action[:] = numpify(action)
+            ended = group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
+            np.logical_or(terminated, truncated, out=first)
+            returns.extend(ret for _, ret, _ in ended)
+    finally:
+        group.close()
+    return np.array(returns[:episodes], np.float64)
+
+
+def summary(returns: np.ndarray, policy_version: int, env_steps: int) -> dict:
+    """The numbers an evaluation reports: episodes, mean, std, min and max return, and the
+    policy version and the run's env steps it was measured at."""
+    return {"episodes": len(returns), "mean_return": float(returns.mean()), "std_return": float(returns.std()),
+            "min_return": float(returns.min()), "max_return": float(returns.max()),
+            "policy_version": int(policy_version), "env_steps": int(env_steps)}
+
+
+def recording(directory: Path) -> MakeEnv:
+    """A ``make`` for ``play`` that records the first episode of its env as an mp4 in ``directory``.
+
+    Raises CannotRender (one line) for an env that cannot render RGB frames."""
+
+    def make(cfg) -> tuple[gym.Env, EpisodeTracker]:
+        try:
+            env, tracker = make_env(cfg, render_mode="rgb_array")
+        except TypeError as e:
+            if "render_mode" not in str(e):
+                raise
+            raise CannotRender(f"env {cfg.id} cannot render (its constructor takes no render_mode): "
+                               "no video can be recorded") from None
+        if env.render_mode != "rgb_array":
+            env.close()
+            modes = env.metadata.get("render_modes", [])
+            raise CannotRender(f"env {cfg.id} cannot render RGB frames (render modes: {', '.join(modes) or 'none'}): "
+                               "no video can be recorded")
+        return gym.wrappers.RecordVideo(env, str(directory), episode_trigger=lambda episode: episode == 0,
+                                        name_prefix="eval", disable_logger=True), tracker
+
+    return make
+
+
+def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None = None) -> dict:
+    """``summary`` of ``episodes`` greedy episodes of the run's latest checkpoint; with
+    ``video`` they are played in one env and the first one is recorded there."""
+    torch.set_num_threads(1)
+    path = Path(run_dir) / CHECKPOINT
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {path}: the learner writes one every "
+                                f"{exp.learner.checkpoint_interval_s:g} s")
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe)
+    probe.close()
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    agent.load_state_dict(state["agent"])
+    agent.eval()
+    if video is None:
+        returns = play(exp, agent, episodes, exp.eval.envs)
+    else:
+        returns = play(exp, agent, episodes, 1, recording(Path(video)))
+    return summary(returns, state["version"], state["env_steps"])

@@ -1,0 +1,37 @@
+"""Where an evaluation's result goes: eval.csv and eval.json (shared/evaluation.py), TensorBoard
+event files in <run>/tb, and the evaluator's Prometheus gauges."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from torch.utils.tensorboard import SummaryWriter
+
+from shared import evaluation
+from shared.runtime import TB_DIR
+
+
+class Reports:
+    def __init__(self, run_dir: Path, metrics):
+        self.run_dir, self.m = Path(run_dir), metrics
+        # Its own event file beside the learner's (a restart adds one more); TensorBoard merges them.
+        self.tb = SummaryWriter(str(self.run_dir / TB_DIR), filename_suffix=".evaluator")
+
+    def write(self, result: dict, seconds: float) -> None:
+        """Report one evaluation's ``summary`` that took ``seconds``."""
+        evaluation.record(self.run_dir, {**result, "wall_time": round(time.time(), 3), "eval_s": round(seconds, 3)})
+        step = result["env_steps"]
+        self.tb.add_scalar("eval/mean_return", result["mean_return"], step)
+        self.tb.add_scalar("eval/std_return", result["std_return"], step)
+        self.tb.add_scalar("eval/policy_version", result["policy_version"], step)
+        self.tb.flush()
+        self.m.mean_return.set(result["mean_return"])
+        self.m.std_return.set(result["std_return"])
+        self.m.policy_version.set(result["policy_version"])
+        self.m.env_steps.set(step)
+        self.m.evaluations.inc()
+        self.m.eval_time.inc(seconds)
+
+    def close(self) -> None:
+        self.tb.close()
