@@ -16,9 +16,10 @@ def test_shipped_config_is_valid(path):
 
 
 def test_atari_pong_ppo_runs_one_update_in_serial_mode():
-    exp = config.load(CONFIGS / "atari_pong_ppo.toml", ["run.max_env_steps=2048", "sampler.count=1",
+    exp = config.load(CONFIGS / "atari_pong_ppo.toml", ["run.max_env_steps=512", "sampler.count=1",
                                                         "sampler.envs=4", "sampler.horizon=64",
-                                                        "learner.batch_segments=1", "replay.capacity=1"])
+                                                        "learner.batch_segments=1", "replay.capacity=1",
+                                                        "algo.epochs=1"])
     result = train_serial(exp)
     assert result["reason"] == "budget" and result["updates"] >= 1
 
