@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ def _load(args):
 
 def _buildable(exp):
     """``exp`` if its agent can be built for its env, else None after a one-line config error:
-    a model that cannot exist must not reach the services (they would crash in a loop)."""
+    the services of a run with a model that cannot exist would only crash in a loop."""
     from shared import config as config_mod
     from shared.factory import check_buildable
 
@@ -117,7 +118,7 @@ def _prepare(args) -> int:
 
 
 def _launch(args) -> int:
-    exp = _buildable(_load(args))
+    exp = _load(args)
     if exp is None:
         return 2
     from shared import launch
@@ -125,6 +126,12 @@ def _launch(args) -> int:
     run_dir = launch.make_run_dir(exp)
     t0 = time.monotonic()
     launch.start(exp, run_dir)
+    # The agent is built here while the services start (importing torch is most of both):
+    # a model that cannot exist stops the run and leaves nothing behind but the error line.
+    if _buildable(exp) is None:
+        launch.clean(run_dir)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return 2
     servers = f", {exp.action_server.count} action-server(s)" if exp.sampler.inference == "server" else ""
     print(f"run {run_dir.name}: {exp.algo_name} on {exp.env.id}, {exp.sampler.count} sampler(s) x "
           f"{exp.sampler.envs} envs{servers}, {args.inference}")
