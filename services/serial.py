@@ -96,7 +96,7 @@ def train_serial(exp: Experiment) -> dict:
                 if info is None:
                     break
                 meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": len(dropped),
-                        **(NO_MOMENTS if moments is None else moments.take())}
+                        "replay_size": table.size, **(NO_MOMENTS if moments is None else moments.take())}
                 counters["env_steps"], counters["episodes"] = 0, []
                 priorities = learner.train(batch, meta)
                 if priorities is not None:

@@ -55,7 +55,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     # learner <-> replay
     "hello_reader": {"slots": _LIST, "incarnation": _INT, "secret": _STR},
     "sample": {"slot": _INT, "n": _INT, "min_version": _INT},
-    "sampled": {"slot": _INT, "n": _INT, "env_steps": _INT, "episodes": _LIST, "dropped": _INT,
+    "sampled": {"slot": _INT, "n": _INT, "env_steps": _INT, "episodes": _LIST, "dropped": _INT, "replay_size": _INT,
                 "obs_count": _INT, "obs_sum": _LIST, "obs_sumsq": _LIST},  # obs_*: shared/obs_stats.py
     "priorities": {"keys": _LIST, "generations": _LIST, "priorities": _LIST},
     # learner -> action-servers (PUB)
@@ -72,6 +72,7 @@ INT_RANGES: dict[str, tuple[int, int]] = {
     "serial": (1, _I63), "steps": (0, MAX_ITEMS), "n": (1, MAX_ITEMS),
     "incarnation": (0, _I63), "version": (0, _I63), "min_version": (0, _I63), "version_min": (-1, _I63),
     "version_max": (-1, _I63), "env_steps": (0, _I63), "dropped": (0, _I63), "obs_count": (0, _I63),
+    "replay_size": (0, _I63),
 }
 
 

@@ -77,7 +77,7 @@ def test_tensorboard_files_hold_the_progress_scalars_and_diagnostics_against_env
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     expected = {f"progress/{f}" for f in ("mean_return", "mean_length", "env_steps_per_s", "updates_per_s",
-                                          "policy_lag", "wall_s", "episodes", "updates", "dropped")}
+                                          "policy_lag", "wall_s", "episodes", "updates", "dropped", "replay_size")}
     expected |= {f"algo/{t}" for t in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
                                        "grad_norm", "explained_variance", "lr")}
     assert expected <= tags, expected - tags

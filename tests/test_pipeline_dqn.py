@@ -48,6 +48,10 @@ def test_rate_limiter_holds_the_ratio_and_the_learner_waits_without_spinning(run
     not_yet_items = 5 * 3 * 8 * spi  # n_step (config) x samplers x envs
     assert abs(inserts * spi - samples) <= band + 500 * spi + not_yet_items + batch, (inserts, samples)
     assert samples / inserts == pytest.approx(spi, rel=0.1)
+    # The table's size reaches the learner with each batch (progress.csv, TensorBoard): it
+    # grows with the inserts, below capacity (100k) nothing leaves it.
+    sizes = [int(r["replay_size"]) for r in run.progress() if int(r["updates"]) > 0]
+    assert sizes == sorted(sizes) and 15_000 < sizes[-1] <= inserts, (sizes, inserts)
 
     # No sampler alive: the learner blocks on its poll timeout instead of spinning.
     launch.supervisorctl(run.dir, "stop", "sampler:*", capture=True)

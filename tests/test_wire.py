@@ -324,7 +324,7 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address, ca
     logged = [r.getMessage() for r in caplog.records]
     assert "not valid msgpack" in logged[0] and "protocol version 99" in logged[1]
     assert "'type' must be a str" in logged[2] and "not valid msgpack" in logged[3]
-    server.send("sampled", {"slot": 2, "n": 5, "env_steps": 3, "episodes": [], "dropped": 0, "obs_count": 0,
+    server.send("sampled", {"slot": 2, "n": 5, "env_steps": 3, "episodes": [], "dropped": 0, "replay_size": 5, "obs_count": 0,
                             "obs_sum": [], "obs_sumsq": []}, to=peer)
     replies = []
     while len(replies) < 5 and raw.poll(5000):
@@ -344,7 +344,7 @@ def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx,
     client.send("sample", {"slot": 0, "n": 1, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
     assert peer == client.identity and peer.startswith(b"sampler0.") and msg.seq == 1
-    server.send("sampled", {"slot": 0, "n": 1, "env_steps": 1, "episodes": [], "dropped": 0, **NO_MOMENTS}, to=peer)
+    server.send("sampled", {"slot": 0, "n": 1, "env_steps": 1, "episodes": [], "dropped": 0, "replay_size": 1, **NO_MOMENTS}, to=peer)
     assert client.sock.poll(5000)  # a reply is queued on the old socket...
     old = client.sock
     client.reconnect()
@@ -353,9 +353,9 @@ def test_dealer_reconnect_gets_a_fresh_socket_that_still_reaches_the_router(ctx,
     client.send("sample", {"slot": 0, "n": 2, "min_version": 0})
     peer, msg = server.recv(timeout_ms=5000)
     assert peer == client.identity and (msg.body["n"], msg.seq) == (2, 2)  # same route, sequence numbers go on
-    server.send("sampled", {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0, **NO_MOMENTS}, to=peer)
+    server.send("sampled", {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0, "replay_size": 2, **NO_MOMENTS}, to=peer)
     got = client.recv(timeout_ms=5000)
-    assert got is not None and got[1].body == {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0, **NO_MOMENTS}
+    assert got is not None and got[1].body == {"slot": 0, "n": 2, "env_steps": 2, "episodes": [], "dropped": 0, "replay_size": 2, **NO_MOMENTS}
     client.close()
     server.close()
 

@@ -41,7 +41,7 @@ RESULT = "result.json"
 # its samplers' segments would only be dropped for policy lag.
 REANNOUNCE_MS = 500
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
-                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped",
+                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped", "replay_size",
                    *evaluation.PROGRESS_COLUMNS]
 
 
@@ -69,6 +69,7 @@ class Learner:
         self.updates = 0
         self.episodes_seen = 0
         self.dropped = 0
+        self.replay_size = 0  # items in replay's table at the last batch
         self.returns: collections.deque = collections.deque(maxlen=exp.run.return_window)
         self.lengths: collections.deque = collections.deque(maxlen=exp.run.return_window)
         self.wall_before = 0.0  # wall seconds of earlier incarnations (from the checkpoint)
@@ -101,6 +102,7 @@ class Learner:
             self.t_first_batch = time.monotonic()
         self.env_steps += meta["env_steps"]
         self.dropped += meta.get("dropped", 0)
+        self.replay_size = meta.get("replay_size", self.replay_size)
         for ret, length in meta["episodes"]:
             self.returns.append(ret)
             self.lengths.append(length)
@@ -163,7 +165,8 @@ class Learner:
         return {"wall_s": round(now, 2), "env_steps": self.env_steps, "env_steps_per_s": round(rate, 1),
                 "updates": self.updates, "updates_per_s": round(update_rate, 2), "policy_version": self.version,
                 "episodes": self.episodes_seen, "mean_return": round(self.mean_return(), 2),
-                "mean_length": round(mean_length, 1), "policy_lag": round(self.last_lag, 2), "dropped": self.dropped}
+                "mean_length": round(mean_length, 1), "policy_lag": round(self.last_lag, 2), "dropped": self.dropped,
+                "replay_size": self.replay_size}
 
     def write_scalars(self, row: dict) -> None:
         """The progress row (``progress/<field>``) and the means of the algorithm's diagnostics

@@ -281,7 +281,7 @@ class ReplayService:
         self.m.samples.inc(body["n"])
         reply = {"slot": slot, "n": body["n"], "env_steps": self.steps_unreported,
                  "episodes": self.episodes_unreported, "dropped": self.dropped_unreported,
-                 **(NO_MOMENTS if self.moments is None else self.moments.take())}
+                 "replay_size": self.table.size, **(NO_MOMENTS if self.moments is None else self.moments.take())}
         if self.cfg.table in PRIORITIZED:
             reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
         self.router.send("sampled", reply, to=reader.peer)
