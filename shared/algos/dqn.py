@@ -16,31 +16,25 @@ writes to replay itself: |TD error| per item, or the per-item cross-entropy for 
 
 from __future__ import annotations
 
-import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
-from shared.algos.optim import adam
+from shared.algos.target import TargetNetworkAlgo
 from shared.agents.q import QAgent
 from shared.replay import Transition
 
 
-class DQN:
-    """Q-learning on a ``QAgent``: ``update(batch, progress)`` is one Adam step on one batch.
-
-    Owns the target network (a frozen deep copy of the agent, so it has the same head and
-    C51 support) and the optimizer; ``state_dict`` checkpoints both.
+class DQN(TargetNetworkAlgo):
+    """Q-learning on a ``QAgent``: ``update(batch, progress)`` is one Adam step on one batch,
+    with the target network Polyak-averaged (``target_tau``) every ``target_update_period`` updates.
     """
 
     def __init__(self, agent: QAgent, cfg: DQNConfig = DQNConfig()) -> None:
-        self.agent = agent
+        super().__init__(agent, cfg.lr, cfg.adam_eps)
         self.cfg = cfg
-        self.target = copy.deepcopy(agent).requires_grad_(False)
-        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
-        self.updates = 0
 
     def _bootstrap_action(self, target_q: torch.Tensor, bootstrap_observation) -> torch.Tensor:
         """a* [N] at the bootstrap observation: argmax of the online net (double) or the target's."""
@@ -97,31 +91,10 @@ class DQN:
         self.optimizer.step()
         self.updates += 1
         if self.updates % cfg.target_update_period == 0:
-            self._update_target()
+            self._update_target(cfg.target_tau)
 
         values = torch.stack([loss, q_taken.mean(), target_value.mean(), td_abs.mean(), grad_norm]).detach().tolist()
         stats = dict(zip(("loss", "q_mean", "target_mean", "td_abs_mean", "grad_norm"), values))
         stats["lr"] = lr
         stats["priorities"] = priorities.float().cpu().numpy()
         return stats
-
-    @torch.no_grad()
-    def _update_target(self) -> None:
-        """target <- tau * online + (1 - tau) * target for parameters; buffers are copied."""
-        tau = self.cfg.target_tau
-        for t, o in zip(self.target.parameters(), self.agent.parameters()):
-            if tau < 1.0:
-                t.lerp_(o, tau)
-            else:
-                t.copy_(o)
-        for t, o in zip(self.target.buffers(), self.agent.buffers()):
-            t.copy_(o)
-
-    def state_dict(self) -> dict:
-        """Optimizer, target network and update count, for checkpoints (the agent is saved separately)."""
-        return {"optimizer": self.optimizer.state_dict(), "target": self.target.state_dict(), "updates": self.updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.target.load_state_dict(state["target"])
-        self.updates = int(state["updates"])

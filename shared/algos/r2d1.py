@@ -26,7 +26,6 @@ Like dqn.py, ``update`` returns the priorities and never writes to replay.
 
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple
 
 import torch
@@ -36,7 +35,7 @@ from shared.agent_config import Memory, RnnState
 from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
-from shared.algos.optim import adam
+from shared.algos.target import TargetNetworkAlgo
 from shared.models import obs_to
 from shared.namedarraytuple import map_leaves
 from shared.replay import SequenceBatch
@@ -128,19 +127,16 @@ def burned_in_state(agent: QAgent, batch: SequenceBatch, burn_in: int, reset: to
     return RnnState(h=(hs[-1] * keep)[:, None], c=(cs[-1] * keep)[:, None])
 
 
-class R2D1:
-    """R2D1 on a recurrent ``QAgent``: ``update(batch, progress)`` is one Adam step on n sequences.
-
-    Owns the target network and the optimizer; ``state_dict`` checkpoints both.
+class R2D1(TargetNetworkAlgo):
+    """R2D1 on a recurrent ``QAgent``: ``update(batch, progress)`` is one Adam step on n sequences,
+    with the target network copied every ``target_update_period`` updates.
     """
 
     def __init__(self, agent: QAgent, cfg: R2D1Config = R2D1Config()) -> None:
         if agent.core is None:
             raise ValueError("R2D1 needs a recurrent QAgent: set model.lstm_size > 0")
-        self.agent, self.cfg = agent, cfg
-        self.target = copy.deepcopy(agent).requires_grad_(False)
-        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
-        self.updates = 0
+        super().__init__(agent, cfg.lr, cfg.adam_eps)
+        self.cfg = cfg
 
     def loss(self, batch: SequenceBatch) -> tuple[torch.Tensor, dict]:
         """(IS-weighted loss, extra) for a batch [L, n] of torch tensors; extra holds q_taken,
@@ -197,7 +193,7 @@ class R2D1:
         self.optimizer.step()
         self.updates += 1
         if self.updates % cfg.target_update_period == 0:
-            self.target.load_state_dict(agent.state_dict())
+            self._update_target()
         mask = extra["mask"]
         count = mask.sum().clamp(min=1)
         values = torch.stack([loss.detach(), (extra["q_taken"] * mask).sum() / count,
@@ -206,12 +202,3 @@ class R2D1:
         stats["lr"] = cfg.lr
         stats["priorities"] = extra["priorities"].float().cpu().numpy()
         return stats
-
-    def state_dict(self) -> dict:
-        """Optimizer, target network and update count, for checkpoints (the agent is saved separately)."""
-        return {"optimizer": self.optimizer.state_dict(), "target": self.target.state_dict(), "updates": self.updates}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.target.load_state_dict(state["target"])
-        self.updates = int(state["updates"])
