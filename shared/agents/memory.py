@@ -3,9 +3,10 @@
 An agent with ``model.lstm_size > 0`` puts an ``LstmCore`` between its encoder and its
 heads (rlpyt's recurrent agents, R2D2's core). The same core runs in two ways:
 
-- acting, one step for a batch of envs (``recall`` -> ``forward`` over T = 1 -> ``remember``):
-  the core keeps every env's state, previous action and reward in a table indexed by the
-  env's global index (``StepContext.env_index``), so it works wherever the agent acts (the
+- acting, one step for a batch of envs (``ActingMemory.recall`` -> ``run`` over T = 1 ->
+  ``ActingMemory.remember``): the agent keeps every env's previous action and its cores'
+  states in one table indexed by the env's global index (``StepContext.env_index``); the
+  previous reward comes with the step. So it works wherever the agent acts (the
   action-server for all samplers, a local sampler for its own envs, serial mode). A row whose
   observation starts an episode (``StepContext.first``) starts from zeros. What each step
   started from is returned as a ``Memory`` in the agent info and stored with the step.
@@ -15,7 +16,7 @@ heads (rlpyt's recurrent agents, R2D2's core). The same core runs in two ways:
   rounding: acting and learning run the same ``nn.LSTM``).
 
 A process that starts acting (a restarted action-server or sampler) has no state for
-episodes already running: their state starts from zeros, which the core logs once.
+episodes already running: their state starts from zeros, which ``ActingMemory`` logs once.
 """
 
 from __future__ import annotations
@@ -83,7 +84,6 @@ class LstmCore(nn.Module):
         in_dim = feat_dim + (_action_dim(action_space) if self.use_action else 0) + int(self.use_reward)
         self.lstm = nn.LSTM(in_dim, self.size)
         self.out_dim = self.size
-        self._table: dict[str, torch.Tensor] | None = None  # acting state per global env; not a parameter
 
     # ------------------------------------------------------------ learning (and acting with T = 1)
 
@@ -145,14 +145,22 @@ class LstmCore(nn.Module):
             parts.append(prev_reward.float()[..., None])
         return torch.cat(parts, dim=-1) if len(parts) > 1 else features
 
-    # ------------------------------------------------------------ acting: each env's state between steps
 
-    def recall(self, ctx: StepContext, n: int, action_example: torch.Tensor) -> Memory:
-        """The memory [n] the rows of ``ctx`` start from: zeros where ``ctx.first``, else what
-        ``remember`` kept for the env. ``action_example``: one row's action (dtype and shape)."""
+class ActingMemory:
+    """Each env's memory between two acting steps, indexed by the env's global index: the action
+    it chose last and the state (h, c) of each of the agent's cores [cores, H]. The agent owns
+    one (its cores share the previous action); it is not a parameter and is never published.
+    ``action_example``: one row's action (dtype and shape)."""
+
+    def __init__(self, cores: int, size: int, action_example: torch.Tensor) -> None:
+        self.cores, self.size, self.action_example = cores, size, action_example
+        self._table: dict[str, torch.Tensor] | None = None
+
+    def recall(self, ctx: StepContext, n: int, device: torch.device) -> Memory:
+        """The memory [n] (state [n, cores, H]) the rows of ``ctx`` start from: zeros where
+        ``ctx.first``, else what ``remember`` kept for the env; the previous reward from ``ctx``."""
         index, total = ctx.rows(n)
-        device = self.lstm.weight_hh_l0.device
-        table = self._grow(total, action_example, device)
+        table = self._grow(total, device)
         idx = torch.as_tensor(index, device=device)
         keep = torch.ones(n, device=device) if ctx.first is None else \
             1.0 - torch.as_tensor(ctx.first, device=device).float()
@@ -161,17 +169,17 @@ class LstmCore(nn.Module):
         expand = keep.reshape(n, *[1] * (table["prev_action"].dim() - 1))
         return Memory(prev_action=table["prev_action"][idx] * expand.to(table["prev_action"].dtype),
                       prev_reward=reward * keep,
-                      state=RnnState(h=table["h"][idx] * keep[:, None], c=table["c"][idx] * keep[:, None]))
+                      state=RnnState(h=table["h"][idx] * keep[:, None, None], c=table["c"][idx] * keep[:, None, None]))
 
     def remember(self, ctx: StepContext, action: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> None:
-        """Keep the rows' new states [n, H] and the actions [n, ...] they chose for their next step."""
+        """Keep the rows' new states [n, cores, H] and the actions [n, ...] they chose for their next step."""
         index, _ = ctx.rows(len(action))
         idx = torch.as_tensor(index, device=h.device)
         table = self._table
         table["h"][idx], table["c"][idx] = h, c
         table["prev_action"][idx] = action.to(table["prev_action"].dtype)
 
-    def _grow(self, total: int, action_example: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    def _grow(self, total: int, device: torch.device) -> dict[str, torch.Tensor]:
         table = self._table
         if table is not None and len(table["h"]) >= total and table["h"].device == device:
             return table
@@ -179,8 +187,10 @@ class LstmCore(nn.Module):
         if table is None:
             log.info("recurrent state of %d envs starts from zeros (episodes running before this process "
                      "started continue without their earlier memory)", total)
-        new = {"h": torch.zeros(total, self.size, device=device), "c": torch.zeros(total, self.size, device=device),
-               "prev_action": torch.zeros(total, *action_example.shape, dtype=action_example.dtype, device=device)}
+        example = self.action_example
+        new = {"h": torch.zeros(total, self.cores, self.size, device=device),
+               "c": torch.zeros(total, self.cores, self.size, device=device),
+               "prev_action": torch.zeros(total, *example.shape, dtype=example.dtype, device=device)}
         if table is not None:
             for k in new:
                 new[k][:old] = table[k].to(device)
@@ -191,12 +201,6 @@ class LstmCore(nn.Module):
 def core_memory(memory: Memory, k: int) -> Memory:
     """What core k of an agent starts from: ``memory`` with its state [..., cores, H] cut to core k's [..., H]."""
     return memory._replace(state=RnnState(h=memory.state.h[..., k, :], c=memory.state.c[..., k, :]))
-
-
-def joint_memory(memories: list[Memory]) -> Memory:
-    """The cores' memories [n] (states [n, H]) as one whose state is [n, cores, H] (what a step stores)."""
-    return memories[0]._replace(state=RnnState(h=torch.stack([m.state.h for m in memories], dim=-2),
-                                               c=torch.stack([m.state.c for m in memories], dim=-2)))
 
 
 def make_core(feat_dim: int, cfg: ModelConfig, action_space: gym.Space) -> LstmCore | None:

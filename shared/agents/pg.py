@@ -17,7 +17,7 @@ from torch.distributions import Normal
 
 from shared.agent_config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, StepContext
-from shared.agents.memory import core_memory, joint_memory, make_core, sequence_reset
+from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len, map_leaves
 
@@ -77,9 +77,8 @@ class PgAgent(nn.Module):
         self.v_core = None if agent_cfg.shared_encoder else make_core(feat_dim, cfg, action_space)
         if self.core is not None:
             feat_dim = self.core.out_dim
-            example = action_space.sample()
-            self._action_example = torch.as_tensor(np.zeros_like(example, dtype=np.int64 if self.kind != "box"
-                                                                 else np.float32))
+            example = np.zeros_like(action_space.sample(), dtype=np.int64 if self.kind != "box" else np.float32)
+            self.acting = ActingMemory(len(self._cores()), cfg.lstm_size, torch.as_tensor(example))
         self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
         self.v_head = MLP(feat_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
         if self.kind == "box":
@@ -114,11 +113,10 @@ class PgAgent(nn.Module):
         if self.core is None:
             out, value = self._forward(obs)
         else:
-            states = []
-            for core, encoder in self._cores():
-                memory = core.recall(ctx, leading_len(obs), self._action_example)
-                states.append((memory, *core.run(encoder(obs)[None], map_leaves(lambda x: x[None], memory))))
-            out, value = self.pi_head(states[0][1][0]), self.v_head(states[-1][1][0]).squeeze(-1)
+            memory = self.acting.recall(ctx, leading_len(obs), self.device)
+            states = [core.run(encoder(obs)[None], map_leaves(lambda x: x[None], core_memory(memory, k)))
+                      for k, (core, encoder) in enumerate(self._cores())]  # (h, c) [1, n, H] per core
+            out, value = self.pi_head(states[0][0][0]), self.v_head(states[-1][0][0]).squeeze(-1)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
             log_std = self.log_std.reshape(self.action_shape)
@@ -136,9 +134,8 @@ class PgAgent(nn.Module):
             action = stacked[:, 0] if self.kind == "discrete" else stacked
         if self.core is None:
             return action, AgentInfo(log_prob=log_prob.float(), value=value)
-        for (core, _), (_, h, c) in zip(self._cores(), states):
-            core.remember(ctx, action, h[0], c[0])
-        memory = joint_memory([m for m, _, _ in states])
+        self.acting.remember(ctx, action, torch.stack([h[0] for h, _ in states], 1),
+                             torch.stack([c[0] for _, c in states], 1))
         return action, RecurrentAgentInfo(log_prob=log_prob.float(), value=value, memory=memory)
 
     def _cores(self) -> list[tuple]:

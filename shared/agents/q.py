@@ -17,7 +17,7 @@ from torch import nn
 
 from shared.agent_config import Memory, ModelConfig, QAgentConfig, QAgentInfo, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
-from shared.agents.memory import core_memory, joint_memory, make_core
+from shared.agents.memory import ActingMemory, core_memory, make_core
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len, map_leaves
 
@@ -55,7 +55,7 @@ class QAgent(nn.Module):
                 raise ValueError("QAgent: a recurrent agent (model.lstm_size) has a scalar Q head; "
                                  "set agent.distributional = false")
             feat_dim = self.core.out_dim
-            self._action_example = torch.zeros((), dtype=torch.int64)
+            self.acting = ActingMemory(1, model_cfg.lstm_size, torch.zeros((), dtype=torch.int64))
         hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
         self.advantage = MLP(feat_dim, hidden, act, output_size=self.n_actions * self.n_atoms)
         self.value = MLP(feat_dim, hidden, act, output_size=self.n_atoms) if cfg.dueling else None
@@ -108,12 +108,12 @@ class QAgent(nn.Module):
         if self.core is None:
             return self.epsilon_greedy(obs, eps)
         with torch.no_grad():
-            memory = self.core.recall(ctx, n, self._action_example)
+            memory = self.acting.recall(ctx, n, self.device)
             features = self.encoder(obs_to(obs, self.device, self.obs_norm))
-            h, c = self.core.run(features[None], map_leaves(lambda x: x[None], memory))
+            h, c = self.core.run(features[None], map_leaves(lambda x: x[None], core_memory(memory, 0)))
             action, value = self._pick(self._from_features(h[0]), eps)
-        self.core.remember(ctx, action, h[0], c[0])
-        return action, RecurrentQAgentInfo(value=value, memory=joint_memory([memory]))
+        self.acting.remember(ctx, action, h[0][:, None], c[0][:, None])
+        return action, RecurrentQAgentInfo(value=value, memory=memory)
 
     @torch.no_grad()
     def epsilon_greedy(self, obs, epsilon: torch.Tensor | np.ndarray | float) -> tuple[torch.Tensor, QAgentInfo]:
