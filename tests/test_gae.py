@@ -1,6 +1,7 @@
 """GAE against hand-computed numbers and a direct-sum reference, across termination,
 truncation and the segment end."""
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -8,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shared.agent_config import AgentInfo
+from shared.agents.pg import PgAgent
 from shared.algos import OnPolicyBatch, Samples
 from shared.algos.gae import batch_advantages, explained_variance, gae
 
@@ -107,15 +109,18 @@ def test_matches_direct_sum_reference(T, B, gamma, lam, seed):
     np.testing.assert_allclose(ret.numpy(), ref_ret, rtol=1e-9, atol=1e-9)
 
 
-class SumValueAgent:
-    """V(obs) = sum of the observation's features; records what it was asked to evaluate."""
+def sum_value_agent(obs_dim: int = 2) -> PgAgent:
+    """A PgAgent whose V(obs) is the sum of the observation's features, recording what it was
+    asked to evaluate: GAE's value passes (``segment_values``) against an exact oracle."""
+    agent = PgAgent(np.zeros(obs_dim, np.float32), gym.spaces.Discrete(2))
+    agent.calls = []
 
-    def __init__(self):
-        self.calls = []
-
-    def value(self, obs):
-        self.calls.append(obs.clone())
+    def value(obs):
+        agent.calls.append(obs.clone())
         return obs.sum(-1)
+
+    agent.value = value
+    return agent
 
 
 def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
@@ -136,7 +141,7 @@ def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
         agent_info=AgentInfo(log_prob=torch.zeros(T, B), value=value),
         policy_version=torch.zeros(T, B, dtype=torch.int64),
     )
-    agent = SumValueAgent()
+    agent = sum_value_agent()
     bootstrap = torch.tensor([7.0, 8.0])
     adv, ret, used = batch_advantages(
         agent, OnPolicyBatch(samples, bootstrap, torch.zeros(B, 2)), gamma, lam, reward_scale=0.5, recompute_values=False
@@ -165,7 +170,7 @@ def test_batch_advantages_recomputes_values_and_the_bootstrap_with_the_current_n
     )
     stale_bootstrap = torch.tensor([7.0, 8.0])  # the acting network's: unused
     bootstrap_observation = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
-    adv, ret, used = batch_advantages(SumValueAgent(), OnPolicyBatch(samples, stale_bootstrap, bootstrap_observation),
+    adv, ret, used = batch_advantages(sum_value_agent(), OnPolicyBatch(samples, stale_bootstrap, bootstrap_observation),
                                       gamma, lam)
     fresh = observation.sum(-1)
     torch.testing.assert_close(used, fresh)
@@ -185,7 +190,7 @@ def test_batch_advantages_skips_the_value_pass_without_truncation():
         agent_info=AgentInfo(torch.zeros(T, B), torch.zeros(T, B)),
         policy_version=torch.zeros(T, B, dtype=torch.int64),
     )
-    agent = SumValueAgent()
+    agent = sum_value_agent(1)
     _, ret, _ = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B), torch.zeros(B, 1)), 1.0, 1.0, recompute_values=False)
     assert agent.calls == []
     np.testing.assert_allclose(ret.numpy(), [[2.0, 2.0], [1.0, 1.0]])

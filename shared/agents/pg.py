@@ -183,13 +183,20 @@ class PgAgent(nn.Module):
         return log_prob, entropy
 
     @torch.no_grad()
-    def segment_values(self, samples, bootstrap_observation, cut: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Recurrent agents: current values for GAE over a segment batch, V(s_t) [T, B],
-        V(bootstrap observation) [B] and V(final observation) [k] of the ``cut`` [T, B] steps
-        (truncated, not terminated). The segments run as sequences from their stored memory;
-        the bootstrap and final observations are one more step from the state after their step.
+    def segment_values(self, samples, bootstrap_observation, cut: torch.Tensor, recompute: bool = True
+                       ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Current values for GAE over a segment batch [T, B]: V(s_t) [T, B] and V(bootstrap
+        observation) [B] (None, None for a feed-forward agent without ``recompute``: the caller
+        uses the stored ones), and V(final observation) [k] of the ``cut`` [T, B] steps (truncated,
+        not terminated). A recurrent agent runs the segments as sequences from their stored
+        memory; the bootstrap and final observations are one more step from the state after their step.
         """
+        if self.core is None:
+            final = self.value(samples.final_observation[cut]) if bool(cut.any()) else \
+                samples.reward.new_zeros(0)
+            if not recompute:
+                return None, None, final
+            return self.value(samples.observation), self.value(bootstrap_observation), final
         k = len(self._cores()) - 1
         core, encoder = self._cores()[k]
         memory = core_memory(samples.agent_info.memory, k)

@@ -85,22 +85,12 @@ def batch_advantages(
     """
     s = batch.samples
     cut = s.truncated & ~s.terminated
-    if getattr(agent, "core", None) is not None:  # recurrent: values come from whole sequences
-        value, bootstrap, final = agent.segment_values(s, batch.bootstrap_observation, cut)
-        if not recompute_values:
-            value, bootstrap = s.agent_info.value, batch.bootstrap_value
-        next_value = torch.cat([value[1:], bootstrap[None]], dim=0).float()
-        next_value[cut] = final.float()
-        value = value.float()
-    else:
-        if recompute_values:
-            value = agent.value(s.observation).float()
-            bootstrap = agent.value(batch.bootstrap_observation).float()
-        else:
-            value, bootstrap = s.agent_info.value.float(), batch.bootstrap_value.float()
-        next_value = torch.cat([value[1:], bootstrap[None]], dim=0)
-        if bool(cut.any()):
-            next_value[cut] = agent.value(s.final_observation[cut]).float()
+    value, bootstrap, final = agent.segment_values(s, batch.bootstrap_observation, cut, recompute_values)
+    if not recompute_values:
+        value, bootstrap = s.agent_info.value, batch.bootstrap_value
+    value = value.float()
+    next_value = torch.cat([value[1:], bootstrap[None].float()], dim=0)
+    next_value[cut] = final.float()
     done = s.terminated | s.truncated
     advantage, returns = gae(s.reward.float() * reward_scale, value, next_value, s.terminated, done, gamma, lam)
     return advantage, returns, value
