@@ -191,12 +191,14 @@ class Grid:
 
     def _follow(self, exp: Experiment, run_dir: Path) -> str:
         """Start the run, wait for its end and stop it; why it ended (the learner's reason,
-        crashed, or stopped: it ended without a result)."""
+        crashed, killed: supervisord died under its services, or stopped: it ended without a result)."""
         try:
             launch.start(exp, run_dir)
             with (run_dir / "logs" / "follow.log").open("w") as log:
                 result = launch.follow(run_dir, exp.run.max_wall_s, out=log)
-            return result["reason"] if result else "stopped"
+            if result:
+                return result["reason"]
+            return "killed" if launch.service_pids(run_dir) else "stopped"
         except launch.ServiceCrashLoop as e:
             self._say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
             return "crashed"
@@ -204,7 +206,8 @@ class Grid:
             self._say(f"{run_dir.name}: {e}")
             return "not started"
         finally:
-            launch.stop(run_dir)
+            if not launch.stop(run_dir):  # supervisord was killed: its services run on, orphaned
+                launch.clean(run_dir)
 
     def _plot(self, rows: list[dict]) -> None:
         from shared.plots import plot_runs

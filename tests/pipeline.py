@@ -24,11 +24,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``rlpipe ARGS`` from this checkout; its services import this checkout too (and tests' envs)."""
+def rlpipe_command(*args: str) -> dict:
+    """Popen/run keywords for ``rlpipe ARGS`` from this checkout; its services import this
+    checkout too (and tests' envs)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "shared.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=env)
+    return {"args": [sys.executable, "-m", "shared.cli", *args], "cwd": REPO, "env": env}
+
+
+def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``rlpipe ARGS``, run to its end."""
+    return subprocess.run(**rlpipe_command(*args), capture_output=True, text=True, timeout=timeout)
 
 
 class Run:
