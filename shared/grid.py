@@ -8,9 +8,11 @@ one PNG per variant (its seeds) plus ``all.png`` (every variant).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
+import signal
 import sys
 import threading
 import tomllib
@@ -198,7 +200,11 @@ class Grid:
                 result = launch.follow(run_dir, exp.run.max_wall_s, out=log)
             if result:
                 return result["reason"]
-            return "killed" if launch.service_pids(run_dir) else "stopped"
+            orphans = launch.service_pids(run_dir)  # supervisord was killed: its services would run on
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            return "killed" if orphans else "stopped"
         except launch.ServiceCrashLoop as e:
             self._say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
             return "crashed"
@@ -206,7 +212,7 @@ class Grid:
             self._say(f"{run_dir.name}: {e}")
             return "not started"
         finally:
-            if not launch.stop(run_dir):  # supervisord was killed: its services run on, orphaned
+            if not launch.stop(run_dir):
                 launch.clean(run_dir)
 
     def _plot(self, rows: list[dict]) -> None:
