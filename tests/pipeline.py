@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import socket
@@ -24,11 +26,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Every process the tests start (`rlpipe` commands, and supervisord with its services) imports
+# this checkout (and tests' envs), whatever checkout the installed package points at.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def rlpipe_command(*args: str) -> dict:
-    """Popen/run keywords for ``rlpipe ARGS`` from this checkout; its services import this
-    checkout too (and tests' envs)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return {"args": [sys.executable, "-m", "shared.cli", *args], "cwd": REPO, "env": env}
+    """Popen/run keywords for ``rlpipe ARGS`` from this checkout."""
+    return {"args": [sys.executable, "-m", "shared.cli", *args], "cwd": REPO}
 
 
 def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -44,14 +49,24 @@ class Run:
 
     @classmethod
     def launch(cls, tmp_path: Path, config: str, *overrides: str) -> "Run":
-        """``rlpipe launch CONFIG --detach`` with runs under tmp_path and a free metrics port."""
+        """``rlpipe launch CONFIG --detach`` with runs under tmp_path and a free metrics port.
+
+        The launcher runs in this process: torch is loaded here already, so its agent check costs
+        no interpreter start and no torch import (~2.5 s of CPU a run on 2 cores, contending with the
+        services' start); supervisord and the services are separate real processes all the same.
+        The command line itself is tested through ``rlpipe`` (tests/test_launch_safety.py).
+        """
+        from shared import cli
+
         port = free_port()
         args = ["launch", str(CONFIGS / config), "--detach"]
         for s in (f"run.runs_dir='{tmp_path / 'runs'}'", f"network.metrics_port={port}", *overrides):
             args += ["--set", s]
-        out = rlpipe(*args)
-        assert out.returncode == 0, out.stdout + out.stderr
-        return cls(Path(re.search(r"run directory: (\S+)", out.stdout).group(1)), port)
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(args)
+        assert code == 0, out.getvalue() + err.getvalue()
+        return cls(Path(re.search(r"run directory: (\S+)", out.getvalue()).group(1)), port)
 
     def progress(self) -> list[dict]:
         return launch.read_progress(self.dir)
