@@ -41,7 +41,7 @@ def test_launch_to_first_env_step_and_stop(tmp_path, inference):
     for i in range(REPEATS):
         t0 = time.time()
         run = Run.launch(tmp_path / str(i), "cartpole_ppo.toml", f"sampler.inference={inference}",
-                         "run.target_return=1e9")
+                         "run.target_return=1e9", command_line=True)
         try:
             starts.append(max(first_steps(run, 2)) - t0)
             run.wait_steps(2_000)
