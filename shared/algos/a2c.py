@@ -13,7 +13,7 @@ from torch import nn
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import A2CConfig
-from shared.algos.optim import adam
+from shared.algos.optim import adam, gradient_step
 
 class A2C:
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
@@ -50,11 +50,7 @@ class A2C:
         value_loss = 0.5 * ((value - data.returns) ** 2).mean()
         entropy = entropy.mean()
         loss = policy_loss - cfg.entropy_coef * entropy + cfg.value_coef * value_loss
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(self.agent.parameters(), max_norm)
-        self.optimizer.step()
+        grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
         with torch.no_grad():
             log_ratio = log_prob - data.old_log_prob
             ratio = log_ratio.exp()

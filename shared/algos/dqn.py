@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
@@ -84,14 +83,7 @@ class DQN(TargetNetworkAlgo):
             priorities = td_abs
 
         loss = (batch.is_weight.float() * per_item).mean()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        self.optimizer.step()
-        self.updates += 1
-        if self.updates % cfg.target_update_period == 0:
-            self._update_target(cfg.target_tau)
+        grad_norm = self._step(loss, cfg.max_grad_norm, cfg.target_update_period, cfg.target_tau)
 
         values = torch.stack([loss, q_taken.mean(), target_value.mean(), td_abs.mean(), grad_norm]).detach().tolist()
         stats = dict(zip(("loss", "q_mean", "target_mean", "td_abs_mean", "grad_norm"), values))

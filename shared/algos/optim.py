@@ -13,3 +13,13 @@ import torch
 
 def adam(params, lr: float, eps: float = 1e-8) -> torch.optim.Adam:
     return torch.optim.Adam(params, lr=lr, eps=eps, fused=True)
+
+
+def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, max_grad_norm: float) -> torch.Tensor:
+    """One optimizer step on ``loss``, with the gradients' global norm clipped to ``max_grad_norm``
+    (0 = no clipping); returns that norm before clipping."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    optimizer.step()
+    return grad_norm

@@ -13,7 +13,7 @@ from torch import nn
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import PPOConfig
-from shared.algos.optim import adam
+from shared.algos.optim import adam, gradient_step
 
 
 class PPO:
@@ -42,7 +42,6 @@ class PPO:
         # columns of [T, B]) for a recurrent agent, which replays each from its stored state.
         recurrent = data.memory is not None
         n = data.advantage.shape[1 if recurrent else 0]
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         # Diagnostics stay tensors until the end: one host sync per update, not per step.
         per_step = []
         for _ in range(cfg.epochs):
@@ -73,10 +72,7 @@ class PPO:
 
                 entropy = entropy.mean()
                 loss = policy_loss - cfg.entropy_coef * entropy + cfg.value_coef * value_loss
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = nn.utils.clip_grad_norm_(self.agent.parameters(), max_norm)
-                self.optimizer.step()
+                grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
 
                 per_step.append(torch.stack([policy_loss, value_loss, entropy, approx_kl, clip_fraction,
                                              grad_norm]).detach())

@@ -25,11 +25,10 @@ import contextlib
 import copy
 
 import torch
-from torch import nn
 
 from shared.agents.qpg import DeterministicAgent, QpgAgent, SacAgent
 from shared.algos.hparams import DDPGConfig, QpgConfig, SACConfig, TD3Config  # noqa: F401 (re-exported)
-from shared.algos.optim import adam
+from shared.algos.optim import adam, gradient_step
 from shared.replay import Transition
 
 
@@ -65,12 +64,7 @@ class _QpgAlgo:
 
     def _step(self, opt: torch.optim.Optimizer, loss: torch.Tensor, params) -> torch.Tensor:
         """One optimizer step on ``loss``; returns the gradient norm before clipping."""
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(params, max_norm)
-        opt.step()
-        return grad_norm
+        return gradient_step(opt, loss, params, self.cfg.max_grad_norm)
 
     def _critic_update(self, batch: Transition, target_value: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Critics towards ``target_value`` [N]; returns (loss, q_mean, |TD| of critic 0, grad norm)."""

@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from shared.agent_config import Memory, RnnState
 from shared.agents.memory import core_memory, sequence_reset
@@ -184,16 +183,9 @@ class R2D1(TargetNetworkAlgo):
         Returns floats loss, q_mean and td_abs_mean (over trained steps), trained_frac (trained
         steps / all steps), grad_norm (before clipping), lr, and "priorities": numpy float32 [n].
         """
-        cfg, agent = self.cfg, self.agent
+        cfg = self.cfg
         loss, extra = self.loss(batch)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = nn.utils.clip_grad_norm_(agent.parameters(), max_norm)
-        self.optimizer.step()
-        self.updates += 1
-        if self.updates % cfg.target_update_period == 0:
-            self._update_target()
+        grad_norm = self._step(loss, cfg.max_grad_norm, cfg.target_update_period)
         mask = extra["mask"]
         count = mask.sum().clamp(min=1)
         values = torch.stack([loss.detach(), (extra["q_taken"] * mask).sum() / count,

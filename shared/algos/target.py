@@ -6,7 +6,7 @@ import copy
 
 import torch
 
-from shared.algos.optim import adam
+from shared.algos.optim import adam, gradient_step
 
 
 class TargetNetworkAlgo:
@@ -19,6 +19,15 @@ class TargetNetworkAlgo:
         self.target = copy.deepcopy(agent).requires_grad_(False)
         self.optimizer = adam(agent.parameters(), lr=lr, eps=adam_eps)
         self.updates = 0
+
+    def _step(self, loss: torch.Tensor, max_grad_norm: float, target_period: int, tau: float = 1.0) -> torch.Tensor:
+        """One gradient step of the agent (``gradient_step``), then the target update every
+        ``target_period`` updates; returns the gradient norm before clipping."""
+        grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), max_grad_norm)
+        self.updates += 1
+        if self.updates % target_period == 0:
+            self._update_target(tau)
+        return grad_norm
 
     @torch.no_grad()
     def _update_target(self, tau: float = 1.0) -> None:
