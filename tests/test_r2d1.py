@@ -108,6 +108,15 @@ def test_an_update_returns_one_priority_per_sequence_and_lowers_the_loss():
     assert algo.loss(batch)[0].item() < 0.5 * first
 
 
+def test_annealed_learning_rate_reaches_zero_at_the_end_of_the_run():
+    algo = R2D1(_agent(), R2D1Config(burn_in=2, n_step=3, batch_size=N, lr=1e-2, anneal_lr=True))
+    batch = _batch()
+    assert algo.update(batch, 0.25)["lr"] == pytest.approx(7.5e-3)
+    before = [p.clone() for p in algo.agent.parameters()]
+    assert algo.update(batch, 1.0)["lr"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, algo.agent.parameters()))
+
+
 def test_r2d1_needs_a_recurrent_agent_and_the_sequence_table():
     base = ["algo.name='r2d1'", "env.id='rlpipe/CartPoleNoVel-v1'", "replay.table='sequence'",
             "replay.capacity=100000", "replay.sequence_length=20", "replay.sequence_period=10", "algo.burn_in=4"]

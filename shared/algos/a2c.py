@@ -13,7 +13,7 @@ from torch import nn
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import A2CConfig
-from shared.algos.optim import adam, gradient_step
+from shared.algos.optim import adam, gradient_step, set_lr
 
 class A2C:
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
@@ -36,9 +36,7 @@ class A2C:
         a measure of staleness; clip_fraction uses |ratio - 1| > 0.2).
         """
         cfg = self.cfg
-        lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else cfg.lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
         data = pg_targets(
             self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
         )

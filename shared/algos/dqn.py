@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
+from shared.algos.optim import set_lr
 from shared.algos.target import TargetNetworkAlgo
 from shared.agents.q import QAgent
 from shared.replay import Transition
@@ -50,9 +51,7 @@ class DQN(TargetNetworkAlgo):
         clipping), lr, and "priorities": numpy float32 [N] >= 0 for the replay table.
         """
         cfg, agent = self.cfg, self.agent
-        lr = cfg.lr * (1.0 - progress) if cfg.anneal_lr else cfg.lr
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
         action = batch.action.long()
         rows = torch.arange(action.shape[0], device=action.device)
         returns, discount = batch.return_.float(), batch.bootstrap_discount.float()

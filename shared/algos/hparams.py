@@ -204,7 +204,9 @@ class R2D1Config:
     (``replay.table = "sequence"``, L = ``replay.sequence_length`` steps, burn-in included)."""
 
     lr: float = 1e-4
-    """Adam learning rate."""
+    """Adam learning rate at the start of the run."""
+    anneal_lr: bool = False
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
     adam_eps: float = 1e-3
     """Adam epsilon (R2D2: 1e-3)."""
     batch_size: int = 64

@@ -15,6 +15,15 @@ def adam(params, lr: float, eps: float = 1e-8) -> torch.optim.Adam:
     return torch.optim.Adam(params, lr=lr, eps=eps, fused=True)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float, progress: float, anneal: bool) -> float:
+    """Set the learning rate of every group to ``lr``, decayed linearly to 0 over the run
+    (``progress`` 0 -> 1) when ``anneal``; returns the rate set."""
+    lr = lr * (1.0 - progress) if anneal else lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
+
+
 def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, max_grad_norm: float) -> torch.Tensor:
     """One optimizer step on ``loss``, with the gradients' global norm clipped to ``max_grad_norm``
     (0 = no clipping); returns that norm before clipping."""

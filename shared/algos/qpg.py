@@ -28,7 +28,7 @@ import torch
 
 from shared.agents.qpg import DeterministicAgent, QpgAgent, SacAgent
 from shared.algos.hparams import DDPGConfig, QpgConfig, SACConfig, TD3Config  # noqa: F401 (re-exported)
-from shared.algos.optim import adam, gradient_step
+from shared.algos.optim import adam, gradient_step, set_lr
 from shared.replay import Transition
 
 
@@ -53,11 +53,9 @@ class _QpgAlgo:
 
     def _anneal(self, progress: float) -> float:
         """Set the learning rates for ``progress``; returns the fraction of the initial ones."""
-        frac = 1.0 - progress if self.cfg.anneal_lr else 1.0
         for opt, lr in self._optimizers():
-            for group in opt.param_groups:
-                group["lr"] = lr * frac
-        return frac
+            set_lr(opt, lr, progress, self.cfg.anneal_lr)
+        return 1.0 - progress if self.cfg.anneal_lr else 1.0
 
     def _optimizers(self) -> list[tuple[torch.optim.Optimizer, float]]:
         return [(self.actor_opt, self.cfg.actor_lr), (self.critic_opt, self.cfg.critic_lr)]

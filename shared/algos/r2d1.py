@@ -34,6 +34,7 @@ from shared.agent_config import Memory, RnnState
 from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
+from shared.algos.optim import set_lr
 from shared.algos.target import TargetNetworkAlgo
 from shared.models import obs_to
 from shared.namedarraytuple import map_leaves
@@ -178,12 +179,14 @@ class R2D1(TargetNetworkAlgo):
         return loss, {"q_taken": q_full, "td_abs": td_abs, "mask": mask, "priorities": priorities, "target": y}
 
     def update(self, batch: SequenceBatch, progress: float) -> dict:
-        """One gradient step on n sequences [L, n] (torch tensors on the agent's device).
+        """One gradient step on n sequences [L, n] (torch tensors on the agent's device);
+        ``progress`` in [0, 1] is the run's fraction done (learning-rate annealing).
 
         Returns floats loss, q_mean and td_abs_mean (over trained steps), trained_frac (trained
         steps / all steps), grad_norm (before clipping), lr, and "priorities": numpy float32 [n].
         """
         cfg = self.cfg
+        lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
         loss, extra = self.loss(batch)
         grad_norm = self._step(loss, cfg.max_grad_norm, cfg.target_update_period)
         mask = extra["mask"]
@@ -191,6 +194,6 @@ class R2D1(TargetNetworkAlgo):
         values = torch.stack([loss.detach(), (extra["q_taken"] * mask).sum() / count,
                               (extra["td_abs"] * mask).sum() / count, mask.float().mean(), grad_norm]).tolist()
         stats = dict(zip(("loss", "q_mean", "td_abs_mean", "trained_frac", "grad_norm"), values))
-        stats["lr"] = cfg.lr
+        stats["lr"] = lr
         stats["priorities"] = extra["priorities"].float().cpu().numpy()
         return stats
