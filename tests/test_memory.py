@@ -16,7 +16,7 @@ from shared import config as config_mod
 from shared.agent_config import (AgentInfo, Memory, ModelConfig, PgAgentConfig, QAgentConfig, RecurrentAgentInfo,
                                  RecurrentQAgentInfo, RnnState, info_example)
 from shared.agents import StepContext
-from shared.agents.memory import sequence_reset
+from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.envs import EnvConfig, make_env
@@ -140,6 +140,25 @@ def test_the_learner_replays_stored_sequences_to_what_the_actor_computed():
         other, _, _ = agent.evaluate(s.observation, s.action, zeroed, sequence_reset(s.terminated, s.truncated))
     started = s.agent_info.memory.state.h[0].abs().sum((-2, -1)) > 0
     assert started.any() and not torch.allclose(other[:, started], s.agent_info.log_prob[:, started])
+
+
+@pytest.mark.parametrize("ends_inside", [False, True])
+def test_the_last_state_in_one_fused_call_is_the_step_loops_last(ends_inside):
+    """R2D1's burn-in asks only for the state after its last step: one nn.LSTM call when no
+    episode ends inside, the step loop (with its resets) otherwise; both equal the loop's last row."""
+    _, agent, seg = _recurrent_segment()
+    s = seg.samples
+    core, memory = agent.core, core_memory(s.agent_info.memory, 0)
+    reset = sequence_reset(s.terminated, s.truncated) if ends_inside else None
+    with torch.no_grad():
+        features = agent.pi_encoder(s.observation)
+        hs, cs = core.run(features, memory, reset)
+        h, c = core.run(features, memory, reset, last_only=True)
+    assert h.shape == c.shape == (1, *hs.shape[1:])
+    torch.testing.assert_close(h[0], hs[-1], rtol=0, atol=1e-6)
+    torch.testing.assert_close(c[0], cs[-1], rtol=0, atol=1e-6)
+    if ends_inside:  # the resets matter: without them the last state differs
+        assert not torch.allclose(core.run(features, memory, None, last_only=True)[1], c)
 
 
 @pytest.mark.parametrize("algo", ["ppo", "a2c"])

@@ -114,12 +114,16 @@ class LstmCore(nn.Module):
         return out[pos, piece]
 
     @torch.no_grad()
-    def run(self, features: torch.Tensor, memory: Memory, reset: torch.Tensor | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, features: torch.Tensor, memory: Memory, reset: torch.Tensor | None = None,
+            last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Like ``forward`` but one step at a time, without grad, returning the cell states too:
-        h [T, B, H] and c [T, B, H] after each step (acting, where T = 1; bootstrap values)."""
+        h [T, B, H] and c [T, B, H] after each step (acting, where T = 1; bootstrap values).
+        ``last_only``: h and c [1, B, H] after the last step, in one fused call when no episode
+        ends inside (R2D1's burn-in)."""
         x = self._inputs(features, memory.prev_action, memory.prev_reward)
         h, c = memory.state.h[0].float()[None], memory.state.c[0].float()[None]
+        if last_only and (reset is None or not bool(reset[1:].any())):
+            return self.lstm(x, (h, c))[1]
         hs, cs = [], []
         for t in range(x.shape[0]):
             if reset is not None and t > 0:
@@ -128,7 +132,7 @@ class LstmCore(nn.Module):
             _, (h, c) = self.lstm(x[t:t + 1], (h, c))
             hs.append(h[0])
             cs.append(c[0])
-        return torch.stack(hs), torch.stack(cs)
+        return (hs[-1][None], cs[-1][None]) if last_only else (torch.stack(hs), torch.stack(cs))
 
     def step_from(self, features: torch.Tensor, h: torch.Tensor, c: torch.Tensor, prev_action: torch.Tensor,
                   prev_reward: torch.Tensor) -> torch.Tensor:

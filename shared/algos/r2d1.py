@@ -122,7 +122,8 @@ def burned_in_state(agent: QAgent, batch: SequenceBatch, burn_in: int, reset: to
     with torch.no_grad():
         obs = map_leaves(lambda x: x[:burn_in], batch.observation)
         features = agent.encoder(obs_to(obs, agent.device, agent.obs_norm))
-        hs, cs = agent.core.run(features, core_memory(_memory(batch, slice(0, burn_in), state), 0), reset[:burn_in])
+        hs, cs = agent.core.run(features, core_memory(_memory(batch, slice(0, burn_in), state), 0), reset[:burn_in],
+                                 last_only=True)
     keep = (~(batch.terminated[burn_in - 1] | batch.truncated[burn_in - 1])).float()[:, None]
     return RnnState(h=(hs[-1] * keep)[:, None], c=(cs[-1] * keep)[:, None])
 
