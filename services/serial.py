@@ -81,7 +81,7 @@ def train_serial(exp: Experiment) -> dict:
     samplers, parts = [], []
     for i in range(exp.sampler.count):
         s = Sampler(exp, i, run_id="serial", shared_memory=False)
-        actions = LocalActions(agent, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs)
+        actions = LocalActions(agent, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs, exp.run.seed)
         sink = LocalSink(table, i, s.ring, counters, moments)
         s.start(actions)
         samplers.append(s)

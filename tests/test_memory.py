@@ -110,7 +110,7 @@ def _recurrent_segment(*overrides: str):
         "model.lstm_prev_reward=true", "algo.minibatches=2", *overrides])
     agent = make_agent(exp, env_probe(exp))
     sampler = Sampler(exp, 0, "memtest", shared_memory=False)
-    actions = LocalActions(agent, sampler, FixedParams(), exp.sampler.envs)
+    actions = LocalActions(agent, sampler, FixedParams(), exp.sampler.envs, exp.run.seed)
     sampler.start(actions)
     for _ in range(3):
         sampler.collect_segment(actions, KeepAll())

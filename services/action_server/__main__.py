@@ -6,6 +6,7 @@ import zmq
 
 from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
+from shared.acting import acting_seed, seed_torch
 from shared.auth import read_secret
 from shared.config import endpoint, socket_dir
 from shared.factory import env_probe, example_step, make_agent
@@ -22,6 +23,8 @@ def run(exp, run_dir, instance: int) -> None:
     device = torch_device(exp.run.device)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device).eval()
+    seed = acting_seed(exp.run.seed, "action_server", instance)
+    seed_torch(seed)  # make_agent seeded it with run.seed
     slot_item_spec = drop_leading_dims(slot_spec(example_step(exp, probe), 1), 1)
     ctx = zmq.Context()
     bad = metrics_mod.bad_message_counter(m)
@@ -30,7 +33,8 @@ def run(exp, run_dir, instance: int) -> None:
     params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
                       on_bad=bad)
     server = ActionServer(exp.action_server, agent, router, params, m, socket_dir(run_dir), run_id_of(run_dir),
-                          read_secret(run_dir), slot_item_spec, exp.sampler.envs, exp.sampler.count * exp.sampler.envs)
+                          read_secret(run_dir), slot_item_spec, exp.sampler.envs, exp.sampler.count * exp.sampler.envs,
+                          seed)
     m.healthy.set(1)
     log.info("action-server %d on %s, device %s", instance, router.address, device)
     if exp.sampler.inference != "server":

@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from shared import shm
-from shared.acting import act
+from shared.acting import Actor
 from shared.auth import check_secret
 from shared.config import ActionServerConfig
 from shared.doorbell import PeerGone, ServerBell
@@ -58,12 +58,14 @@ class Request:
 class ActionServer:
     def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
                  metrics, bell_dir: Path, run_id: str, secret: str, slot_item_spec, envs_per_sampler: int = 1,
-                 envs_total: int = 1):
+                 envs_total: int = 1, seed: np.random.SeedSequence | None = None):
         """``bell_dir`` holds the samplers' doorbells; ``run_id``/``secret`` say who belongs to
         the run; ``slot_item_spec``: one env's StepSlot; ``envs_per_sampler``/``envs_total`` give
         every env a global index, for agents whose exploration depends on it
-        (``agent.epsilon(env_steps, env_index, envs_total)``)."""
+        (``agent.epsilon(env_steps, env_index, envs_total)``); ``seed``: of the exploration noise
+        (``shared.acting.acting_seed``; None: fresh entropy)."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
+        self.act = Actor(agent, seed)
         self.bell_dir, self.envs_per_sampler, self.envs_total = Path(bell_dir), envs_per_sampler, envs_total
         self.run_id, self.secret, self.slot_item_spec = run_id, secret, slot_item_spec
         self.reader = ParamReader(agent, shm.Owner(run_id, "learner"))
@@ -199,7 +201,7 @@ class ActionServer:
         env_index = np.concatenate([p.env_index[r.slot] for p, r in zip(peers, batch)])
         first = np.concatenate([s.first for s in slots])
         reward = np.concatenate([s.reward for s in slots])
-        action, info = act(self.agent, obs, env_index, first, reward, self.reader.env_steps, self.envs_total)
+        action, info = self.act(obs, env_index, first, reward, self.reader.env_steps, self.envs_total)
         start = 0
         version = max(self.reader.version, 0)
         lost = []

@@ -20,12 +20,14 @@ log = logging.getLogger("services.sampler")
 def local_actions(exp, sampler: Sampler, run_id: str):
     """Local inference: a copy of the agent on the CPU that follows the learner's parameter segment."""
     from services.sampler.local import LocalActions
+    from shared.acting import acting_seed, seed_torch
     from shared.params import ParamFollower
 
     torch_device("cpu")
     agent = make_agent(exp, env_probe(exp)).eval()
+    seed_torch(acting_seed(exp.run.seed, "sampler", sampler.instance))  # make_agent seeded it with run.seed
     params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0))
-    return LocalActions(agent, sampler, params, exp.sampler.count * exp.sampler.envs)
+    return LocalActions(agent, sampler, params, exp.sampler.count * exp.sampler.envs, exp.run.seed)
 
 
 def run(exp, run_dir, instance: int) -> None:

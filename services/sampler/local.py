@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from shared.acting import act
+from shared.acting import Actor, acting_seed
 
 
 class ParamSource(Protocol):
@@ -29,8 +29,9 @@ class ParamSource(Protocol):
 class LocalActions:
     """ActionSource that runs ``agent`` on a sampler's step slots right away."""
 
-    def __init__(self, agent, sampler, params: ParamSource, envs_total: int):
-        self.agent, self.slots, self.params, self.envs_total = agent, sampler.slots, params, envs_total
+    def __init__(self, agent, sampler, params: ParamSource, envs_total: int, run_seed: int):
+        self.act = Actor(agent, acting_seed(run_seed, "sampler", sampler.instance))
+        self.slots, self.params, self.envs_total = sampler.slots, params, envs_total
         base = sampler.instance * sampler.cfg.envs
         self.env_index = [np.arange(g.start, g.stop) + base for g in sampler.groups]
         self.versions = [0] * len(sampler.groups)
@@ -38,8 +39,8 @@ class LocalActions:
     def request(self, group: int) -> None:
         self.params.poll()
         slot = self.slots[group]
-        action, info = act(self.agent, slot.observation, self.env_index[group], slot.first, slot.reward,
-                           self.params.env_steps, self.envs_total)
+        action, info = self.act(slot.observation, self.env_index[group], slot.first, slot.reward,
+                                self.params.env_steps, self.envs_total)
         slot.action[:] = action
         slot.agent_info[:] = info
         self.versions[group] = max(self.params.version, 0)
