@@ -67,12 +67,14 @@ def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(r
                "run.target_return=1000.0", "sampler.inference=server")
     run.wait_steps(5_000)
     # A sampler that goes away is reported by the action-server and replay, which keep serving.
+    server, replay = run.pid("action_server0"), run.pid("replay0")
     launch.supervisorctl(run.dir, "stop", "sampler:sampler1", capture=True)
     run.wait_for(lambda: "peers_lost_total" in run.metrics() and
                  metric_value(run.metrics(), "rlpipe_action_server_peers_lost_total") >= 1 and
                  metric_value(run.metrics(), "rlpipe_replay_peers_lost_total") >= 1, 30, "the lost sampler to be reported")
     steps = int(run.progress()[-1]["env_steps"])
     run.wait_steps(steps + 2_000, timeout=60)  # sampler0 alone keeps the run going
+    assert (run.pid("action_server0"), run.pid("replay0")) == (server, replay), "a service crashed on the loss"
 
     os.kill(run.pid("learner0"), signal.SIGKILL)
     out = rlpipe("clean", str(run.dir))
