@@ -63,8 +63,10 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
 
 
 def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(runs):
+    # Ring 2: sampler0 alone fills the learner's 2-segment batches. With the default ring of 1
+    # each batch would wait for sampler0's 5 s timeout (~50 env steps/s).
     run = runs("cartpole_ppo.toml", "action_server.peer_timeout_s=2.0", "replay.peer_timeout_s=2.0",
-               "run.target_return=1000.0", "sampler.inference=server")
+               "run.target_return=1000.0", "sampler.inference=server", "sampler.ring=2")
     run.wait_steps(5_000)
     # A sampler that goes away is reported by the action-server and replay, which keep serving.
     server, replay = run.pid("action_server0"), run.pid("replay0")
