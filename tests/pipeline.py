@@ -93,20 +93,13 @@ class Run:
         return self.wait_for(lambda: launch.read_result(self.dir), timeout, "the run's result")
 
     def status(self) -> dict[str, tuple[str, int | None]]:
-        """Process name -> (state, pid) from supervisorctl."""
-        out = launch.supervisorctl(self.dir, "status", capture=True).stdout
-        procs = {}
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) >= 2:
-                pid = re.search(r"pid (\d+)", line)
-                procs[parts[0].split(":")[-1]] = (parts[1], int(pid.group(1)) if pid else None)
-        return procs
+        """Process name -> (state, pid: of a RUNNING process, else None), as `rlpipe status` shows
+        them; asked over supervisord's XML-RPC socket (tests poll it: no supervisorctl process each time)."""
+        return {p["name"]: (p["statename"], p["pid"] if p["statename"] == "RUNNING" else None)
+                for p in launch.rpc(self.dir).supervisor.getAllProcessInfo()}
 
     def pid(self, name: str) -> int:
-        state, pid = self.wait_for(lambda: self.status().get(name) if self.status().get(name, ("", None))[1] else None,
-                                   30, f"{name} to run")
-        return pid
+        return self.wait_for(lambda: self.status().get(name, ("", None))[1], 30, f"{name} to run")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
