@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared import launch
-from tests.pipeline import CONFIGS, cpu_seconds, instances, maps_torch, metric_value, rlpipe
+from tests.pipeline import CONFIGS, cpu_seconds, instances, maps_torch, metric_value, rlpipe, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -57,7 +57,7 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
     assert run.segments() == []
 
     # The final checkpoint plays greedily on held-out seeds at least as well as it trained.
-    out = rlpipe("evaluate", str(run.dir), "--episodes", "5")
+    out = rlpipe_here("evaluate", str(run.dir), "--episodes", "5")
     assert out.returncode == 0, out.stderr
     assert float(re.search(r"return (\S+) \+-", out.stdout).group(1)) >= 475
 
