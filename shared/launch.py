@@ -161,6 +161,7 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
         while supervisord_pid(run_dir) is not None and time.monotonic() < deadline:
             time.sleep(0.05)
             _nudge(run_dir)
+            _terminate_unguarded(run_dir)
     deadline = time.monotonic() + 5  # children may still be exiting when supervisord is gone
     while service_pids(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -177,6 +178,24 @@ def _nudge(run_dir: Path) -> None:
         rpc(run_dir).supervisor.getState()
     except (OSError, xmlrpc.client.Error):
         pass  # already gone
+
+
+def _terminate_unguarded(run_dir: Path) -> None:
+    """SIGTERM the run's processes that have no SIGTERM handler: services still starting, before
+    install_signal_handlers. supervisord loses its stop signal to a process it forked a moment
+    before (sent to a process group the child has not made yet, or caught by the handler the
+    child inherited from supervisord until it execs the service), e.g. one it was restarting
+    after a crash, and would wait stopwaitsecs (5 s) to kill it; such a process dies at once on
+    SIGTERM's default action. Processes that handle SIGTERM (supervisord, running services)
+    have had theirs and are left to finish their clean exit."""
+    for pid in service_pids(run_dir):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                masks = dict(line.split(":", 1) for line in f if line.startswith(("SigCgt", "SigIgn")))
+            if not (int(masks["SigCgt"], 16) | int(masks["SigIgn"], 16)) & (1 << (signal.SIGTERM - 1)):
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, KeyError):
+            pass  # gone meanwhile
 
 
 def service_pids(run_dir: Path) -> list[int]:

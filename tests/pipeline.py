@@ -41,6 +41,17 @@ def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(**rlpipe_command(*args), capture_output=True, text=True, timeout=timeout)
 
 
+def rlpipe_here(*args: str) -> subprocess.CompletedProcess:
+    """``rlpipe ARGS`` run in this process: torch is loaded here already, so the commands that build
+    the agent (launch, prepare) cost no interpreter start and no torch import (~2.5 s of CPU)."""
+    from shared import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess(["rlpipe", *args], code, out.getvalue(), err.getvalue())
+
+
 class Run:
     """A run directory and what tests ask of it; ``close()`` cleans it up whatever happened."""
 
@@ -49,29 +60,21 @@ class Run:
 
     @classmethod
     def launch(cls, tmp_path: Path, config: str, *overrides: str, command_line: bool = False) -> "Run":
-        """``rlpipe launch CONFIG --detach`` with runs under tmp_path and a free metrics port.
+        """``rlpipe launch CONFIG --detach`` with runs under tmp_path, a free metrics port and a
+        progress row every 0.5 s (tests wait on those rows: a 2 s interval adds ~1 s to each wait).
 
         Unless ``command_line`` (benchmarks of what a user waits for), the launcher runs in this
-        process: torch is loaded here already, so its agent check costs no interpreter start and no
-        torch import (~2.5 s of CPU a run on 2 cores, contending with the services' start);
-        supervisord and the services are separate real processes all the same.
+        process (rlpipe_here: its agent check would otherwise contend with the services' start on 2
+        cores); supervisord and the services are separate real processes all the same.
         """
-        from shared import cli
-
         port = free_port()
         args = ["launch", str(CONFIGS / config), "--detach"]
-        for s in (f"run.runs_dir='{tmp_path / 'runs'}'", f"network.metrics_port={port}", *overrides):
+        for s in (f"run.runs_dir='{tmp_path / 'runs'}'", f"network.metrics_port={port}", "run.log_interval_s=0.5",
+                  *overrides):
             args += ["--set", s]
-        if command_line:
-            done = rlpipe(*args)
-            code, stdout, stderr = done.returncode, done.stdout, done.stderr
-        else:
-            out, err = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = cli.main(args)
-            stdout, stderr = out.getvalue(), err.getvalue()
-        assert code == 0, stdout + stderr
-        return cls(Path(re.search(r"run directory: (\S+)", stdout).group(1)), port)
+        done = rlpipe(*args) if command_line else rlpipe_here(*args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return cls(Path(re.search(r"run directory: (\S+)", done.stdout).group(1)), port)
 
     def progress(self) -> list[dict]:
         return launch.read_progress(self.dir)
@@ -93,20 +96,13 @@ class Run:
         return self.wait_for(lambda: launch.read_result(self.dir), timeout, "the run's result")
 
     def status(self) -> dict[str, tuple[str, int | None]]:
-        """Process name -> (state, pid) from supervisorctl."""
-        out = launch.supervisorctl(self.dir, "status", capture=True).stdout
-        procs = {}
-        for line in out.splitlines():
-            parts = line.split()
-            if len(parts) >= 2:
-                pid = re.search(r"pid (\d+)", line)
-                procs[parts[0].split(":")[-1]] = (parts[1], int(pid.group(1)) if pid else None)
-        return procs
+        """Process name -> (state, pid: of a RUNNING process, else None), as `rlpipe status` shows
+        them; asked over supervisord's XML-RPC socket (tests poll it: no supervisorctl process each time)."""
+        return {p["name"]: (p["statename"], p["pid"] if p["statename"] == "RUNNING" else None)
+                for p in launch.rpc(self.dir).supervisor.getAllProcessInfo()}
 
     def pid(self, name: str) -> int:
-        state, pid = self.wait_for(lambda: self.status().get(name) if self.status().get(name, ("", None))[1] else None,
-                                   30, f"{name} to run")
-        return pid
+        return self.wait_for(lambda: self.status().get(name, ("", None))[1], 30, f"{name} to run")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:

@@ -22,7 +22,7 @@ from shared import config as config_mod
 from shared import evaluation, launch
 from shared.factory import env_probe, make_agent
 from shared.runtime import RUN_CONFIG, TB_DIR
-from tests.pipeline import cpu_seconds, metric_value, rlpipe
+from tests.pipeline import cpu_seconds, metric_value, rlpipe, rlpipe_here
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -75,12 +75,12 @@ def checkpointed_run(tmp_path: Path, env_id: str) -> Path:
 
 def test_rlpipe_evaluate_plays_the_checkpoint_and_records_a_video(tmp_path):
     run_dir = checkpointed_run(tmp_path, "CartPole-v1")
-    out = rlpipe("evaluate", str(run_dir), "--episodes", "3")
+    out = rlpipe_here("evaluate", str(run_dir), "--episodes", "3")
     assert out.returncode == 0, out.stderr
     assert re.search(r"3 greedy episodes of policy version 3 \(1234 env steps\): return \S+ \+- ", out.stdout)
 
     video = tmp_path / "video"
-    out = rlpipe("evaluate", str(run_dir), "--episodes", "2", "--video", str(video))
+    out = rlpipe_here("evaluate", str(run_dir), "--episodes", "2", "--video", str(video))
     assert out.returncode == 0, out.stderr
     files = list(video.glob("*.mp4"))
     assert len(files) == 1 and files[0].stat().st_size > 1000, files
@@ -90,7 +90,7 @@ def test_rlpipe_evaluate_plays_the_checkpoint_and_records_a_video(tmp_path):
 
 def test_video_of_an_env_that_cannot_render_is_a_one_line_error(tmp_path):
     run_dir = checkpointed_run(tmp_path, "tests.envs_for_tests:make_lives_env")
-    out = rlpipe("evaluate", str(run_dir), "--episodes", "1", "--video", str(tmp_path / "video"))
+    out = rlpipe_here("evaluate", str(run_dir), "--episodes", "1", "--video", str(tmp_path / "video"))
     assert out.returncode == 1
     assert out.stderr.strip() == ("rlpipe: env tests.envs_for_tests:make_lives_env cannot render (its constructor "
                                   "takes no render_mode): no video can be recorded")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -123,6 +124,29 @@ def test_processes_are_found_by_their_exact_run_directory(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_stop_terminates_a_starting_service_that_lost_supervisords_signal(tmp_path):
+    """supervisord's SIGTERM to a child it forked a moment before can go nowhere (see
+    launch._terminate_unguarded): a run's process still without a SIGTERM handler gets one
+    from stop itself; one that handles SIGTERM (a running service, mid clean exit) is left be."""
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    argv = ["--run-dir", "runs/r"]
+    starting = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(60)", *argv],
+                                cwd=tmp_path, stdout=subprocess.PIPE)
+    running = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                "lambda *a: None); print(flush=True); time.sleep(60)", *argv],
+                               cwd=tmp_path, stdout=subprocess.PIPE)
+    try:
+        starting.stdout.readline(), running.stdout.readline()
+        launch._terminate_unguarded(tmp_path / "runs" / "r")
+        assert starting.wait(timeout=10) == -signal.SIGTERM
+        time.sleep(0.2)
+        assert running.poll() is None
+    finally:
+        for proc in (starting, running):
+            proc.kill()
+            proc.wait()
 
 
 def test_clean_of_a_run_leaves_a_live_run_whose_name_extends_it_running(runs, tmp_path):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared import launch
-from tests.pipeline import CONFIGS, cpu_seconds, instances, maps_torch, metric_value, rlpipe
+from tests.pipeline import CONFIGS, cpu_seconds, instances, maps_torch, metric_value, rlpipe, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -57,22 +57,26 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
     assert run.segments() == []
 
     # The final checkpoint plays greedily on held-out seeds at least as well as it trained.
-    out = rlpipe("evaluate", str(run.dir), "--episodes", "5")
+    out = rlpipe_here("evaluate", str(run.dir), "--episodes", "5")
     assert out.returncode == 0, out.stderr
     assert float(re.search(r"return (\S+) \+-", out.stdout).group(1)) >= 475
 
 
 def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(runs):
+    # Ring 2: sampler0 alone fills the learner's 2-segment batches. With the default ring of 1
+    # each batch would wait for sampler0's 5 s timeout (~50 env steps/s).
     run = runs("cartpole_ppo.toml", "action_server.peer_timeout_s=2.0", "replay.peer_timeout_s=2.0",
-               "run.target_return=1000.0", "sampler.inference=server")
+               "run.target_return=1000.0", "sampler.inference=server", "sampler.ring=2")
     run.wait_steps(5_000)
     # A sampler that goes away is reported by the action-server and replay, which keep serving.
+    server, replay = run.pid("action_server0"), run.pid("replay0")
     launch.supervisorctl(run.dir, "stop", "sampler:sampler1", capture=True)
     run.wait_for(lambda: "peers_lost_total" in run.metrics() and
                  metric_value(run.metrics(), "rlpipe_action_server_peers_lost_total") >= 1 and
                  metric_value(run.metrics(), "rlpipe_replay_peers_lost_total") >= 1, 30, "the lost sampler to be reported")
     steps = int(run.progress()[-1]["env_steps"])
     run.wait_steps(steps + 2_000, timeout=60)  # sampler0 alone keeps the run going
+    assert (run.pid("action_server0"), run.pid("replay0")) == (server, replay), "a service crashed on the loss"
 
     os.kill(run.pid("learner0"), signal.SIGKILL)
     out = rlpipe("clean", str(run.dir))

@@ -30,11 +30,14 @@ def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps(runs):
     assert metric_value(page, "rlpipe_replay_priority_max") > 0
 
 
-def test_rate_limiter_holds_the_ratio_and_the_learner_waits_without_spinning(runs):
+def test_rate_limiter_holds_the_ratio_the_learner_waits_without_spinning_and_a_killed_replay_restarts(runs):
+    """One run (3 samplers, 4 samples per insert) for the rate limiter, an idle learner, then a
+    replay killed mid-run; 2 s timeouts: samplers and learner give up on the dead replay soon."""
     spi, items_per_insert, batch = 4.0, 16 * 8, 64
     run = runs("cartpole_dqn.toml", "sampler.count=3", "sampler.envs=8", "sampler.horizon=16",
                f"replay.samples_per_insert={spi}", "replay.min_size_to_sample=500", f"algo.batch_size={batch}",
-               "run.target_return=1e9", "run.max_env_steps=100000000")
+               "run.target_return=1e9", "run.max_env_steps=100000000", "sampler.timeout_ms=2000",
+               "learner.timeout_ms=2000")
     run.wait_steps(20_000, timeout=120)
     assert instances(run.metrics(), "rlpipe_sampler_up") == {"0", "1", "2"}
     page = run.metrics()
@@ -66,11 +69,7 @@ def test_rate_limiter_holds_the_ratio_and_the_learner_waits_without_spinning(run
     run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_learner_updates_total") > updates0 + 100, 60,
                  "the learner to resume when data arrives")
 
-
-def test_replay_killed_mid_run_is_restarted_and_the_run_goes_on(runs):
-    run = runs("cartpole_dqn.toml", "run.target_return=1e9", "run.max_env_steps=100000000",
-               "sampler.timeout_ms=2000", "learner.timeout_ms=2000")
-    run.wait_steps(10_000, timeout=120)
+    # Replay killed mid-run: supervisord restarts it, samplers and learner reconnect and go on.
     replay = run.pid("replay0")
     os.kill(replay, signal.SIGKILL)
     run.wait_for(lambda: run.status().get("replay0", ("", None))[1] not in (None, replay), 30,

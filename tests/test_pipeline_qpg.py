@@ -15,7 +15,7 @@ import torch
 from services.learner.learner import CHECKPOINT
 from services.serial import train_serial
 from shared import config
-from tests.pipeline import CONFIGS, rlpipe
+from tests.pipeline import CONFIGS, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -50,7 +50,7 @@ def test_ddpg_with_ou_noise_and_normalised_observations_reaches_minus_200_within
     state = torch.load(run.dir / CHECKPOINT, weights_only=True)
     assert state["agent"]["obs_norm.count"].item() == result["env_steps"] == state["env_steps"]
     assert state["agent"]["obs_norm.var"][2] > 1.0  # angular velocity in [-8, 8]: not the initial 1
-    out = rlpipe("evaluate", str(run.dir), "--episodes", "4")
+    out = rlpipe_here("evaluate", str(run.dir), "--episodes", "4")
     assert out.returncode == 0 and "4 greedy episodes" in out.stdout, out.stdout + out.stderr
 
 

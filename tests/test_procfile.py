@@ -11,14 +11,15 @@ from pathlib import Path
 import pytest
 
 from shared import evaluation, launch
-from tests.pipeline import CONFIGS, REPO, Run, free_port, rlpipe
+from tests.pipeline import CONFIGS, REPO, Run, free_port, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
 
 def test_honcho_runs_the_procfile_pipeline(tmp_path):
-    out = rlpipe("prepare", str(CONFIGS / "cartpole_ppo.toml"), "--set", f"run.runs_dir='{tmp_path}'",
-                 "--set", f"network.metrics_port={free_port()}", "--set", "eval.every_s=2.0")
+    out = rlpipe_here("prepare", str(CONFIGS / "cartpole_ppo.toml"), "--set", f"run.runs_dir='{tmp_path}'",
+                      "--set", f"network.metrics_port={free_port()}", "--set", "eval.every_s=2.0",
+                      "--set", "run.log_interval_s=0.5")
     assert out.returncode == 0, out.stderr
     run_dir = Path(out.stdout.strip())
     env = dict(os.environ, RUN=str(run_dir))

@@ -239,6 +239,7 @@ class ActionServer:
             self.poll(0 if self.pending else POLL_MS)
             if self.pending:
                 self._gather()
+            if self.pending:  # a sampler lost while gathering takes its requests with it
                 self.serve_batch()
             if time.monotonic() - last_check > 1.0:
                 self.check_peers()
