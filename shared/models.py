@@ -97,17 +97,17 @@ class MLP(nn.Module):
         super().__init__()
         layers: list[nn.Module] = []
         module, fn = _ACTIVATIONS[activation]
-        # (linear, activation or None) in order: forward calls them directly, since the
+        # plan: (linear, activation or None) in order; forward calls them directly, since the
         # module-call machinery costs more than a small layer's matmul (the sampler's hot path).
-        self._plan: list[tuple[nn.Linear, object]] = []
+        self.plan: list[tuple[nn.Linear, object]] = []
         last = in_dim
         for width in hidden_sizes:
             layers += [init_layer(nn.Linear(last, width)), module()]
-            self._plan.append((layers[-2], fn))
+            self.plan.append((layers[-2], fn))
             last = width
         if output_size is not None:
             layers.append(init_layer(nn.Linear(last, output_size), output_gain))
-            self._plan.append((layers[-1], None))
+            self.plan.append((layers[-1], None))
             last = output_size
         self.net = nn.Sequential(*layers)  # owns the parameters (state_dict keys net.<i>.weight)
         self.out_dim = last
@@ -118,7 +118,7 @@ class MLP(nn.Module):
         return self.net[0].weight.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for linear, fn in self._plan:
+        for linear, fn in self.plan:
             x = F.linear(x, linear.weight, linear.bias)
             if fn is not None:
                 x = fn(x)
@@ -219,11 +219,11 @@ class Encoder(nn.Module):
         self.out_dim = trunk.out_dim
         # One vector leaf taken as is (classic control): a float32 [N, d] batch goes straight
         # to the trunk, skipping the per-leaf machinery on the acting hot path.
-        self._vector_only = (len(parts) == 1 and isinstance(parts[0], _Flatten) and parts[0].scale == 1.0
+        self.vector_only = (len(parts) == 1 and isinstance(parts[0], _Flatten) and parts[0].scale == 1.0
                              and len(leaf_shapes[0]) == 1)
 
     def forward(self, obs) -> torch.Tensor:
-        if self._vector_only and isinstance(obs, torch.Tensor) and obs.dim() == 2 and obs.dtype == torch.float32:
+        if self.vector_only and isinstance(obs, torch.Tensor) and obs.dim() == 2 and obs.dtype == torch.float32:
             return self.trunk(obs)
         xs = [x for _, x in leaves(obs)]
         if len(xs) != len(self.parts):

@@ -40,7 +40,7 @@ class _Mlp:
 
     def __init__(self, mlp: MLP) -> None:
         self.layers = [(_view(linear.weight).T, _view(linear.bias), None if fn is None else _ACTIVATIONS[fn])
-                       for linear, fn in mlp._plan]
+                       for linear, fn in mlp.plan]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         for w, b, fn in self.layers:
@@ -53,7 +53,7 @@ class _Mlp:
 
 def _trunk(encoder: Encoder | None) -> _Mlp | None:
     """The encoder's MLP trunk if it takes one vector leaf as is, else None."""
-    if encoder is None or not encoder._vector_only or any(fn not in _ACTIVATIONS for _, fn in encoder.trunk._plan):
+    if encoder is None or not encoder.vector_only or any(fn not in _ACTIVATIONS for _, fn in encoder.trunk.plan):
         return None
     return _Mlp(encoder.trunk)
 
