@@ -123,6 +123,9 @@ class ReplayConfig:
     """Queue: hold a sampler's ring slot until its segment is trained on (tightest policy lag)."""
     peer_timeout_s: float = 10.0
     """A sampler silent this long is reported lost."""
+    persist: bool = True
+    """Keep the table in named shared memory that outlives the replay process: a replay
+    restarted after ``kill -9`` re-attaches and serves on (docs/architecture.md, "What a kill loses")."""
 
 
 @dataclass(frozen=True)

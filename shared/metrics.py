@@ -51,6 +51,8 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "priority_max": ("gauge", "priority_max", "Largest priority seen (what new items get)", ()),
         "priority_mean": ("gauge", "priority_alpha_mean", "Mean of priority^alpha over the table", ()),
         "priority_updates": ("counter", "priority_updates_total", "Priority updates applied", ()),
+        "restarts": ("gauge", "table_restarts", "Times the table was re-attached from shared memory after a kill", ()),
+        "torn_items": ("counter", "torn_items_total", "Items dropped at a re-attach: a kill tore the write that held them", ()),
     },
     "learner": {
         "updates": ("counter", "updates_total", "Optimisation updates (one per batch)", ()),

@@ -114,6 +114,13 @@ class Segment:
             raise ValueError(f"shared-memory segment {name} {problem}: refused")
         return cls(name, fd, st.st_size, owner=False)
 
+    def adopt(self) -> "Segment":
+        """Take over a segment whose owner was killed (a restarted service re-attaching its own
+        state): from now on ``unlink()`` and the exit remove it, as if this process had made it."""
+        self.owner = True
+        _owned[self.name] = self
+        return self
+
     def unlink(self) -> None:
         if self.owner:
             _owned.pop(self.name, None)

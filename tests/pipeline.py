@@ -6,6 +6,7 @@ import contextlib
 import io
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -13,6 +14,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import numpy as np
 
 from shared import launch
 
@@ -114,6 +117,24 @@ class Run:
 
     def segments(self) -> list[str]:
         return [p.name for p in Path("/dev/shm").glob(f"rlpipe-{self.id}-*")]
+
+    def stop_replay_between_operations(self) -> dict:
+        """SIGSTOP replay0 at a moment no table operation is in progress and read its table
+        from shared memory: {"pid", "size", "inserts", "samples", "deletes", "priority_total"}.
+        The process stays stopped (kill it, or SIGCONT)."""
+        pid = self.pid("replay0")
+        shm_file = f"/dev/shm/rlpipe-{self.id}-replay0-"
+        while True:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.05)  # the stop takes effect at once; the state is now what it will be
+            if np.fromfile(shm_file + "table", np.int64)[4] == 0:  # no operation in progress
+                break
+            os.kill(pid, signal.SIGCONT)
+        inserts, samples, deletes = np.fromfile(shm_file + "t.limiter", np.int64)
+        tree = Path(shm_file + "t.sumtree.sum")
+        return {"pid": pid, "size": int(np.fromfile(shm_file + "t.live", bool).sum()), "inserts": int(inserts),
+                "samples": int(samples), "deletes": int(deletes),
+                "priority_total": float(np.fromfile(tree, np.float64)[1]) if tree.exists() else None}
 
     def close(self) -> None:
         launch.clean(self.dir)

@@ -3,6 +3,7 @@ ends, writer seams, lost segments and ring wrap-around; real Pong; bad configura
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import numpy as np
@@ -11,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.replay.tables import make_table
-from shared import config
+from shared import config, shm
 from shared.agent_config import QAgentInfo
 from shared.envs import EnvConfig, EnvGroup
 from shared.layout import segment_spec, step_example
 from shared.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
+from shared.replay.arena import ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
@@ -160,34 +162,42 @@ def _pong_segments(T: int, B: int, n_segments: int):
     return example, segments
 
 
-def test_pong_stacks_come_back_exactly():
+def test_pong_stacks_come_back_exactly_also_from_a_table_reattached_in_shared_memory():
     T, B = 16, 2
     example, segments = _pong_segments(T, B, 12)  # 384 steps, a truncation every 45
     spec = with_leading_dims(spec_of(example), [T, B])
     cfg = TransitionStorageConfig(capacity=B * 150, n_step=3, gamma=0.99, frame_store=True)
-    buf = bytearray(TransitionStorage(spec, {0: B}, cfg).nbytes)  # e.g. a shared-memory segment
-    store = TransitionStorage(spec, {0: B}, cfg, buffer=buf)
     naive = Table(TransitionStorage(spec, {0: B}, TransitionStorageConfig(capacity=B * 150, n_step=3, gamma=0.99)),
                   Fifo(), RateLimiter())
-    table = Table(store, Fifo(), RateLimiter())
-    for seg in segments:
-        naive.insert(0, seg)
-        table.insert(0, seg)
-    done = np.concatenate([s.terminated | s.truncated for s in segments])
-    assert done.sum() >= 8 and table.size == naive.size > 200
-    want, got = _all_items(naive), _all_items(table)
-    assert set(got) == set(want)
-    for action, (obs, boot, ret, disc) in got.items():
-        np.testing.assert_array_equal(obs, want[action][0])
-        np.testing.assert_array_equal(boot, want[action][1])
-        assert (ret, disc) == want[action][2:]
-    assert store.nbytes < naive.storage.nbytes / 4
-    view = from_spec(store.storage_spec, buf, fill=False)  # what a peer attaching the buffer sees
-    assert np.shares_memory(view.frames.frames, store.ring.frames.frames)
-    np.testing.assert_array_equal(view.steps.action, store.ring.data.action)
-    last = (len(segments) * T - 1) % store.ring.rows
-    np.testing.assert_array_equal(view.frames.frames[last, 1], segments[-1].observation[-1, 1, -1])
-    assert table.metrics()["frames_unrebuilt_items"] == 0 and table.metrics()["final_frame_evictions"] == 0
+    run_id = f"framestore{os.getpid()}"
+
+    def shm_table():
+        arena = ShmArena(run_id, 0, fingerprint("pong", cfg.capacity))
+        return Table(TransitionStorage(spec, {0: B}, cfg, arena), Fifo(), RateLimiter(arena=arena), arena=arena)
+
+    table = shm_table()
+    try:
+        for seg in segments:
+            naive.insert(0, seg)
+            table.insert(0, seg)
+        done = np.concatenate([s.terminated | s.truncated for s in segments])
+        assert done.sum() >= 8 and table.size == naive.size > 200
+        want = _all_items(naive)
+        # What a replay restarted after kill -9 finds: the same items, nothing dropped.
+        again = shm_table()
+        assert again.arena.restored
+        assert (again.recovered["op"], again.recovered["dropped"], again.recovered["size"]) == ("none", 0, table.size)
+        assert again.metrics()["frames_unrebuilt_items"] == 0 and again.metrics()["final_frame_evictions"] == 0
+        got = _all_items(again)  # a queue: this takes them all (from the one table in shared memory)
+        assert set(got) == set(want)
+        for action, (obs, boot, ret, disc) in got.items():
+            np.testing.assert_array_equal(obs, want[action][0])
+            np.testing.assert_array_equal(boot, want[action][1])
+            assert (ret, disc) == want[action][2:]
+        assert table.storage.nbytes < naive.storage.nbytes / 4
+    finally:
+        table.arena.unlink()
+    assert not shm.run_segments(run_id)
 
 
 def test_frame_store_needs_frame_stack_observations():

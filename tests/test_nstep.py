@@ -123,5 +123,5 @@ def test_ring_wraparound_and_seam_reference():
     table.insert(0, _segment([10, 11]))  # a new trajectory: 8 and 9 never complete
     table.insert(0, _segment([12, 13]))
     assert _drain(table) == [(10, 11 + 0.5 * 12, 0.25, 12.0), (11, 12 + 0.5 * 13, 0.25, 13.0)]
-    assert table.evicted == 1  # item 0; the other overwritten items had been sampled
+    assert table.counts.evicted == 1  # item 0; the other overwritten items had been sampled
     assert table.rate_limiter.size == table.size == 0

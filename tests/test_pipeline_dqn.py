@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
@@ -20,9 +22,21 @@ def test_dqn_cartpole_reaches_475_within_100k_steps(runs):
     assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 100_000, result
 
 
-def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps(runs):
-    """Server inference: the action-server's per-env epsilons follow the published env steps."""
+def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps_through_a_replay_kill(runs):
+    """Server inference: the action-server's per-env epsilons follow the published env steps.
+    Replay is killed by SIGKILL at 20k steps: the restarted one re-attaches its table in shared
+    memory with every item, priority and rate-limiter count it had, and the run goes on to its target."""
     run = runs("cartpole_rainbow.toml", "sampler.inference=server")
+    run.wait_steps(20_000, timeout=120)
+    before = run.stop_replay_between_operations()
+    os.kill(before["pid"], signal.SIGKILL)
+    line = run.wait_for(lambda: re.search(r"re-attached after a restart: (\{.*\})", run.logs("replay")), 30,
+                        "the restarted replay to re-attach its table")
+    restored = json.loads(line.group(1))
+    assert restored["op"] == "none" and restored["dropped"] == 0, restored
+    assert [restored[k] for k in ("size", "inserts", "samples")] == [before[k] for k in ("size", "inserts", "samples")]
+    assert before["size"] > 10_000
+    assert restored["priority_alpha_mean"] == pytest.approx(before["priority_total"] / before["size"], rel=1e-9)
     result = run.wait_result(300)
     assert result["reason"] == "target" and result["mean_return"] >= 400 and result["env_steps"] <= 100_000, result
     page = run.metrics()

@@ -5,7 +5,7 @@ import logging
 import zmq
 
 from services.replay.service import ReplayService
-from services.replay.tables import make_table
+from services.replay.tables import make_table, table_arena
 from shared import metrics as metrics_mod
 from shared import runtime
 from shared.auth import read_secret
@@ -23,8 +23,13 @@ def run(exp, run_dir, instance: int) -> None:
     ctx = zmq.Context()
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
                       on_bad=metrics_mod.bad_message_counter(m))
-    service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed),
-                            router, m, runtime.run_id_of(run_dir), read_secret(run_dir),
+    run_id = runtime.run_id_of(run_dir)
+
+    def table_factory(spec):
+        arena = table_arena(exp.replay, columns, spec, run_id, instance)
+        return make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed, arena)
+
+    service = ReplayService(exp.replay, table_factory, router, m, run_id, read_secret(run_dir),
                             observation_moments=exp.model.normalize_observations)
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)

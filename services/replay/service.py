@@ -20,6 +20,7 @@ and counted, and the table and what it accepted stay as they were.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -138,8 +139,9 @@ class ReplayService:
         except (ValueError, FileNotFoundError) as e:
             raise Rejected("descriptor", f"bad ring descriptor: {e}") from None
         try:
-            table = self.table if self.table is not None else self.table_factory(spec)
-            table.reset_writer(body["instance"])  # ValueError for a sampler the run's config does not have
+            table = self.table if self.table is not None else self._make_table(spec)
+            # ValueError for a sampler the run's config does not have
+            last_serial = table.attach_writer(body["instance"], body["incarnation"])
         except ValueError as e:
             seg.close()
             raise Rejected("value", f"hello_writer: {e}") from None
@@ -151,8 +153,19 @@ class ReplayService:
             log.info("sampler %d restarted: dropping %d segment(s) announced by its previous incarnation",
                      known.instance, len(known.pending))
             known.segment.close()
-        self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now)
-        log.info("sampler %d attached", body["instance"])
+        self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now,
+                                                last_serial)
+        log.info("sampler %d attached%s", body["instance"],
+                 f" (resumes after serial {last_serial})" if last_serial else "")
+
+    def _make_table(self, spec):
+        table = self.table_factory(spec)
+        if table.recovered is not None:
+            r = table.recovered
+            log.warning("replay table re-attached after a restart: %s", json.dumps(r, sort_keys=True))
+            self.m.torn_items.inc(r["dropped"])
+        self.m.restarts.set(table.arena.restarts)
+        return table
 
     def _segment(self, peer: bytes, body: dict) -> None:
         w = self._writer_of(peer)
@@ -256,7 +269,8 @@ class ReplayService:
         if body["serial"] != w.last_serial + 1:
             self.table.reset_writer(w.instance)  # segments lost in between: no n-step window may span the gap
         segment = w.ring[body["index"]]
-        keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation)
+        keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation,
+                                 serial=body["serial"])
         w.last_serial = body["serial"]
         if self.cfg.release_on_sample and self.cfg.table == "queue":
             for key in keys:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from shared.config import ReplayConfig
+from shared.replay.arena import HEAP, Arena, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
 from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
@@ -17,22 +20,24 @@ PRIORITIZED = ("prioritized", "sequence")
 
 
 def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, sample_size: int,
-               seed: int = 0) -> Table:
+               seed: int = 0, arena: Arena = HEAP) -> Table:
     """``segment_spec``: one sampler segment (OnPolicyBatch, samples [T, B]); ``sample_size``:
-    items per learner request (segments on-policy, transitions or sequences off-policy)."""
+    items per learner request (segments on-policy, transitions or sequences off-policy);
+    ``arena``: where the table's state lives (``table_arena``; the heap by default)."""
     samples_spec = segment_spec["fields"][0][1]
     if cfg.table == "queue":
         # On-policy: each segment once, in order; back-pressure comes from the queue's capacity.
-        storage = SegmentStorage(samples_spec, columns_per_writer, SegmentStorageConfig(capacity=cfg.capacity))
-        return Table(storage, Fifo(), RateLimiter(RateLimiterConfig()), seed=seed)
+        storage = SegmentStorage(samples_spec, columns_per_writer, SegmentStorageConfig(capacity=cfg.capacity), arena)
+        return Table(storage, Fifo(), RateLimiter(RateLimiterConfig(), arena), seed=seed, arena=arena)
     if cfg.table == "sequence":
         storage = SequenceStorage(samples_spec, columns_per_writer,
                                   SequenceStorageConfig(capacity=cfg.capacity, length=cfg.sequence_length,
-                                                        period=cfg.sequence_period, frame_store=cfg.frame_store))
+                                                        period=cfg.sequence_period, frame_store=cfg.frame_store),
+                                  arena)
     else:
         storage = TransitionStorage(samples_spec, columns_per_writer,
                                     TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma,
-                                                            frame_store=cfg.frame_store))
+                                                            frame_store=cfg.frame_store), arena)
     if cfg.table in PRIORITIZED:
         selector = Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
                                                  beta_steps=cfg.beta_steps))
@@ -43,9 +48,19 @@ def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_sp
     # The narrowest band in which one insert and one sample can never block each other.
     error_buffer = cfg.error_buffer or ((insert_size * spi + sample_size) / 2 if spi else 0.0)
     limiter = RateLimiter(RateLimiterConfig(samples_per_insert=spi, min_size_to_sample=cfg.min_size_to_sample,
-                                            error_buffer=error_buffer))
+                                            error_buffer=error_buffer), arena)
     limiter.check_no_deadlock(insert_size, sample_size)
-    return Table(storage, selector, limiter, seed=seed)
+    return Table(storage, selector, limiter, seed=seed, arena=arena)
+
+
+def table_arena(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, run_id: str,
+                instance: int = 0) -> Arena:
+    """Shared memory that outlives the replay process (``replay.persist``), re-attached when a
+    table of the same layout is there; the heap otherwise."""
+    if not cfg.persist:
+        return HEAP
+    layout = fingerprint(dataclasses.asdict(cfg), sorted(columns_per_writer.items()), segment_spec)
+    return ShmArena(run_id, instance, layout)
 
 
 def sample_batch(table: Table, dest, n: int, min_version: int, lag_bound: bool):

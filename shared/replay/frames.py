@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.namedarraytuple import from_spec, spec_nbytes
+from shared.namedarraytuple import spec_nbytes
+from shared.replay.arena import HEAP, Arena, Cells
 
 _U8 = np.dtype(np.uint8).str
 
@@ -57,9 +58,9 @@ class FrameStacks:
     vectorised over them.
     """
 
-    def __init__(self, K: int, H: int, W: int, rows: int, B: int, final_slots: int, buffer=None):
+    def __init__(self, K: int, H: int, W: int, rows: int, B: int, final_slots: int, arena: Arena = HEAP):
         """final_slots: F, how many final frames are kept (>= the done steps of one write).
-        buffer: optional memory (>= ``nbytes``) to hold the arrays."""
+        arena: where the arrays live (shared/replay/arena.py)."""
         if final_slots < 1:
             raise ValueError(f"FrameStacks: final_slots must be >= 1, got {final_slots}")
         self.K, self.H, self.W, self.rows, self.B, self.F = K, H, W, rows, B, final_slots
@@ -72,24 +73,30 @@ class FrameStacks:
             ["final_frames", {"dtype": _U8, "shape": [final_slots, H, W]}],
             ["final_owner", {"dtype": np.dtype(np.int64).str, "shape": [final_slots]}],
         ]}
-        self.data = from_spec(self.spec, buffer, fill=False)
+        self.data = arena.tree("frames", self.spec, fill=False)  # frames: no pass over gigabytes
         n = rows * B
         self.frames = self.data.frames.reshape(n, H, W)
         self.back = self.data.back.reshape(n)
         self.stack_ok = self.data.stack_ok.reshape(n)
         self.final_ok = self.data.final_ok.reshape(n)
         self.final_slot = self.data.final_slot.reshape(n)
-        self.stack_ok[:] = False
-        self.final_ok[:] = False
-        self.final_slot[:] = -1
-        self.data.final_owner[:] = -1
-        self.final_cursor = 0
+        if not arena.restored:
+            self.stack_ok[:] = False
+            self.final_ok[:] = False
+            self.final_slot[:] = -1
+            self.data.final_owner[:] = -1
+        self.cursor = Cells(arena, "frames.cursor", final=0)  # the next final-frame slot
         # Offsets back in time of stack frames j = 0..K-1 before clamping to the episode start.
         self._offsets = np.arange(K - 1, -1, -1, dtype=np.int64)
 
     @property
     def nbytes(self) -> int:
         return spec_nbytes(self.spec)
+
+    def owns_final(self, keys: np.ndarray) -> np.ndarray:
+        """bool [n]: done steps ``keys`` still hold a final frame that is theirs."""
+        slot = self.final_slot[keys]
+        return self.final_ok[keys] & (slot >= 0) & (self.data.final_owner[np.maximum(slot, 0)] == keys)
 
     def frame_keys(self, keys: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Keys [n, len(offsets)] of the frames ``offsets`` steps back (clamped to each step's
@@ -147,8 +154,8 @@ class FrameStacks:
         d = np.flatnonzero(done.reshape(-1))
         if d.size > self.F:
             raise ValueError(f"FrameStacks: {d.size} done steps in one write exceed the {self.F} final-frame slots")
-        slots = (self.final_cursor + np.arange(d.size)) % self.F
-        self.final_cursor = int((self.final_cursor + d.size) % self.F)
+        slots = (self.cursor.final + np.arange(d.size)) % self.F
+        self.cursor.final = (self.cursor.final + d.size) % self.F
         owners = self.data.final_owner[slots]
         held = owners >= 0
         lost = owners[held][self.final_slot[owners[held]] == slots[held]]
@@ -156,8 +163,10 @@ class FrameStacks:
         self.final_ok[lost] = False
         dk = flat[d]
         fin = final_observation.reshape(T * Bw, K, self.H, self.W)[d]
-        self.data.final_frames[slots] = fin[:, K - 1]
+        # The owner before the frame: a kill in between leaves the slot to a step that
+        # ``owns_final`` then rejects, never an old owner with a new step's frame.
         self.data.final_owner[slots] = dk
+        self.data.final_frames[slots] = fin[:, K - 1]
         self.final_slot[dk] = slots
         shifted = (fin[:, : K - 1] == obs[d, 1:]).all(axis=(1, 2, 3))
         self.final_ok[dk] = ok[d] & shifted

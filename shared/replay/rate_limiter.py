@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from shared.replay.arena import HEAP, Arena, Cells
+
 
 @dataclass(frozen=True)
 class RateLimiterConfig:
@@ -42,7 +44,8 @@ class RateLimiterConfig:
 class RateLimiter:
     """Gate inserts and samples of one table; the table reports what actually happened."""
 
-    def __init__(self, config: RateLimiterConfig = RateLimiterConfig()):
+    def __init__(self, config: RateLimiterConfig = RateLimiterConfig(), arena: Arena = HEAP):
+        """``arena``: where the counters live (they persist with the table's state)."""
         spi = config.samples_per_insert
         if spi is not None and spi <= 0:
             raise ValueError(f"RateLimiterConfig.samples_per_insert must be > 0 or None, got {spi}")
@@ -56,11 +59,21 @@ class RateLimiter:
         offset = (spi or 0.0) * config.min_size_to_sample
         self.min_diff = offset - config.error_buffer
         self.max_diff = offset + config.error_buffer
-        self.inserts = 0
-        self.samples = 0
-        self.deletes = 0
+        self.counts = Cells(arena, "limiter", inserts=0, samples=0, deletes=0)
         self.insert_blocked_s = 0.0
         self.sample_blocked_s = 0.0
+
+    @property
+    def inserts(self) -> int:
+        return self.counts.inserts
+
+    @property
+    def samples(self) -> int:
+        return self.counts.samples
+
+    @property
+    def deletes(self) -> int:
+        return self.counts.deletes
 
     @property
     def size(self) -> int:
@@ -87,13 +100,18 @@ class RateLimiter:
         return self.error - n >= self.min_diff
 
     def on_insert(self, n: int) -> None:
-        self.inserts += n
+        self.counts.inserts += n
 
     def on_sample(self, n: int) -> None:
-        self.samples += n
+        self.counts.samples += n
 
     def on_delete(self, n: int) -> None:
-        self.deletes += n
+        self.counts.deletes += n
+
+    def restore(self, size: int) -> None:
+        """After a restart: the table holds ``size`` items (a torn operation may have counted
+        items it then did not keep); the deletes absorb the difference."""
+        self.counts.deletes = self.inserts - size
 
     def on_insert_blocked(self, seconds: float) -> None:
         """Add wall time an insert request waited for ``can_insert`` (measured by the caller)."""

@@ -16,14 +16,20 @@ from typing import Protocol
 
 import numpy as np
 
+from shared.replay.arena import HEAP, Arena, Cells
+
 
 
 class Selector(Protocol):
     removes_on_sample: bool
     """True when ``sample`` forgets the keys it returns (a queue)."""
 
-    def allocate(self, num_slots: int) -> None:
-        """Size the selector for keys in [0, num_slots); the table calls it once."""
+    def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
+        """Size the selector for keys in [0, num_slots); the table calls it once. What must
+        survive a restart is asked for from ``arena``; the rest ``restore`` rebuilds."""
+
+    def restore(self, live: np.ndarray) -> None:
+        """After a restart: exactly the keys where ``live`` [num_slots] bool is True are present."""
 
     def insert(self, keys: np.ndarray) -> None:
         """Make ``keys`` [k] (unique, not present) samplable."""
@@ -55,8 +61,8 @@ class Fifo:
 
     removes_on_sample = True
 
-    def allocate(self, num_slots: int) -> None:
-        self._seq_of = np.full(num_slots, -1, dtype=np.int64)  # -1: not present
+    def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
+        self._seq_of = arena.array("fifo.seq", num_slots, np.int64, fill=-1)  # -1: not present
         self._log_keys = np.empty(2 * num_slots, dtype=np.int64)
         self._log_seq = np.empty(2 * num_slots, dtype=np.int64)
         self._head = 0
@@ -99,6 +105,16 @@ class Fifo:
     def update(self, keys: np.ndarray, priorities: np.ndarray) -> None:
         return None
 
+    def restore(self, live: np.ndarray) -> None:
+        """The log again, in insertion order; a live key without a sequence number (taken by a
+        sample that never completed) goes first, as the oldest."""
+        keys = np.flatnonzero(live)
+        keys = keys[np.argsort(self._seq_of[keys], kind="stable")]  # -1 (no number) sorts first
+        self._seq_of[:] = -1
+        self._head = self._tail = self._size = 0
+        self._next_seq = 0
+        self.insert(keys)
+
     def metrics(self) -> dict[str, float]:
         return {}
 
@@ -124,10 +140,15 @@ class Uniform:
 
     removes_on_sample = False
 
-    def allocate(self, num_slots: int) -> None:
+    def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
         self._dense = np.empty(num_slots, dtype=np.int64)
         self._pos = np.full(num_slots, -1, dtype=np.int64)
         self._size = 0
+
+    def restore(self, live: np.ndarray) -> None:
+        self._pos[:] = -1
+        self._size = 0
+        self.insert(np.flatnonzero(live))
 
     def insert(self, keys: np.ndarray) -> None:
         k = len(keys)
@@ -199,26 +220,34 @@ class Prioritized:
                 f"PrioritizedConfig: need alpha >= 0, eps > 0, beta_steps >= 1; got {config}"
             )
         self.config = config
-        self.max_priority = 1.0
-        self.sample_calls = 0
 
-    def allocate(self, num_slots: int) -> None:
+    def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
         # Imported here: the sum-tree's compiled code (numba) costs a replay process ~1 s to
         # load, which runs with a queue or a uniform table should not pay.
         from shared.replay.sumtree import SumTree
 
-        self._tree = SumTree(num_slots)
+        self._tree = SumTree(num_slots, None if arena is HEAP else arena)
         self._size = 0
+        # max_priority: the raw priority new items get; sample_calls: for beta's anneal.
+        self.state = Cells(arena, "prioritized", np.float64, max_priority=1.0, sample_calls=0)
+
+    def restore(self, live: np.ndarray) -> None:
+        """Priorities stay as they were; an item made live by an insert that never completed
+        gets the priority of new items."""
+        self._tree.rebuild(live)
+        fresh = np.flatnonzero(live & (self._tree.values(np.arange(len(live))) == 0))
+        self._tree.set(fresh, (self.state.max_priority + self.config.eps) ** self.config.alpha)
+        self._size = int(live.sum())
 
     @property
     def beta(self) -> float:
         """The importance-sampling exponent the next ``sample`` call uses."""
         c = self.config
-        frac = min(1.0, self.sample_calls / c.beta_steps)
+        frac = min(1.0, self.state.sample_calls / c.beta_steps)
         return c.beta0 + frac * (c.beta_final - c.beta0)
 
     def insert(self, keys: np.ndarray) -> None:
-        self._tree.set(keys, (self.max_priority + self.config.eps) ** self.config.alpha)
+        self._tree.set(keys, (self.state.max_priority + self.config.eps) ** self.config.alpha)
         self._size += len(keys)
 
     def remove(self, keys: np.ndarray) -> None:
@@ -232,7 +261,7 @@ class Prioritized:
         keys = self._tree.find((np.arange(n) + rng.random(n)) * (total / n))
         ratio = self._tree.values(keys) / self._tree.min  # P(i) / P_min
         weights = ratio ** (-self.beta)
-        self.sample_calls += 1
+        self.state.sample_calls += 1
         return keys, weights.astype(np.float32)
 
     def update(self, keys: np.ndarray, priorities: np.ndarray) -> None:
@@ -243,13 +272,13 @@ class Prioritized:
         lo, hi = float(p.min()), float(p.max())
         if not (lo >= 0 and hi < np.inf):  # also False for NaN
             raise ValueError("Prioritized.update: priorities must be finite and >= 0")
-        self.max_priority = max(self.max_priority, hi)
+        self.state.max_priority = max(self.state.max_priority, hi)
         self._tree.set(keys, (p + self.config.eps) ** self.config.alpha)
 
     def metrics(self) -> dict[str, float]:
         """priority_max: raw priority new items get; priority_alpha_mean: mean (p+eps)^alpha; beta."""
         mean = self._tree.total / self._size if self._size else 0.0
-        return {"priority_max": self.max_priority, "priority_alpha_mean": mean, "beta": self.beta}
+        return {"priority_max": self.state.max_priority, "priority_alpha_mean": mean, "beta": self.beta}
 
     def __len__(self) -> int:
         return self._size

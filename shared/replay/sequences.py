@@ -26,6 +26,7 @@ import numpy as np
 
 from shared.namedarraytuple import leaves, map_leaves, spec_of, with_leading_dims
 from shared.replay import SequenceBatch
+from shared.replay.arena import HEAP, Arena, Cells
 from shared.replay.tables import ColumnRing, _check_like, _check_segment, _field, _segment_dims, _take_into
 
 
@@ -78,9 +79,9 @@ class SequenceStorage:
     """Items are sequences of ``config.length`` steps, keyed by their first step's ring key."""
 
     def __init__(self, segment_spec, columns_per_writer: dict[int, int],
-                 config: SequenceStorageConfig = SequenceStorageConfig(), buffer=None):
+                 config: SequenceStorageConfig = SequenceStorageConfig(), arena: Arena = HEAP):
         """segment_spec: spec of a Samples segment [T, B] of a recurrent agent (agent_info.memory).
-        buffer: optional memory (>= ``nbytes``) for the ring, e.g. a shared-memory mmap."""
+        arena: where the ring lives (shared/replay/arena.py)."""
         self.T, step_spec = _segment_dims(segment_spec)
         _memory_spec(step_spec)
         B_total = sum(columns_per_writer.values())
@@ -91,15 +92,17 @@ class SequenceStorage:
         self.config, self.step_spec = config, step_spec
         # Final observations are never read (windows closed by a truncation are masked), so
         # the frame store keeps only the one write's worth it requires.
-        self.ring = ColumnRing(step_spec, columns_per_writer, rows, buffer, frame_stack=config.frame_store,
+        self.ring = ColumnRing(step_spec, columns_per_writer, rows, arena, frame_stack=config.frame_store,
                                final_slots=self.T * max(columns_per_writer.values()))
+        self.writer_ids = sorted(columns_per_writer)
         self.num_slots = self.ring.rows * self.ring.B_total
         self._offsets = np.arange(config.length, dtype=np.int64)[:, None] * self.ring.B_total  # [L, 1]
         self._batch_specs: dict[int, Any] = {}
-        self.unrebuilt = 0  # frame_store: sequences never made live because a stack did not rebuild
+        # frame_store: sequences never made live because a stack did not rebuild
+        self.counts = Cells(arena, "sequences", unrebuilt=0)
 
     def metrics(self) -> dict[str, float]:
-        return {"frames_unrebuilt_items": float(self.unrebuilt)}
+        return {"frames_unrebuilt_items": float(self.counts.unrebuilt)}
 
     @property
     def nbytes(self) -> int:
@@ -137,12 +140,22 @@ class SequenceStorage:
         if ring.frames is not None:
             steps = (keys[None, :] + self._offsets) % self.num_slots  # [L, S * B_w]
             ok = ring.observation_ok(steps.reshape(-1)).reshape(steps.shape).all(0)
-            self.unrebuilt += int(ok.size - ok.sum())
+            self.counts.unrebuilt += int(ok.size - ok.sum())
             keys = keys[ok]
         return overwritten, keys
 
     def reset_writer(self, writer_id: int) -> None:
         self.ring.reset_writer(writer_id)
+
+    def cursor(self, writer_id: int) -> int:
+        return self.ring.cursor(writer_id)
+
+    def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
+        return self.ring.torn_write(writer_id, cursor, self.T, self.config.length)
+
+    def restore(self, live: np.ndarray) -> np.ndarray:
+        """Nothing to check: sequences never read final observations."""
+        return np.zeros(0, dtype=np.int64)
 
     def check_dest(self, dest, n: int) -> None:
         _check_like(spec_of(dest), self.batch_spec(n), "destination SequenceBatch")

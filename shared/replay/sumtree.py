@@ -79,14 +79,19 @@ class SumTree:
     ``min``. All values start at 0.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, arena=None):
+        """``arena``: where the nodes live (shared/replay/arena.py; None: the heap)."""
         if capacity < 1:
             raise ValueError(f"SumTree capacity must be >= 1, got {capacity}")
         self.capacity = int(capacity)
         self._leaves = 1 << max(0, (self.capacity - 1).bit_length())
         # Node i has children 2i and 2i+1; node 1 is the root; leaves are [L, 2L).
-        self._sum = np.zeros(2 * self._leaves, dtype=np.float64)
-        self._min = np.full(2 * self._leaves, np.inf, dtype=np.float64)
+        if arena is None:
+            self._sum = np.zeros(2 * self._leaves, dtype=np.float64)
+            self._min = np.full(2 * self._leaves, np.inf, dtype=np.float64)
+        else:
+            self._sum = arena.array("sumtree.sum", 2 * self._leaves, np.float64)
+            self._min = arena.array("sumtree.min", 2 * self._leaves, np.float64, fill=np.inf)
 
     @property
     def total(self) -> float:
@@ -113,6 +118,18 @@ class SumTree:
             raise IndexError(f"SumTree index out of range [0, {self.capacity})")
         if err == _BAD_VALUE:
             raise ValueError("SumTree values must be finite and >= 0")
+
+    def rebuild(self, keep: np.ndarray) -> None:
+        """Zero the values where ``keep`` [capacity] bool is False and recompute every parent
+        from the leaves (after a restart, when a torn update may have left parents stale)."""
+        L = self._leaves
+        leaves = self._sum[L : L + self.capacity]
+        leaves[~keep] = 0.0
+        self._min[L : 2 * L] = np.where(self._sum[L : 2 * L] > 0, self._sum[L : 2 * L], np.inf)
+        while L > 1:
+            self._sum[L // 2 : L] = self._sum[L : 2 * L : 2] + self._sum[L + 1 : 2 * L : 2]
+            self._min[L // 2 : L] = np.minimum(self._min[L : 2 * L : 2], self._min[L + 1 : 2 * L : 2])
+            L //= 2
 
     def find(self, prefix_sums: np.ndarray) -> np.ndarray:
         """Item index for each prefix sum [n] in [0, total): the i with cumsum[i-1] <= u < cumsum[i].

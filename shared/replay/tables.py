@@ -18,8 +18,10 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from shared.namedarraytuple import from_spec, leading_len, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
+from shared.namedarraytuple import leading_len, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
+from shared import faults
 from shared.replay import Transition
+from shared.replay.arena import HEAP, OP_DROP, OP_INSERT, OP_NAMES, OP_PRIORITIES, OP_SAMPLE, Arena, Cells
 from shared.replay.frames import FrameStacks, frame_stack_shape
 from shared.replay.nstep import nstep_targets
 from shared.replay.rate_limiter import RateLimiter
@@ -90,6 +92,8 @@ def _take_into(dest_tree, src_tree, idx: np.ndarray) -> None:
 class Storage(Protocol):
     num_slots: int
     """Item keys are in [0, num_slots)."""
+    writer_ids: list[int]
+    """The writers it stores segments of."""
 
     def batch_spec(self, n: int) -> Any:
         """Spec of a destination for ``n`` items (``from_spec`` it, in shm or on the heap)."""
@@ -118,6 +122,17 @@ class Storage(Protocol):
     def policy_version(self, keys: np.ndarray) -> np.ndarray:
         """Policy version [n] int64 of items ``keys`` (the oldest step's, for multi-step items)."""
 
+    def cursor(self, writer_id: int) -> int:
+        """Where the next write of ``writer_id`` goes (recorded before a write: see ``torn_write``)."""
+
+    def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
+        """A write of ``writer_id`` at ``cursor`` was cut by a kill: repair the writer's cursors
+        and return the keys of the items it may have touched (the table drops them)."""
+
+    def restore(self, live: np.ndarray) -> np.ndarray:
+        """After a restart with ``live`` [num_slots] the items present: free what no item holds
+        and return the keys of live items whose data is not intact (the table drops them)."""
+
 
 # ---------------------------------------------------------------- column ring
 
@@ -140,14 +155,14 @@ class ColumnRing:
     reused, so the frames a live step's stack needs are always present.
     """
 
-    def __init__(self, step_spec, columns_per_writer: dict[int, int], live_rows: int, buffer=None,
+    def __init__(self, step_spec, columns_per_writer: dict[int, int], live_rows: int, arena: Arena = HEAP,
                  frame_stack: bool = False, final_slots: int = 0):
         """live_rows: steps per column an item may live in. frame_stack: deduplicate frame
         stacks (observation must be one [K, H, W] uint8 array). final_slots: frame_stack only,
-        final frames kept (>= the done steps of one write). buffer: optional memory
-        (>= ``nbytes``) for everything the ring stores, e.g. a shared-memory mmap."""
-        if not columns_per_writer or min(columns_per_writer.values()) < 1:
-            raise ValueError(f"columns_per_writer needs >= 1 column per writer, got {columns_per_writer}")
+        final frames kept (>= the done steps of one write). arena: where the steps and the
+        writers' cursors live (shared/replay/arena.py)."""
+        if not columns_per_writer or min(columns_per_writer.values()) < 1 or min(columns_per_writer) < 0:
+            raise ValueError(f"columns_per_writer needs writer ids >= 0 with >= 1 column each, got {columns_per_writer}")
         self.offsets: dict[int, int] = {}
         self.widths = dict(columns_per_writer)
         for w in sorted(columns_per_writer):
@@ -162,23 +177,18 @@ class ColumnRing:
                 [f, None if f in ("observation", "final_observation") else c] for f, c in step_spec["fields"]]}
         self.rows = self.live_rows + (K - 1 if frame_stack else 0)
         self.steps_spec = with_leading_dims(stored, [self.rows, self.B_total])
-        n_steps = spec_nbytes(self.steps_spec)
-        view = None if buffer is None else memoryview(buffer).cast("B")
-        self.data = from_spec(self.steps_spec, None if view is None else view[:n_steps])
+        self.data = arena.tree("ring", self.steps_spec)
         self.flat = map_leaves(lambda a: a.reshape(self.rows * self.B_total, *a.shape[2:]), self.data)
-        self.spec = self.steps_spec
         if frame_stack:
-            self.frames = FrameStacks(K, H, W, self.rows, self.B_total, final_slots,
-                                      None if view is None else view[n_steps:])
-            # One spec for the whole buffer (a peer attaching it sees steps, then frames).
-            self.spec = {"type": "FrameRingData", "fields": [["steps", self.steps_spec], ["frames", self.frames.spec]]}
-        self.written = {w: 0 for w in self.widths}  # steps written by w since the table began
-        self.traj_start = {w: 0 for w in self.widths}  # first step of w's current trajectory
+            self.frames = FrameStacks(K, H, W, self.rows, self.B_total, final_slots, arena)
+        cursors = arena.array("ring.cursors", (max(self.widths) + 1, 2), np.int64)
+        self.written = cursors[:, 0]  # steps written by writer w since the table began
+        self.traj_start = cursors[:, 1]  # first step of w's current trajectory
 
     @property
     def nbytes(self) -> int:
-        """Bytes a ``buffer`` must have."""
-        return spec_nbytes(self.spec)
+        """Bytes of the steps and frames."""
+        return spec_nbytes(self.steps_spec) + (0 if self.frames is None else self.frames.nbytes)
 
     def width(self, writer_id: int) -> int:
         """B of ``writer_id``; ValueError for a writer the table was not built for."""
@@ -227,6 +237,25 @@ class ColumnRing:
     def reset_writer(self, writer_id: int) -> None:
         self.width(writer_id)
         self.traj_start[writer_id] = self.written[writer_id]
+
+    def cursor(self, writer_id: int) -> int:
+        """Steps ``writer_id`` has written (ValueError for an unknown writer)."""
+        self.width(writer_id)
+        return int(self.written[writer_id])
+
+    def torn_write(self, writer_id: int, cursor: int, T: int, window: int) -> np.ndarray:
+        """A write of ``T`` steps of ``writer_id`` from step ``cursor`` was cut by a kill.
+        Skip past its rows (they start no trajectory: a seam) and return the keys of every
+        item it may have touched: items of the steps it wrote and of the ``window`` steps
+        before (whose multi-step windows reach into them), and those it evicted."""
+        end = cursor + T
+        steps = np.concatenate([np.arange(max(cursor - window, 0), end),
+                                np.arange(max(cursor - self.live_rows, 0), max(end - self.live_rows, 0))])
+        keys = self.keys(writer_id, steps).reshape(-1)
+        self.written[writer_id] = self.traj_start[writer_id] = end
+        if self.frames is not None:
+            self.frames.stack_ok[keys] = self.frames.final_ok[keys] = False
+        return keys
 
     def gather_observation(self, keys: np.ndarray, out) -> None:
         """out[i] = the observation of step ``keys[i]``; ``out`` leaves [n, ...] as Samples.observation."""
@@ -316,11 +345,11 @@ class TransitionStorage:
         segment_spec,
         columns_per_writer: dict[int, int],
         config: TransitionStorageConfig = TransitionStorageConfig(),
-        buffer=None,
+        arena: Arena = HEAP,
     ):
         """segment_spec: spec of a Samples segment (leaves lead with [T, B]; B is ignored,
-        ``columns_per_writer`` gives each writer's). buffer: optional memory (>= ``nbytes``)
-        to hold the ring, e.g. a shared-memory mmap."""
+        ``columns_per_writer`` gives each writer's). arena: where the state lives
+        (shared/replay/arena.py: shared memory that outlives the process, or the heap)."""
         self.T, step_spec = _segment_dims(segment_spec)
         for name in ("observation", "action", "reward", "terminated", "truncated",
                      "final_observation", "policy_version"):
@@ -338,33 +367,27 @@ class TransitionStorage:
         self.step_spec = step_spec
         # A write never drops the final frames it adds itself.
         final_slots = max(config.final_frames or config.capacity // 32, self.T * max(columns_per_writer.values()))
-        self.ring = ColumnRing(step_spec, columns_per_writer, rows, buffer, frame_stack=config.frame_store,
+        self.ring = ColumnRing(step_spec, columns_per_writer, rows, arena, frame_stack=config.frame_store,
                                final_slots=final_slots)
+        self.writer_ids = sorted(columns_per_writer)
         self.num_slots = self.ring.rows * self.ring.B_total
-        self.return_ = np.zeros(self.num_slots, dtype=np.float32)
-        self.discount = np.zeros(self.num_slots, dtype=np.float32)
-        self.bootstrap_key = np.zeros(self.num_slots, dtype=np.int64)
-        self.bootstrap_final = np.zeros(self.num_slots, dtype=bool)
+        self.return_ = arena.array("return", self.num_slots, np.float32)
+        self.discount = arena.array("discount", self.num_slots, np.float32)
+        self.bootstrap_key = arena.array("bootstrap_key", self.num_slots, np.int64)
+        self.bootstrap_final = arena.array("bootstrap_final", self.num_slots, bool)
         self._batch_specs: dict[int, Any] = {}
         # frame_store: items never made live because a stack did not rebuild exactly (the K - 1
         # steps after a seam that cut an episode; all episode starts if the padding is not
         # FrameStackObservation's "reset"), and items dropped with a final frame.
-        self.unrebuilt = 0
-        self.final_frame_evictions = 0
+        self.counts = Cells(arena, "transitions", unrebuilt=0, final_frame_evictions=0)
 
     def metrics(self) -> dict[str, float]:
-        return {"frames_unrebuilt_items": float(self.unrebuilt),
-                "final_frame_evictions": float(self.final_frame_evictions)}
-
-    @property
-    def storage_spec(self) -> Any:
-        """Spec of the data that ``buffer`` holds: the Samples structure with dims [rows, B_total]
-        (frame_store: FrameRingData, those steps without observations, then the frames)."""
-        return self.ring.spec
+        return {"frames_unrebuilt_items": float(self.counts.unrebuilt),
+                "final_frame_evictions": float(self.counts.final_frame_evictions)}
 
     @property
     def nbytes(self) -> int:
-        """Bytes a ``buffer`` must have."""
+        """Bytes of the ring (steps and frames; the per-item targets come on top)."""
         return self.ring.nbytes
 
     def batch_spec(self, n: int) -> Any:
@@ -393,7 +416,7 @@ class TransitionStorage:
         overwritten, lost_final = ring.write(writer_id, samples)
         if lost_final.size:
             lost = self._bootstrapping_from_final(lost_final)
-            self.final_frame_evictions += lost.size
+            self.counts.final_frame_evictions += lost.size
             overwritten = np.union1d(overwritten, lost)
 
         window = {f: np.concatenate([old[f], getattr(samples, f)]) for f in old}
@@ -411,7 +434,7 @@ class TransitionStorage:
         # Only items whose observations the ring returns exactly (always true without frame_store).
         ok = ring.observation_ok(keys) & np.where(from_final, ring.final_observation_ok(boot_keys),
                                                    ring.observation_ok(boot_keys))
-        self.unrebuilt += int(ok.size - ok.sum())
+        self.counts.unrebuilt += int(ok.size - ok.sum())
         keys, j, b, boot_keys, from_final = keys[ok], j[ok], b[ok], boot_keys[ok], from_final[ok]
         self.return_[keys] = tg.return_[j, b]
         self.discount[keys] = tg.discount[j, b]
@@ -430,6 +453,19 @@ class TransitionStorage:
 
     def reset_writer(self, writer_id: int) -> None:
         self.ring.reset_writer(writer_id)
+
+    def cursor(self, writer_id: int) -> int:
+        return self.ring.cursor(writer_id)
+
+    def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
+        return self.ring.torn_write(writer_id, cursor, self.T, self.config.n_step)
+
+    def restore(self, live: np.ndarray) -> np.ndarray:
+        """frame_store: live items whose final frame a torn write took."""
+        if self.ring.frames is None:
+            return _NO_KEYS
+        keys = np.flatnonzero(live & self.bootstrap_final)
+        return keys[~self.ring.frames.owns_final(self.bootstrap_key[keys])]
 
     def check_dest(self, dest, n: int) -> None:
         _check_like(spec_of(dest), self.batch_spec(n), "destination Transition batch")
@@ -480,10 +516,10 @@ class SegmentStorage:
         segment_spec,
         columns_per_writer: dict[int, int],
         config: SegmentStorageConfig = SegmentStorageConfig(),
-        buffer=None,
+        arena: Arena = HEAP,
     ):
-        """segment_spec: spec of a Samples segment (leaves lead with [T, B]); buffer:
-        optional memory (>= ``nbytes``) for the slots, e.g. a shared-memory mmap."""
+        """segment_spec: spec of a Samples segment (leaves lead with [T, B]); arena: where
+        the slots live (shared/replay/arena.py)."""
         self.T, self.step_spec = _segment_dims(segment_spec)
         _field(self.step_spec, "policy_version")
         widths = set(columns_per_writer.values())
@@ -492,16 +528,16 @@ class SegmentStorage:
         if config.capacity < 1:
             raise ValueError(f"SegmentStorageConfig.capacity must be >= 1, got {config.capacity}")
         self.B = widths.pop()
-        self.writers = set(columns_per_writer)
+        self.writer_ids = sorted(columns_per_writer)
         self.num_slots = config.capacity
         self.storage_spec = self.batch_spec(config.capacity)
-        self.data = from_spec(self.storage_spec, buffer)
-        self.occupied = np.zeros(self.num_slots, dtype=bool)
-        self.version = np.full(self.num_slots, -1, dtype=np.int64)
+        self.data = arena.tree("queue", self.storage_spec)
+        self.occupied = arena.array("occupied", self.num_slots, bool)
+        self.version = arena.array("version", self.num_slots, np.int64, fill=-1)
 
     @property
     def nbytes(self) -> int:
-        """Bytes a ``buffer`` must have."""
+        """Bytes of the slots."""
         return spec_nbytes(self.storage_spec)
 
     def batch_spec(self, n: int) -> Any:
@@ -521,8 +557,8 @@ class SegmentStorage:
         return not self.occupied.all()
 
     def write(self, writer_id: int, samples, bootstrap_value, bootstrap_observation) -> tuple[np.ndarray, np.ndarray]:
-        if writer_id not in self.writers:
-            raise ValueError(f"unknown writer_id {writer_id}; writers are {sorted(self.writers)}")
+        if writer_id not in self.writer_ids:
+            raise ValueError(f"unknown writer_id {writer_id}; writers are {self.writer_ids}")
         T = _check_segment(samples, self.step_spec, self.B, f"segment of writer {writer_id}")
         if T != self.T:
             raise ValueError(f"segment of writer {writer_id}: T={T}, the queue stores T={self.T}")
@@ -543,6 +579,18 @@ class SegmentStorage:
 
     def reset_writer(self, writer_id: int) -> None:
         """No-op: a segment is self-contained (it carries its own bootstrap_value)."""
+
+    def cursor(self, writer_id: int) -> int:
+        return 0
+
+    def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
+        """Nothing of another item: a write fills one free slot, which ``restore`` frees."""
+        return _NO_KEYS
+
+    def restore(self, live: np.ndarray) -> np.ndarray:
+        """Free the slots of items that never became live (a torn write) or left by a torn sample."""
+        self.occupied &= live
+        return _NO_KEYS
 
     def check_dest(self, dest, n: int) -> None:
         _check_like(spec_of(dest), self.batch_spec(n), "destination OnPolicyBatch")
@@ -595,18 +643,25 @@ class Table:
     update carrying the generation seen at sample time is applied only to that same item.
     """
 
-    def __init__(self, storage: Storage, selector: Selector, rate_limiter: RateLimiter, seed: int = 0):
+    def __init__(self, storage: Storage, selector: Selector, rate_limiter: RateLimiter, seed: int = 0,
+                 arena: Arena = HEAP):
+        """``arena``: where the table's state lives, the same one its storage and rate limiter
+        were given (shared/replay/arena.py). A restored arena (a replay restarted after a kill)
+        is checked and repaired here (``recover``)."""
         self.storage = storage
         self.selector = selector
         self.rate_limiter = rate_limiter
-        selector.allocate(storage.num_slots)
-        self.live = np.zeros(storage.num_slots, dtype=bool)
-        self.generation = np.zeros(storage.num_slots, dtype=np.int64)
-        self.rng = np.random.default_rng(seed)
-        self.evicted = 0
-        self.dropped_stale = 0
-        self.priority_updates = 0
-        self.priority_updates_ignored = 0
+        self.arena = arena
+        selector.allocate(storage.num_slots, arena)
+        self.live = arena.array("live", storage.num_slots, bool)
+        self.generation = arena.array("generation", storage.num_slots, np.int64)
+        # Per writer id: the incarnation that said hello and the serial of its last inserted segment.
+        self.writers = arena.array("writers", (max(storage.writer_ids) + 1, 2), np.int64)
+        self.rng = np.random.default_rng([seed, arena.restarts])
+        self.counts = Cells(arena, "table", evicted=0, dropped_stale=0, priority_updates=0,
+                            priority_updates_ignored=0, torn_items=0)
+        self.recovered = self.recover() if arena.restored else None
+        arena.ready()
 
     @property
     def size(self) -> int:
@@ -618,20 +673,42 @@ class Table:
             self.storage.items_per_write(writer_id)
         )
 
-    def insert(self, writer_id: int, samples, bootstrap_value=None, bootstrap_observation=None) -> np.ndarray:
+    def attach_writer(self, writer_id: int, incarnation: int) -> int:
+        """Writer ``writer_id`` said hello. Returns the serial of the last segment inserted from
+        this ``incarnation`` (the table outlived its replay process, the writer did not), or 0
+        for a new incarnation, whose first segment then starts a new trajectory.
+        ValueError for a writer the table was not built for."""
+        if writer_id not in self.storage.writer_ids:
+            raise ValueError(f"unknown writer_id {writer_id}; writers are {self.storage.writer_ids}")
+        if self.writers[writer_id, 0] == incarnation:
+            return int(self.writers[writer_id, 1])
+        self.storage.reset_writer(writer_id)
+        self.writers[writer_id] = incarnation, 0
+        return 0
+
+    def insert(self, writer_id: int, samples, bootstrap_value=None, bootstrap_observation=None,
+               serial: int | None = None) -> np.ndarray:
         """Copy one segment (Samples [T, B_w]; bootstrap_value [B_w] f32 and bootstrap_observation
         [B_w, ...], needed by SegmentStorage) into the table; return the keys of the items that
-        became samplable. The segment's memory may be released as soon as this returns."""
+        became samplable. The segment's memory may be released as soon as this returns.
+        ``serial``: the writer's number for the segment, recorded with it (``attach_writer``)."""
         if not self.can_insert(writer_id):
             raise RuntimeError(f"Table.insert from writer {writer_id} while can_insert is False")
-        overwritten, added = self.storage.write(writer_id, samples, bootstrap_value, bootstrap_observation)
-        evicted = overwritten[self.live[overwritten]]
-        self._forget(evicted)
-        self.evicted += len(evicted)
-        self.generation[added] += 1
-        self.live[added] = True
-        self.selector.insert(added)
-        self.rate_limiter.on_insert(len(added))
+        self.arena.begin(OP_INSERT, writer_id, self.storage.cursor(writer_id))
+        try:
+            overwritten, added = self.storage.write(writer_id, samples, bootstrap_value, bootstrap_observation)
+            faults.point("replay.insert")
+            evicted = overwritten[self.live[overwritten]]
+            self._forget(evicted)
+            self.counts.evicted += len(evicted)
+            self.generation[added] += 1
+            self.live[added] = True
+            self.selector.insert(added)
+            self.rate_limiter.on_insert(len(added))
+            if serial is not None:
+                self.writers[writer_id, 1] = serial
+        finally:
+            self.arena.end()
         return added
 
     def reset_writer(self, writer_id: int) -> None:
@@ -650,19 +727,23 @@ class Table:
         self.storage.check_dest(dest, n)
         if not self.can_sample(n):
             raise RuntimeError(f"Table.sample_into({n}) while can_sample is False")
-        keys, weights = self.selector.sample(n, self.rng)
-        info = {
-            "keys": keys,
-            "generations": self.generation[keys],
-            "is_weights": weights,
-            "policy_versions": self.storage.policy_version(keys),
-        }
-        self.storage.gather(keys, weights, dest)
-        if self.selector.removes_on_sample:
-            self.live[keys] = False
-            self.storage.release(keys)
-            self.rate_limiter.on_delete(n)
-        self.rate_limiter.on_sample(n)
+        self.arena.begin(OP_SAMPLE)
+        try:
+            keys, weights = self.selector.sample(n, self.rng)
+            info = {
+                "keys": keys,
+                "generations": self.generation[keys],
+                "is_weights": weights,
+                "policy_versions": self.storage.policy_version(keys),
+            }
+            self.storage.gather(keys, weights, dest)
+            if self.selector.removes_on_sample:
+                self.live[keys] = False
+                self.storage.release(keys)
+                self.rate_limiter.on_delete(n)
+            self.rate_limiter.on_sample(n)
+        finally:
+            self.arena.end()
         return info
 
     def update_priorities(self, keys: np.ndarray, generations: np.ndarray, priorities: np.ndarray) -> int:
@@ -679,10 +760,14 @@ class Table:
         if keys.size and (keys.min() < 0 or keys.max() >= self.storage.num_slots):
             raise ValueError(f"update_priorities: keys must be in [0, {self.storage.num_slots})")
         ok = self.live[keys] & (self.generation[keys] == generations)
-        self.selector.update(keys[ok], priorities[ok])
+        self.arena.begin(OP_PRIORITIES)
+        try:
+            self.selector.update(keys[ok], priorities[ok])
+        finally:
+            self.arena.end()
         applied = int(ok.sum())
-        self.priority_updates += applied
-        self.priority_updates_ignored += len(keys) - applied
+        self.counts.priority_updates += applied
+        self.counts.priority_updates_ignored += len(keys) - applied
         return applied
 
     def drop_older_than(self, min_version: int) -> np.ndarray:
@@ -690,17 +775,44 @@ class Table:
         returns their keys. Scans all slots: meant for the small on-policy queue."""
         keys = np.flatnonzero(self.live)
         stale = keys[self.storage.policy_version(keys) < min_version]
-        self._forget(stale)
-        self.dropped_stale += len(stale)
+        if stale.size:
+            self.arena.begin(OP_DROP)
+            try:
+                self._forget(stale)
+            finally:
+                self.arena.end()
+        self.counts.dropped_stale += len(stale)
         return stale
+
+    def recover(self) -> dict[str, object]:
+        """After a restart on a restored arena: repair what an operation cut by the kill left
+        (a torn insert drops the items it touched; a torn sample, priority update or drop
+        leaves the items as they are), drop items whose data is not intact, and rebuild the
+        selector and the rate limiter's size from the items present.
+        Returns {"op": the torn operation or "none", "dropped": items dropped, "size": items kept,
+        "inserts", "samples": the rate limiter's counters, and the selector's metrics}."""
+        op, writer, cursor = self.arena.torn()
+        drop = self.storage.torn_write(writer, cursor) if op == OP_INSERT else _NO_KEYS
+        dropped = int(self.live[drop].sum())
+        self.live[drop] = False
+        bad = self.storage.restore(self.live)
+        dropped += int(self.live[bad].sum())
+        self.live[bad] = False
+        self.selector.restore(self.live)
+        self.rate_limiter.restore(int(self.live.sum()))
+        self.counts.torn_items += dropped
+        return {"op": OP_NAMES[op], "dropped": dropped, "size": self.size, "inserts": self.rate_limiter.inserts,
+                "samples": self.rate_limiter.samples, **self.selector.metrics()}
 
     def metrics(self) -> dict[str, float]:
         out = {
             "size": float(self.size),
-            "evicted": float(self.evicted),
-            "dropped_stale": float(self.dropped_stale),
-            "priority_updates": float(self.priority_updates),
-            "priority_updates_ignored": float(self.priority_updates_ignored),
+            "evicted": float(self.counts.evicted),
+            "dropped_stale": float(self.counts.dropped_stale),
+            "priority_updates": float(self.counts.priority_updates),
+            "priority_updates_ignored": float(self.counts.priority_updates_ignored),
+            "torn_items": float(self.counts.torn_items),
+            "restarts": float(self.arena.restarts),
         }
         out.update(self.rate_limiter.metrics())
         out.update(self.selector.metrics())

@@ -1,0 +1,216 @@
+"""Where a replay table keeps its state: the heap, or named shared memory that outlives the process.
+
+Every array a table's parts hold (the ring of steps, n-step targets, live flags and
+generations, priorities and the sum-tree, rate-limiter counters, writer cursors and serials)
+is asked for from an *arena* by name. ``HEAP`` hands out fresh arrays. ``ShmArena`` puts
+each one in its own segment ``rlpipe-<run>-replay<i>-t.<name>`` next to a header segment
+``...-table`` that says what they hold:
+
+- a magic number, the layout version and a fingerprint of the table's layout (config,
+  segment spec, writers): a replay restarted with another layout does not re-attach;
+- ``complete``: set once the table is built, so a kill during construction is not mistaken
+  for a table;
+- the operation in progress (insert, sample, priorities, drop) and its writer and cursor,
+  set before a mutation starts and cleared when it ends: a torn write at the moment of a
+  ``kill -9`` shows up here at the next start (``Table.recover`` repairs what it touched).
+
+A process that dies by ``kill -9`` leaves the segments; the restarted replay re-attaches
+(``restored``). A normal exit unlinks them (they are registered as owned, like every segment
+of a service), and ``rlpipe clean`` removes them with the rest of the run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import numpy as np
+
+from shared import shm
+from shared.namedarraytuple import from_spec, spec_nbytes
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x726C7069_70657462  # "rlpipetb"
+LAYOUT_VERSION = 1
+# Header cells (int64).
+_MAGIC, _VERSION, _FINGERPRINT, _COMPLETE, _OP, _OP_WRITER, _OP_CURSOR, _RESTARTS = range(8)
+_HEADER_CELLS = 16
+
+OP_NONE, OP_INSERT, OP_SAMPLE, OP_PRIORITIES, OP_DROP = range(5)
+OP_NAMES = {OP_NONE: "none", OP_INSERT: "insert", OP_SAMPLE: "sample", OP_PRIORITIES: "priorities", OP_DROP: "drop"}
+
+
+class Arena:
+    """State on the heap: nothing survives the process (the default, and serial mode's)."""
+
+    restored = False
+    """True when the arrays handed out hold a previous process's table."""
+
+    def array(self, name: str, shape, dtype, fill=0) -> np.ndarray:
+        return np.full(shape, fill, dtype=dtype)
+
+    def tree(self, name: str, spec, fill: bool = True) -> Any:
+        """A namedarraytuple laid out as ``spec``; fresh ones hold from_spec's sentinels if ``fill``."""
+        return from_spec(spec, fill=fill)
+
+    def begin(self, op: int, writer: int = -1, cursor: int = 0) -> None:
+        """A mutation starts (see the module doc); ``end`` when it is complete."""
+
+    def end(self) -> None:
+        pass
+
+    def torn(self) -> tuple[int, int, int]:
+        """(op, writer, cursor) that a killed process left in progress; op OP_NONE if none."""
+        return OP_NONE, -1, 0
+
+    def ready(self) -> None:
+        """The table is built (and recovered): a restart may re-attach from now on."""
+
+    @property
+    def restarts(self) -> int:
+        """Times the table was re-attached after its process died."""
+        return 0
+
+    def unlink(self) -> None:
+        pass
+
+
+HEAP = Arena()
+
+
+def fingerprint(*parts) -> int:
+    """A stable 63-bit hash of JSON-able ``parts`` (what decides a table's layout)."""
+    digest = hashlib.blake2b(json.dumps(parts, sort_keys=True, default=repr).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+class ShmArena(Arena):
+    """Table state in named shared memory of replay ``instance`` of run ``run_id``.
+
+    ``fingerprint``: of everything that decides the layout; a header with another one (or an
+    incomplete table) is discarded, with its segments, and the table starts empty.
+    """
+
+    def __init__(self, run_id: str, instance: int, fingerprint: int):
+        self.run_id, self.instance = run_id, instance
+        self._segments: dict[str, shm.Segment] = {}
+        self.restored = False
+        name = self._name("table")
+        try:
+            seg = shm.Segment.attach(name)
+        except FileNotFoundError:
+            seg = None
+        if seg is not None:
+            problem = self._header_problem(seg, fingerprint)
+            if problem is None:
+                self.restored = True
+                seg.adopt()
+                self.header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
+                self.header[_RESTARTS] += 1
+                self._segments[name] = seg
+                log.info("replay table found in shared memory (restart %d): re-attaching", self.header[_RESTARTS])
+            else:
+                log.warning("replay table in shared memory not used (%s): starting empty", problem)
+                seg.close()
+        if not self.restored:
+            for path in shm.run_segments(run_id):
+                if path.name.startswith(self._name("t.")) or path.name == name:
+                    path.unlink()
+            seg = shm.Segment.create(name, _HEADER_CELLS * 8)
+            self.header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
+            self.header[:] = 0
+            self.header[[_MAGIC, _VERSION, _FINGERPRINT]] = MAGIC, LAYOUT_VERSION, fingerprint
+            self._segments[name] = seg
+
+    def _name(self, purpose: str) -> str:
+        return shm.segment_name(self.run_id, "replay", self.instance, purpose)
+
+    @staticmethod
+    def _header_problem(seg: shm.Segment, fingerprint: int) -> str | None:
+        if seg.size != _HEADER_CELLS * 8:
+            return f"header of {seg.size} bytes"
+        h = np.frombuffer(seg.mmap, np.int64)
+        if h[_MAGIC] != MAGIC or h[_VERSION] != LAYOUT_VERSION:
+            return "not a table header of this version"
+        if h[_FINGERPRINT] != fingerprint:
+            return "another layout: config, samplers or segment spec changed"
+        if not h[_COMPLETE]:
+            return "its construction did not finish"
+        return None
+
+    def _segment(self, name: str, nbytes: int) -> tuple[shm.Segment, bool]:
+        """(segment ``t.<name>`` of ``nbytes`` bytes, whether it is fresh)."""
+        full = self._name(f"t.{name}")
+        if full in self._segments:
+            raise ValueError(f"replay table state {name!r} asked for twice: two parts use one name")
+        if self.restored:
+            seg = shm.Segment.attach(full).adopt()
+            if seg.size != max(nbytes, 1):
+                raise ValueError(f"replay table segment {full}: {seg.size} bytes, the layout needs {nbytes}")
+            fresh = False
+        else:
+            seg, fresh = shm.Segment.create(full, max(nbytes, 1)), True
+        self._segments[full] = seg
+        return seg, fresh
+
+    def array(self, name: str, shape, dtype, fill=0) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in np.atleast_1d(shape))
+        seg, fresh = self._segment(name, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        arr = np.ndarray(shape, dtype, seg.mmap)
+        if fresh and np.any(fill != 0):
+            arr[...] = fill
+        return arr
+
+    def tree(self, name: str, spec, fill: bool = True) -> Any:
+        seg, fresh = self._segment(name, spec_nbytes(spec))
+        return from_spec(spec, seg.mmap, fill=fill and fresh)
+
+    def begin(self, op: int, writer: int = -1, cursor: int = 0) -> None:
+        h = self.header
+        h[_OP_WRITER], h[_OP_CURSOR] = writer, cursor
+        h[_OP] = op  # last: a kill before this line leaves no trace, and nothing was changed yet
+
+    def end(self) -> None:
+        self.header[_OP] = OP_NONE
+
+    def torn(self) -> tuple[int, int, int]:
+        h = self.header
+        return int(h[_OP]), int(h[_OP_WRITER]), int(h[_OP_CURSOR])
+
+    def ready(self) -> None:
+        self.header[_OP] = OP_NONE
+        self.header[_COMPLETE] = 1
+
+    @property
+    def restarts(self) -> int:
+        return int(self.header[_RESTARTS])
+
+    def unlink(self) -> None:
+        for seg in self._segments.values():
+            seg.unlink()
+
+
+class Cells:
+    """Named scalars in one arena array: the counters and cursors a table part must keep
+    across a restart. ``cells.name`` reads a Python number, ``cells.name = v`` writes it."""
+
+    def __init__(self, arena: Arena, name: str, dtype=np.int64, **initial):
+        index = {k: i for i, k in enumerate(initial)}
+        values = arena.array(name, len(index), dtype, fill=np.array(list(initial.values()), dtype=dtype))
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str):
+        try:
+            return self._values[self._index[name]].item()
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in self._index:
+            raise AttributeError(f"no cell {name!r}; cells are {list(self._index)}")
+        self._values[self._index[name]] = value

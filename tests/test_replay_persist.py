@@ -1,0 +1,154 @@
+"""A replay table in shared memory outlives its process: kill -9, a torn insert, another layout.
+
+A child process builds a prioritized n-step table in named shared memory and is killed by
+SIGKILL, either after its last operation or in the middle of an insert (``RLPIPE_FAULT``).
+This process then re-attaches, as a restarted replay does, and compares with a replica of
+the same operations on the heap.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared import shm
+from shared.namedarraytuple import from_spec, spec_of
+from shared.replay.arena import HEAP, ShmArena, fingerprint
+from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
+from shared.replay.selectors import Prioritized
+from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from tests.test_tables import Reference, _check_batch, _segment
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTHS, T, N, GAMMA, ROWS = {0: 2, 1: 3}, 5, 3, 0.9, 200
+INCARNATION = 1_700_000_000_000_000_000
+SPEC = spec_of(_segment(0, np.arange(T), 2, np.random.default_rng(0)))
+LAYOUT = fingerprint("persist-test", WIDTHS, T, N)
+
+
+def _table(arena):
+    cfg = TransitionStorageConfig(capacity=ROWS * sum(WIDTHS.values()), n_step=N, gamma=GAMMA)
+    return Table(TransitionStorage(SPEC, WIDTHS, cfg, arena), Prioritized(),
+                 RateLimiter(RateLimiterConfig(min_size_to_sample=2), arena), seed=3, arena=arena)
+
+
+def _segments(rounds):
+    rng = np.random.default_rng(7)
+    return [(w, _segment(w, np.arange(i * T, (i + 1) * T), WIDTHS[w], rng)) for i in range(rounds) for w in WIDTHS]
+
+
+def _run(table, inserts):
+    """What a replay does: ``inserts`` segments with serials, samples and priority updates between."""
+    rng = np.random.default_rng(11)
+    dest = from_spec(table.storage.batch_spec(16))
+    for w in WIDTHS:
+        table.attach_writer(w, INCARNATION)
+    for k, (w, seg) in enumerate(_segments(8)[:inserts]):
+        table.insert(w, seg, serial=k // len(WIDTHS) + 1)
+        if table.can_sample(16):
+            info = table.sample_into(dest, 16)
+            table.update_priorities(info["keys"], info["generations"], rng.random(16) * 3)
+
+
+def child(run_id: str) -> None:
+    """Build the table in shared memory, run all operations, then die as kill -9 does."""
+    _run(_table(ShmArena(run_id, 0, LAYOUT)), 16)
+    os.kill(os.getpid(), 9)
+
+
+def _kill_child(run_id: str, fault: str | None) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if fault:
+        env["RLPIPE_FAULT"] = fault
+    proc = subprocess.run([sys.executable, "-c", f"import tests.test_replay_persist as t; t.child({run_id!r})"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr
+
+
+@pytest.fixture
+def run_id():
+    rid = f"persist{os.getpid()}"
+    yield rid
+    shm.clean(rid)
+
+
+def _priorities(table):
+    return table.selector._tree.values(np.arange(table.storage.num_slots))
+
+
+def test_a_table_killed_between_operations_comes_back_exactly(run_id):
+    _kill_child(run_id, None)
+    replica = _table(HEAP)
+    _run(replica, 16)
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    assert table.arena.restored and table.arena.restarts == 1
+    assert table.recovered["op"] == "none" and table.recovered["dropped"] == 0
+    assert table.size == replica.size > 100
+    np.testing.assert_array_equal(table.live, replica.live)
+    np.testing.assert_array_equal(table.generation, replica.generation)
+    np.testing.assert_array_equal(_priorities(table), _priorities(replica))
+    assert table.selector._tree.total == pytest.approx(replica.selector._tree.total, rel=1e-12)
+    for name in ("inserts", "samples", "deletes"):
+        assert getattr(table.rate_limiter, name) == getattr(replica.rate_limiter, name)
+    assert table.selector.metrics() == replica.selector.metrics()  # max priority, beta (sample calls)
+    for name in ("return_", "discount", "bootstrap_key", "bootstrap_final"):
+        np.testing.assert_array_equal(getattr(table.storage, name), getattr(replica.storage, name))
+    np.testing.assert_array_equal(table.storage.ring.written, replica.storage.ring.written)
+    # The samplers, unrestarted, resume after their last serial; a restarted one starts anew.
+    assert table.attach_writer(0, INCARNATION) == 8
+    assert table.attach_writer(1, INCARNATION + 1) == 0
+    table.arena.unlink()
+    assert not shm.run_segments(run_id)
+
+
+def test_a_kill_in_the_middle_of_an_insert_drops_only_what_it_touched_and_serves_consistent_data(run_id):
+    _kill_child(run_id, "replay.insert:11")  # the 11th insert: writer 0's segment of steps 25..29
+    replica = _table(HEAP)
+    _run(replica, 10)
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    r = table.recovered
+    lost = replica.live & ~table.live
+    assert r["op"] == "insert" and r["dropped"] == lost.sum() > 0
+    assert not (table.live & ~replica.live).any()
+    # Only writer 0's items of the steps the insert wrote or reached into (n - 1 before it) left.
+    keys = np.flatnonzero(lost)
+    cols, rows = keys % sum(WIDTHS.values()), keys // sum(WIDTHS.values())
+    assert set(cols) <= {0, 1} and rows.min() >= 25 - N
+    kept = table.live
+    for name in ("return_", "discount", "bootstrap_key"):
+        np.testing.assert_array_equal(getattr(table.storage, name)[kept], getattr(replica.storage, name)[kept])
+    np.testing.assert_array_equal(_priorities(table)[kept], _priorities(replica)[kept])
+    assert table.size == table.rate_limiter.size == kept.sum()
+    assert table.rate_limiter.samples == replica.rate_limiter.samples
+    # The serial was not recorded: the sampler resends the segment, and it goes in after a seam.
+    assert table.attach_writer(0, INCARNATION) == 5
+    w, seg = _segments(8)[10]
+    before = table.size
+    table.insert(w, seg, serial=6)
+    assert table.size >= before + WIDTHS[0] * (T - N)
+    ref = Reference(WIDTHS, ROWS, N, GAMMA)
+    for k, (w, seg) in enumerate(_segments(8)[:11]):
+        if k == 10:
+            ref.reset(w)
+        ref.add(w, seg)
+    live = ref.live()
+    dest = from_spec(table.storage.batch_spec(table.size))
+    table.sample_into(dest, table.size)
+    ids = _check_batch(dest, live)  # every item sampled is what the samplers sent
+    assert any(w == 0 and t >= 25 for w, c, t in ids)  # the resent segment's items among them
+    table.arena.unlink()
+
+
+def test_a_table_of_another_layout_is_not_attached(run_id, caplog):
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    _run(table, 6)
+    other = ShmArena(run_id, 0, LAYOUT + 1)
+    assert not other.restored and "another layout" in caplog.text
+    assert _table(other).size == 0
+    other.unlink()
+    assert not shm.run_segments(run_id)
