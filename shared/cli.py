@@ -1,4 +1,4 @@
-"""The `rlpipe` command line: launch, train, grid, status, ls, stop, logs, clean, evaluate, plot, tensorboard."""
+"""The `rlpipe` command line: launch, train, grid, status, ls, scale, stop, logs, clean, evaluate, plot, tensorboard."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def main(argv=None) -> int:
                         ("clean", "stop what is left of a run and remove its shared memory from /dev/shm")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("run", help="run directory or run id (under runs/)")
+    c = sub.add_parser("scale", help="change how many samplers a live run has, e.g. `rlpipe scale RUN sampler=4`")
+    c.add_argument("run", help="run directory or run id (under runs/)")
+    c.add_argument("counts", nargs="+", metavar="SERVICE=N", help="new count, e.g. sampler=4 (1 to sampler.max_count)")
     c = sub.add_parser("evaluate", help="greedy episodes of a run's latest checkpoint on held-out seeds")
     c.add_argument("run")
     c.add_argument("--episodes", type=int, default=None, help="default: the run's eval.episodes (10)")
@@ -60,7 +63,7 @@ def main(argv=None) -> int:
     c.add_argument("-n", type=int, default=40, help="lines per log")
 
     args = p.parse_args(argv)
-    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "status": _status, "stop": _stop, "logs": _logs,
+    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "status": _status, "stop": _stop, "logs": _logs, "scale": _scale,
             "clean": _clean, "grid": _grid, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
 
 
@@ -193,6 +196,29 @@ def _stop(args) -> int:
     ok = launch.stop(run_dir)
     print(f"{run_dir.name}: " + ("stopped" if ok else "some processes did not stop; try `rlpipe clean`"))
     return 0 if ok else 1
+
+
+def _scale(args) -> int:
+    from shared import launch
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    counts = {}
+    for item in args.counts:
+        service, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            print(f"rlpipe: scale: {item!r}: expected SERVICE=N, e.g. sampler=4", file=sys.stderr)
+            return 2
+        counts[service] = int(value)
+    try:
+        added, removed = launch.scale(run_dir, counts)
+    except launch.ScaleError as e:
+        print(f"rlpipe: scale: {e}", file=sys.stderr)
+        return 2
+    print(f"{run_dir.name}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
+          + (f"; started {' '.join(added)}" if added else "") + (f"; stopped {' '.join(removed)}" if removed else ""))
+    return 0
 
 
 def _clean(args) -> int:

@@ -54,7 +54,12 @@ class RunConfig:
 @dataclass(frozen=True)
 class SamplerConfig:
     count: int = 2
-    """Number of sampler processes."""
+    """Number of sampler processes (``rlpipe scale RUN sampler=N`` changes it in a live run)."""
+    max_count: int = 0
+    """Most samplers ``rlpipe scale`` may run (0: count, no room to scale up). Replay's tables
+    and the acting side's per-env state are laid out for this many: an off-policy table's
+    capacity is shared by max_count samplers' columns, so a run that never scales up should
+    leave it at 0."""
     envs: int = 16
     """Environments per sampler."""
     horizon: int = 32
@@ -299,6 +304,11 @@ def _coerce(where: str, hint, value):
     return value
 
 
+def max_samplers(exp) -> int:
+    """The most samplers the run may have (``sampler.max_count``, at least ``sampler.count``)."""
+    return max(exp.sampler.count, exp.sampler.max_count)
+
+
 def _suggest(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -317,6 +327,8 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
+    if exp.sampler.max_count and exp.sampler.max_count < exp.sampler.count:
+        raise ConfigError(f"sampler.count = {exp.sampler.count}: above sampler.max_count = {exp.sampler.max_count}")
     if exp.sampler.inference not in INFERENCE:
         raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
     if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
@@ -333,9 +345,9 @@ def _check(exp: Experiment, check_ports: bool) -> None:
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
     if exp.algo_name == "r2d1":
         _check_r2d1(exp)
-    elif not on_policy and exp.replay.capacity < exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
+    elif not on_policy and exp.replay.capacity < max_samplers(exp) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
-                          f"of all {exp.sampler.count * exp.sampler.envs} envs")
+                          f"of all {max_samplers(exp) * exp.sampler.envs} envs (sampler.max_count)")
     if exp.replay.frame_store and on_policy:
         raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")
@@ -385,10 +397,10 @@ def _check_r2d1(exp: Experiment) -> None:
     if a.burn_in > r.sequence_length - 2:
         raise ConfigError(f"algo.burn_in = {a.burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
                           "(a sequence must keep steps to train on)")
-    need = exp.sampler.count * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
+    need = max_samplers(exp) * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
     if r.capacity < need:
         raise ConfigError(f"replay.capacity = {r.capacity}: the sequence table needs at least (horizon + "
-                          f"sequence_length) steps of all {exp.sampler.count * exp.sampler.envs} envs = {need}")
+                          f"sequence_length) steps of all {max_samplers(exp) * exp.sampler.envs} envs = {need}")
 
 
 SAMPLER_SEED_STRIDE = 10_007
@@ -404,10 +416,10 @@ def _check_eval(exp: Experiment) -> None:
     for name, value in (("eval.episodes", e.episodes), ("eval.envs", e.envs)):
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
-    training = SAMPLER_SEED_STRIDE * exp.sampler.count
+    training = SAMPLER_SEED_STRIDE * max_samplers(exp)
     if e.seed_offset < training:
         raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "
-                          "sampler.count) so that evaluation seeds are held out from the samplers' seeds")
+                          "sampler.max_count) so that evaluation seeds are held out from the samplers' seeds")
 
 
 def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:

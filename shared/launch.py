@@ -26,9 +26,9 @@ from shared.runtime import RUN_CONFIG
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 TEMPLATE = DEPLOY / "supervisord.conf.tmpl"
 PROGRAM = """
-[program:{name}]
-command={python} -m services.{service} --run-dir {run_dir} --instance %(process_num)d
-process_name={name}%(process_num)d
+[program:{program}]
+command={python} -m services.{service} --run-dir {run_dir} --instance {instance}
+process_name={process}
 numprocs={count}
 priority={priority}
 autorestart={autorestart}
@@ -40,11 +40,14 @@ stopwaitsecs=5
 stopasgroup=true
 killasgroup=true
 redirect_stderr=true
-stdout_logfile={run_dir}/logs/{name}%(process_num)d.log
+stdout_logfile={run_dir}/logs/{process}.log
 stdout_logfile_maxbytes=20MB
 stdout_logfile_backups=1
 environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1"
 """
+SCALABLE = ("sampler",)
+"""Services ``rlpipe scale`` changes the count of: one supervisord program (and group) per
+instance, so that adding or removing one leaves the others running."""
 
 
 def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
@@ -90,18 +93,23 @@ def make_private_dir(path: Path) -> None:
 
 
 def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
-    services = [("replay", "replay", 1, 10, "true"), ("learner", "learner", 1, 20, "unexpected"),
-                ("sampler", "sampler", exp.sampler.count, 40, "true")]
+    services = [("replay", 1, 10, "true"), ("learner", 1, 20, "unexpected"), ("sampler", exp.sampler.count, 40, "true")]
     if exp.sampler.inference == "server":
-        services.insert(2, ("action_server", "action_server", exp.action_server.count, 30, "true"))
+        services.insert(2, ("action_server", exp.action_server.count, 30, "true"))
     if exp.network.metrics_port:
-        services.insert(0, ("metrics", "metrics", 1, 5, "true"))
+        services.insert(0, ("metrics", 1, 5, "true"))
     if exp.eval.every_s:
-        services.append(("evaluator", "evaluator", 1, 50, "true"))
-    programs = "".join(PROGRAM.format(name=name, service=service, count=count, priority=priority,
-                                      autorestart=autorestart, run_dir=run_dir, python=sys.executable)
-                       for name, service, count, priority, autorestart in services)
-    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=config_mod.socket_dir(run_dir)) + programs
+        services.append(("evaluator", 1, 50, "true"))
+    programs = []
+    for service, count, priority, autorestart in services:
+        common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable)
+        if service in SCALABLE:
+            programs += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
+                         for i in range(count)]
+        else:
+            programs.append(PROGRAM.format(program=service, process=f"{service}%(process_num)d",
+                                           instance="%(process_num)d", count=count, **common))
+    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=config_mod.socket_dir(run_dir)) + "".join(programs)
 
 
 def start(exp: Experiment, run_dir: Path) -> None:
@@ -118,6 +126,46 @@ def start(exp: Experiment, run_dir: Path) -> None:
                 raise RuntimeError(f"supervisord for {run_dir} did not come up; see {run_dir}/logs/supervisord.log") \
                     from None
             time.sleep(0.02)
+
+
+class ScaleError(ValueError):
+    """A scale request that cannot be applied (one line, naming why)."""
+
+
+def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str]]:
+    """Change service counts of a live run: ``{"sampler": N}``. Writes the new count to the run's
+    config (services started from now on read it), regenerates supervisord.conf and applies it
+    over XML-RPC: the instances beyond N are stopped (SIGTERM: a sampler drops the segment it is
+    collecting; replay still inserts what it announced) and removed, new ones are added and
+    started; the others are not touched. Returns (processes added, processes removed)."""
+    unknown = sorted(set(counts) - set(SCALABLE))
+    if unknown:
+        raise ScaleError(f"cannot scale {', '.join(unknown)}: scalable services are {', '.join(SCALABLE)}")
+    if supervisord_pid(run_dir) is None:
+        raise ScaleError(f"run {run_dir.name} is not running: scale applies to a live run")
+    path = run_dir / RUN_CONFIG
+    exp = config_mod.load(path)
+    most = config_mod.max_samplers(exp)
+    n = counts["sampler"]
+    if not 1 <= n <= most:
+        raise ScaleError(f"sampler={n}: this run takes 1 to {most} samplers (sampler.max_count = "
+                         f"{exp.sampler.max_count}, set at launch)")
+    try:
+        new = config_mod.load(path, [f"sampler.count={n}"])  # ConfigError names a conflict (e.g. batch_segments)
+    except config_mod.ConfigError as e:
+        raise ScaleError(f"sampler={n}: {e}") from None
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(config_mod.dumps(new))
+    tmp.replace(path)
+    (run_dir / "supervisord.conf").write_text(supervisord_conf(new, run_dir))
+    server = rpc(run_dir).supervisor
+    added, changed, removed = server.reloadConfig()[0]
+    for group in removed + changed:
+        server.stopProcessGroup(group, True)
+        server.removeProcessGroup(group)
+    for group in changed + added:
+        server.addProcessGroup(group)
+    return sorted(changed + added), sorted(removed + changed)
 
 
 def rpc(run_dir: Path) -> xmlrpc.client.ServerProxy:

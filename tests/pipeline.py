@@ -156,10 +156,11 @@ def instances(metrics_text: str, name: str) -> set[str]:
     return set(re.findall(rf'^{name}{{[^}}]*instance="(\d+)"', metrics_text, re.M))
 
 
-def metric_value(page: str, name: str) -> float:
-    """Sum of the samples of metric ``name`` on a Prometheus text page."""
+def metric_value(page: str, name: str, **labels: str) -> float:
+    """Sum of the samples of metric ``name`` (with these label values) on a Prometheus text page."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if (line.startswith(name + "{") or line.startswith(name + " ")) and all(w in line for w in want))
 
 
 # ---------------------------------------------------------------- benchmarks (tests/bench)
