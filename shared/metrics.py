@@ -27,6 +27,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "episode_return": ("gauge", "episode_return", "Mean return of the episodes finished in the last segment", ()),
         "episode_length": ("gauge", "episode_length_steps", "Mean length of the episodes finished in the last segment", ()),
         "segments": ("counter", "segments_total", "Segments handed to replay", ()),
+        "dropped_steps": ("counter", "dropped_steps_total", "Env steps collected but not handed over when the sampler stopped", ()),
         "wait": ("counter", "wait_seconds_total", "Seconds spent waiting, by what for", ("on",)),
         "env_errors": ("counter", "env_errors_total", "Environments that misbehaved and were recreated", ()),
         "reconnects": ("counter", "reconnects_total", "Peer timeouts that led to a reconnect", ("peer",)),

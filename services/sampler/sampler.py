@@ -85,6 +85,7 @@ class Sampler:
             self.ring, self.ring_descriptor = from_spec(rspec), None
         self.k = 0  # ring slot being filled
         self.serial = 0  # segments announced so far
+        self.unannounced = 0  # env steps in the ring not handed over yet (dropped if the sampler stops)
         self.episodes: list[list[float]] = []  # [return, length] finished in the current segment
         self.pending: int | None = None  # segment waiting for its bootstrap values
 
@@ -124,6 +125,7 @@ class Sampler:
                 step.policy_version[:] = version
                 versions.append(version)
                 self._step_envs(g, env, slot, step)
+                self.unannounced += cols.stop - cols.start
                 actions.request(g)
         self.pending = (self.k, min(versions), max(versions), self.episodes)
         self.episodes = []
@@ -139,6 +141,7 @@ class Sampler:
     def _announce(self, sink: SegmentSink, pending) -> None:
         k, vmin, vmax, episodes = pending
         self.serial += 1
+        self.unannounced -= self.cfg.horizon * self.cfg.envs
         sink.announce(k, {"serial": self.serial, "steps": self.cfg.horizon * self.cfg.envs, "episodes": episodes,
                           "version_min": int(vmin), "version_max": int(vmax)})
         if self.metrics is not None:
@@ -169,6 +172,11 @@ class Sampler:
             self.episodes.append([float(ret), int(length)])
 
     def close(self) -> None:
+        if self.unannounced:
+            log.info("sampler %d stops: %d env steps collected and not handed over are dropped", self.instance,
+                     self.unannounced)
+            if self.metrics is not None:
+                self.metrics.dropped_steps.inc(self.unannounced)
         for env in self.envs:
             env.close()
         for seg in self.segments:
