@@ -22,6 +22,8 @@ def main(argv=None) -> int:
         c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override a config value (repeatable), e.g. --set sampler.count=4")
         c.add_argument("--detach", action="store_true", help="start the run and return (follow with `rlpipe status`)")
+        c.add_argument("--resume", metavar="RUN", help="start a stopped run again from its checkpoint (and its replay "
+                                                       "table's snapshot, with replay.snapshot_interval_s); no CONFIG")
         if name == "train":
             c.add_argument("--serial", action="store_true", help="one process, in-process transport (debugging)")
     c = sub.add_parser("prepare", help="make a run directory and print its path (for honcho/foreman and the Procfile)")
@@ -121,12 +123,19 @@ def _prepare(args) -> int:
 
 
 def _launch(args) -> int:
-    exp = _load(args)
-    if exp is None:
-        return 2
     from shared import launch
 
-    run_dir = launch.make_run_dir(exp)
+    if args.resume:
+        run_dir = _resumable(args)
+        if run_dir is None:
+            return 2
+        args.config = str(run_dir / launch.RUN_CONFIG)
+        exp = _load(args)
+    else:
+        exp = _load(args)
+        run_dir = None if exp is None else launch.make_run_dir(exp)
+    if exp is None:
+        return 2
     t0 = time.monotonic()
     launch.start(exp, run_dir)
     # The agent is built here while the services start (importing torch is most of both):
@@ -162,6 +171,23 @@ def _launch(args) -> int:
           f"{result['env_steps']} env steps, {result['updates']} updates, in {took:.1f} s")
     print(f"run directory: {run_dir}")
     return 0 if result["reason"] == "target" else 1
+
+
+def _resumable(args):
+    """The stopped run ``--resume`` names, made ready to start again (None after printing why not)."""
+    from shared import launch
+
+    if args.overrides or args.config != str(DEFAULT_CONFIG):
+        print("rlpipe: launch --resume RUN takes the run's own config: no CONFIG or --set", file=sys.stderr)
+        return None
+    run_dir = _run_dir(argparse.Namespace(run=args.resume))
+    if run_dir is None:
+        return None
+    if launch.supervisord_pid(run_dir) is not None:
+        print(f"rlpipe: run {run_dir.name} is running: nothing to resume", file=sys.stderr)
+        return None
+    launch.reopen_run_dir(run_dir)
+    return run_dir
 
 
 def _run_dir(args):

@@ -130,7 +130,10 @@ class ReplayConfig:
     """A sampler silent this long is reported lost."""
     persist: bool = True
     """Keep the table in named shared memory that outlives the replay process: a replay
-    restarted after ``kill -9`` re-attaches and serves on (docs/architecture.md, "What a kill loses")."""
+    restarted after ``kill -9`` re-attaches and serves on (docs/architecture.md, "Restarts and what is lost")."""
+    snapshot_interval_s: float = 0.0
+    """Seconds between copies of the table to the run directory (replay/), for a machine restart:
+    ``rlpipe launch --resume RUN`` restores the latest with the learner's checkpoint (0 = none)."""
 
 
 @dataclass(frozen=True)
@@ -348,6 +351,9 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     elif not on_policy and exp.replay.capacity < max_samplers(exp) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
                           f"of all {max_samplers(exp) * exp.sampler.envs} envs (sampler.max_count)")
+    if exp.replay.snapshot_interval_s and not (exp.replay.persist and exp.replay.snapshot_interval_s >= 1):
+        raise ConfigError(f"replay.snapshot_interval_s = {exp.replay.snapshot_interval_s}: snapshots need "
+                          "replay.persist = true and at least 1 s between them (0 = none)")
     if exp.replay.frame_store and on_policy:
         raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")

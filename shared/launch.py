@@ -76,6 +76,16 @@ def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
     return run_dir.resolve()
 
 
+def reopen_run_dir(run_dir: Path) -> None:
+    """Make a stopped run's directory ready to start again (``launch --resume``): its socket
+    directory back, the previous result set aside (the run goes on to a new one)."""
+    make_private_dir(config_mod.socket_base())
+    config_mod.socket_dir(run_dir).mkdir(mode=0o700, exist_ok=True)
+    result = run_dir / "result.json"
+    if result.exists():
+        result.replace(run_dir / "result.previous.json")
+
+
 def safe_name(name: str) -> str:
     """``name`` with each character a run id may not hold (letters, digits, '_' and '.') made '_'."""
     return "".join(c if c.isalnum() or c in "_." else "_" for c in name)

@@ -1,4 +1,5 @@
-"""A replay table in shared memory outlives its process: kill -9, a torn insert, another layout.
+"""A replay table in shared memory outlives its process: kill -9, a torn insert, another layout,
+a snapshot for a machine restart, a stopped run resumed.
 
 A child process builds a prioritized n-step table in named shared memory and is killed by
 SIGKILL, either after its last operation or in the middle of an insert (``RLPIPE_FAULT``).
@@ -8,9 +9,12 @@ the same operations on the heap.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +25,7 @@ from shared.replay.arena import HEAP, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from tests.pipeline import rlpipe_here
 from tests.test_tables import Reference, _check_batch, _segment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,3 +148,42 @@ def test_a_table_of_another_layout_is_not_attached(run_id, caplog):
     assert not other.restored and "another layout" in caplog.text
     assert _table(other).size == 0
     other.unlink()
+
+
+def test_a_snapshot_brings_the_table_back_after_shared_memory_is_gone(run_id, tmp_path):
+    """A machine restart empties /dev/shm: the snapshot in the run directory restores the table."""
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    _run(table, 12)
+    table.arena.snapshot(tmp_path / "replay")
+    table.arena.snapshot(tmp_path / "replay")  # again over the first: replaced whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["replay"]
+    live, priorities, counts = table.live.copy(), _priorities(table), table.rate_limiter.counts._values.copy()
+    table.arena.unlink()
+    again = _table(ShmArena(run_id, 0, LAYOUT, snapshot=tmp_path / "replay"))
+    assert again.arena.restored and again.recovered["op"] == "none" and again.recovered["dropped"] == 0
+    np.testing.assert_array_equal(again.live, live)
+    np.testing.assert_array_equal(_priorities(again), priorities)
+    np.testing.assert_array_equal(again.rate_limiter.counts._values, counts)
+    assert again.attach_writer(1, INCARNATION) == 6
+    again.arena.unlink()
+
+
+def test_a_stopped_run_resumes_with_its_replay_table_and_checkpoint(runs):
+    """`rlpipe stop` unlinks the table (a normal exit); `rlpipe launch --resume RUN` brings back the
+    snapshot with the learner's checkpoint, and the run goes on from there."""
+    run = runs("cartpole_dqn.toml", "replay.snapshot_interval_s=1", "run.target_return=1e9")
+    run.wait_steps(6_000, timeout=60)
+    time.sleep(1.5)  # a snapshot with those steps
+    assert rlpipe_here("stop", str(run.dir)).returncode == 0
+    assert not run.segments()  # a normal stop leaves nothing in /dev/shm
+    steps = int(run.progress()[-1]["env_steps"])
+    out = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+    assert out.returncode == 0, out.stderr
+    line = run.wait_for(lambda: re.search(r"re-attached after a restart: (\{.*\})", run.logs("replay")), 30,
+                        "the resumed replay to restore its table")
+    restored = json.loads(line.group(1))
+    assert "restored from the snapshot" in run.logs("replay") and restored["size"] > 4_000, restored
+    run.wait_for(lambda: "resumed from" in run.logs("learner"), 30, "the learner to resume from its checkpoint")
+    run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > steps + 2_000, 60, "the resumed run to go on")
+    again = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+    assert again.returncode == 2 and "is running: nothing to resume" in again.stderr

@@ -281,25 +281,29 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
     params.publish(learner.version, learner.env_steps)
     for i in range(len(slots)):
         source.request(i, learner.min_version())
-    while True:
-        reason = learner.finished()
-        if reason is not None:
-            break
-        t0 = time.perf_counter()
-        item = source.next(REANNOUNCE_MS)
-        if learner.m is not None:
-            learner.m.batch_wait.inc(time.perf_counter() - t0)
-        if item is None:
-            params.publish(learner.version, learner.env_steps)  # re-announce for action-servers that (re)started meanwhile
-            continue
-        i, meta = item
-        priorities = learner.train(slots[i], meta)
-        if priorities is not None and "keys" in meta:
-            source.update_priorities(meta, priorities)
-        params.publish(learner.version, learner.env_steps)
-        source.request(i, learner.min_version())
-        learner.maybe_report()
-        learner.maybe_checkpoint()
+    try:
+        while True:
+            reason = learner.finished()
+            if reason is not None:
+                break
+            t0 = time.perf_counter()
+            item = source.next(REANNOUNCE_MS)
+            if learner.m is not None:
+                learner.m.batch_wait.inc(time.perf_counter() - t0)
+            if item is None:
+                params.publish(learner.version, learner.env_steps)  # re-announce for action-servers that (re)started meanwhile
+                continue
+            i, meta = item
+            priorities = learner.train(slots[i], meta)
+            if priorities is not None and "keys" in meta:
+                source.update_priorities(meta, priorities)
+            params.publish(learner.version, learner.env_steps)
+            source.request(i, learner.min_version())
+            learner.maybe_report()
+            learner.maybe_checkpoint()
+    except SystemExit:  # SIGTERM (rlpipe stop): keep what was learned for `launch --resume`
+        learner.maybe_checkpoint(force=True)
+        raise
     learner.maybe_report(force=True)
     learner.maybe_checkpoint(force=True)
     return learner.write_result(reason)

@@ -4,7 +4,7 @@ import logging
 
 import zmq
 
-from services.replay.service import ReplayService
+from services.replay.service import SNAPSHOT_DIR, ReplayService
 from services.replay.tables import make_table, table_arena
 from shared import metrics as metrics_mod
 from shared import runtime
@@ -26,11 +26,11 @@ def run(exp, run_dir, instance: int) -> None:
     run_id = runtime.run_id_of(run_dir)
 
     def table_factory(spec):
-        arena = table_arena(exp.replay, columns, spec, run_id, instance)
+        arena = table_arena(exp.replay, columns, spec, run_id, instance, run_dir / SNAPSHOT_DIR)
         return make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed, arena)
 
     service = ReplayService(exp.replay, table_factory, router, m, run_id, read_secret(run_dir),
-                            observation_moments=exp.model.normalize_observations)
+                            observation_moments=exp.model.normalize_observations, snapshot_dir=run_dir / SNAPSHOT_DIR)
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
     try:

@@ -24,6 +24,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 from services.replay.tables import PRIORITIZED, sample_batch
@@ -36,6 +37,8 @@ from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
+SNAPSHOT_DIR = "replay"
+"""Where in the run directory the table's snapshots go (``replay.snapshot_interval_s``)."""
 
 
 @dataclass
@@ -63,11 +66,13 @@ class Reader:
 
 class ReplayService:
     def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics, run_id: str, secret: str,
-                 observation_moments: bool = False):
+                 observation_moments: bool = False, snapshot_dir: Path | None = None):
         """``table_factory(segment_spec)`` makes the table once the first sampler shows its layout;
         ``run_id`` and ``secret`` say which peers and segments belong to the run;
         ``observation_moments``: sum up inserted observations for the learner's normaliser
-        (``model.normalize_observations``)."""
+        (``model.normalize_observations``); ``snapshot_dir``: where to copy the table every
+        ``cfg.snapshot_interval_s``."""
+        self.snapshot_dir = snapshot_dir
         self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
         self.observation_moments = observation_moments
         self.moments: Moments | None = None  # made at the first insert, from the observations' shape
@@ -321,8 +326,16 @@ class ReplayService:
                 w.segment.close()
                 del self.writers[instance]
 
+    def snapshot(self) -> None:
+        """Copy the table to the snapshot directory (between operations: the loop calls it)."""
+        t0 = time.monotonic()
+        self.table.arena.snapshot(self.snapshot_dir)
+        log.info("table snapshot (%d items) written to %s in %.2f s", self.table.size, self.snapshot_dir,
+                 time.monotonic() - t0)
+
     def run(self, should_stop=lambda: False) -> None:
-        last_check = time.monotonic()
+        last_check = last_snapshot = time.monotonic()
+        every = self.cfg.snapshot_interval_s
         while not should_stop():
             item = self.router.recv(POLL_MS)
             if item is not None:
@@ -330,9 +343,13 @@ class ReplayService:
                 for peer, msg in self.router.drain():
                     self.router.serve(self.handle, peer, msg)
             self.pump()
-            if time.monotonic() - last_check > 1.0:
+            now = time.monotonic()
+            if now - last_check > 1.0:
                 self.check_peers()
-                last_check = time.monotonic()
+                last_check = now
+            if every and self.table is not None and now - last_snapshot > every:
+                self.snapshot()
+                last_snapshot = now
 
     def close(self) -> None:
         for w in self.writers.values():

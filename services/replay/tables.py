@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 
@@ -54,13 +55,14 @@ def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_sp
 
 
 def table_arena(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, run_id: str,
-                instance: int = 0) -> Arena:
+                instance: int = 0, snapshot: Path | None = None) -> Arena:
     """Shared memory that outlives the replay process (``replay.persist``), re-attached when a
-    table of the same layout is there; the heap otherwise."""
+    table of the same layout is there, or restored from ``snapshot`` (a directory) when none
+    is; the heap otherwise."""
     if not cfg.persist:
         return HEAP
     layout = fingerprint(dataclasses.asdict(cfg), sorted(columns_per_writer.items()), segment_spec)
-    return ShmArena(run_id, instance, layout)
+    return ShmArena(run_id, instance, layout, snapshot)
 
 
 def sample_batch(table: Table, dest, n: int, min_version: int, lag_bound: bool):

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -74,6 +76,9 @@ class Arena:
         """Times the table was re-attached after its process died."""
         return 0
 
+    def snapshot(self, directory: Path) -> None:
+        raise ValueError("a table on the heap has no snapshot: set replay.persist = true")
+
     def unlink(self) -> None:
         pass
 
@@ -94,11 +99,15 @@ class ShmArena(Arena):
     incomplete table) is discarded, with its segments, and the table starts empty.
     """
 
-    def __init__(self, run_id: str, instance: int, fingerprint: int):
+    def __init__(self, run_id: str, instance: int, fingerprint: int, snapshot: Path | None = None):
+        """``snapshot``: a directory ``snapshot()`` wrote; restored into shared memory when
+        no table is there (after a machine restart, or a stopped run launched with --resume)."""
         self.run_id, self.instance = run_id, instance
         self._segments: dict[str, shm.Segment] = {}
         self.restored = False
         name = self._name("table")
+        if snapshot is not None and shm.inode(name) is None and (snapshot / "table").exists():
+            self._restore_snapshot(snapshot)
         try:
             seg = shm.Segment.attach(name)
         except FileNotFoundError:
@@ -127,6 +136,28 @@ class ShmArena(Arena):
 
     def _name(self, purpose: str) -> str:
         return shm.segment_name(self.run_id, "replay", self.instance, purpose)
+
+    def _restore_snapshot(self, snapshot: Path) -> None:
+        for path in snapshot.iterdir():
+            seg = shm.Segment.create(self._name(path.name), path.stat().st_size)
+            with path.open("rb") as f:
+                f.readinto(seg.mmap)
+            seg.close()
+        log.info("replay table restored from the snapshot in %s", snapshot)
+
+    def snapshot(self, directory: Path) -> None:
+        """Copy the table to ``directory`` (call between operations). Written beside it first and
+        then renamed into place, so a crash meanwhile leaves the previous snapshot."""
+        tmp, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        prefix = self._name("")
+        for full, seg in self._segments.items():
+            (tmp / full.removeprefix(prefix)).write_bytes(seg.mmap)
+        if directory.exists():
+            directory.rename(old)
+        tmp.rename(directory)
+        shutil.rmtree(old, ignore_errors=True)
 
     @staticmethod
     def _header_problem(seg: shm.Segment, fingerprint: int) -> str | None:
