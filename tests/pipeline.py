@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from shared import config as config_mod
 from shared import launch
+from shared.runtime import RUN_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "deploy" / "configs"
@@ -136,8 +138,63 @@ class Run:
                 "samples": int(samples), "deletes": int(deletes),
                 "priority_total": float(np.fromfile(tree, np.float64)[1]) if tree.exists() else None}
 
+    def scale(self, count: int) -> float:
+        """``rlpipe scale`` to ``count`` samplers; seconds until the metrics endpoint shows exactly them."""
+        t0 = time.monotonic()
+        out = rlpipe_here("scale", str(self.dir), f"sampler={count}")
+        assert out.returncode == 0, out.stderr
+        want = {str(i) for i in range(count)}
+        self.wait_for(lambda: instances(self.metrics(), "rlpipe_sampler_up") == want, 10,
+                      f"the metrics endpoint to show samplers {sorted(want)}")
+        assert self.config().sampler.count == count  # the run's config records it
+        return time.monotonic() - t0
+
+    def config(self):
+        return config_mod.load(self.dir / RUN_CONFIG)
+
+    def replay_table(self):
+        """The replay's table, attached from shared memory as a restarted replay would (stop the
+        replay first: ``stop_replay_between_operations``)."""
+        from services.replay.tables import make_table, table_arena
+        from shared.factory import batch_items, env_probe, example_step
+        from shared.layout import segment_spec
+
+        exp = self.config()
+        columns = {i: exp.sampler.envs for i in range(config_mod.max_samplers(exp))}
+        spec = segment_spec(example_step(exp, env_probe(exp)), exp.sampler.horizon, exp.sampler.envs)
+        table = make_table(exp.replay, columns, spec, batch_items(exp), arena=table_arena(exp.replay, columns, spec, self.id))
+        assert table.arena.restored, "the table in shared memory has another layout"
+        return table
+
     def close(self) -> None:
         launch.clean(self.dir)
+
+
+def check_nstep(table, gamma: float, n: int) -> np.ndarray:
+    """Recompute every live item's n-step return, discount and bootstrap step from the steps in
+    the table's ring and compare with what the table stored; returns the live items' columns."""
+    st, ring = table.storage, table.storage.ring
+    keys = np.flatnonzero(table.live)
+    B, rows = ring.B_total, ring.rows
+    row, col = keys // B, keys % B
+    ret, disc = np.zeros(len(keys)), np.zeros(len(keys))
+    boot, final = np.full(len(keys), -1), np.zeros(len(keys), bool)
+    open_ = np.ones(len(keys), bool)
+    for j in range(n):
+        k = ((row + j) % rows) * B + col
+        ret[open_] += gamma ** j * ring.flat.reward[k][open_]
+        term, trunc = ring.flat.terminated[k], ring.flat.truncated[k]
+        ends = open_ & (term | trunc)
+        disc[ends] = np.where(term[ends], 0.0, gamma ** (j + 1))
+        boot[ends], final[ends] = k[ends], True
+        open_ &= ~ends
+    disc[open_] = gamma ** n
+    boot[open_] = (((row + n) % rows) * B + col)[open_]
+    np.testing.assert_allclose(st.return_[keys], ret, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(st.discount[keys], disc, rtol=1e-6)
+    np.testing.assert_array_equal(st.bootstrap_key[keys], boot)
+    np.testing.assert_array_equal(st.bootstrap_final[keys], final)
+    return col
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,4 +1,4 @@
-"""The DQN family through the real pipeline: learning, the rate limiter, a replay restart."""
+"""The DQN family through the real pipeline: learning, the rate limiter, scaling, replay restarts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from shared import launch
-from tests.pipeline import cpu_seconds, instances, metric_value
+from tests.pipeline import check_nstep, cpu_seconds, instances, metric_value
 
 pytestmark = pytest.mark.learning
 
@@ -22,26 +22,35 @@ def test_dqn_cartpole_reaches_475_within_100k_steps(runs):
     assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 100_000, result
 
 
-def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps_through_a_replay_kill(runs):
+def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps_through_a_scale_up_and_a_replay_kill(runs):
     """Server inference: the action-server's per-env epsilons follow the published env steps.
-    Replay is killed by SIGKILL at 20k steps: the restarted one re-attaches its table in shared
-    memory with every item, priority and rate-limiter count it had, and the run goes on to its target."""
-    run = runs("cartpole_rainbow.toml", "sampler.inference=server")
-    run.wait_steps(20_000, timeout=120)
+    At 10k steps `rlpipe scale` adds a third sampler: the table's n-step returns, recomputed
+    from the steps it stores, are right in every column. Then replay is killed by SIGKILL: the
+    restarted one re-attaches its table in shared memory with every item, priority and
+    rate-limiter count it had, and the run goes on to its target."""
+    run = runs("cartpole_rainbow.toml", "sampler.inference=server", "sampler.max_count=3")
+    run.wait_steps(10_000, timeout=120)
+    assert run.scale(3) < 10
+    run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_sampler_segments_total", instance="2") > 50,
+                 30, "sampler 2's segments")
     before = run.stop_replay_between_operations()
+    exp = run.config()
+    cols = check_nstep(run.replay_table(), exp.replay.gamma, exp.replay.n_step)
+    assert set(cols // exp.sampler.envs) == {0, 1, 2}  # items of every sampler, the added one too
     os.kill(before["pid"], signal.SIGKILL)
     line = run.wait_for(lambda: re.search(r"re-attached after a restart: (\{.*\})", run.logs("replay")), 30,
                         "the restarted replay to re-attach its table")
     restored = json.loads(line.group(1))
     assert restored["op"] == "none" and restored["dropped"] == 0, restored
     assert [restored[k] for k in ("size", "inserts", "samples")] == [before[k] for k in ("size", "inserts", "samples")]
-    assert before["size"] > 10_000
+    assert before["size"] > 8_000
     assert restored["priority_alpha_mean"] == pytest.approx(before["priority_total"] / before["size"], rel=1e-9)
     result = run.wait_result(300)
     assert result["reason"] == "target" and result["mean_return"] >= 400 and result["env_steps"] <= 100_000, result
     page = run.metrics()
     assert metric_value(page, "rlpipe_replay_priority_updates_total") > 0
     assert metric_value(page, "rlpipe_replay_priority_max") > 0
+    assert metric_value(page, "rlpipe_replay_table_restarts") == 2  # the test's view, then the restarted replay
 
 
 def test_rate_limiter_holds_the_ratio_the_learner_waits_without_spinning_and_a_killed_replay_restarts(runs):

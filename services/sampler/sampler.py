@@ -142,10 +142,11 @@ class Sampler:
         k, vmin, vmax, episodes = pending
         self.serial += 1
         self.unannounced -= self.cfg.horizon * self.cfg.envs
+        if self.metrics is not None:
+            self.metrics.segments.inc()  # before the announcement: replay's count never runs ahead of ours
         sink.announce(k, {"serial": self.serial, "steps": self.cfg.horizon * self.cfg.envs, "episodes": episodes,
                           "version_min": int(vmin), "version_max": int(vmax)})
         if self.metrics is not None:
-            self.metrics.segments.inc()
             self.metrics.env_steps.inc(self.cfg.horizon * self.cfg.envs)
             if episodes:
                 rets = np.array(episodes)
