@@ -70,7 +70,7 @@ def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(r
     run.wait_steps(5_000)
     # A sampler that goes away is reported by the action-server and replay, which keep serving.
     server, replay = run.pid("action_server0"), run.pid("replay0")
-    launch.supervisorctl(run.dir, "stop", "sampler:sampler1", capture=True)
+    launch.supervisorctl(run.dir, "stop", "sampler1", capture=True)
     run.wait_for(lambda: "peers_lost_total" in run.metrics() and
                  metric_value(run.metrics(), "rlpipe_action_server_peers_lost_total") >= 1 and
                  metric_value(run.metrics(), "rlpipe_replay_peers_lost_total") >= 1, 30, "the lost sampler to be reported")

@@ -80,7 +80,7 @@ def test_rate_limiter_holds_the_ratio_the_learner_waits_without_spinning_and_a_k
     assert sizes == sorted(sizes) and 15_000 < sizes[-1] <= inserts, (sizes, inserts)
 
     # No sampler alive: the learner blocks on its poll timeout instead of spinning.
-    launch.supervisorctl(run.dir, "stop", "sampler:*", capture=True)
+    launch.supervisorctl(run.dir, "stop", "sampler0", "sampler1", "sampler2", capture=True)
     time.sleep(2.0)
     learner = run.pid("learner0")
     updates0, cpu0 = metric_value(run.metrics(), "rlpipe_learner_updates_total"), cpu_seconds(learner)
@@ -88,7 +88,7 @@ def test_rate_limiter_holds_the_ratio_the_learner_waits_without_spinning_and_a_k
     assert metric_value(run.metrics(), "rlpipe_learner_updates_total") == updates0
     assert cpu_seconds(learner) - cpu0 < 0.4, "the learner spins while it waits for data"
 
-    launch.supervisorctl(run.dir, "start", "sampler:*", capture=True)
+    launch.supervisorctl(run.dir, "start", "sampler0", "sampler1", "sampler2", capture=True)
     run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_learner_updates_total") > updates0 + 100, 60,
                  "the learner to resume when data arrives")
 

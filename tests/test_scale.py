@@ -40,7 +40,8 @@ def test_ppo_scaled_from_2_to_4_samplers_and_back_to_1_loses_nothing_and_reaches
     inserted = metric_value(page, "rlpipe_replay_inserts_total")
     taken = metric_value(page, "rlpipe_replay_samples_total") + metric_value(page, "rlpipe_replay_dropped_total")
     assert sent - 4 * 2 <= inserted <= sent, (sent, inserted)
-    # What the 3 removed samplers had collected but not handed over: dropped, and counted.
+    # What the 3 removed samplers had collected but not handed over: dropped and counted (none
+    # for a sampler stopped while it waited for a ring slot replay held, all announced).
     dropped = metric_value(page, "rlpipe_sampler_dropped_steps_total")
-    assert 0 < dropped <= 3 * 2 * 8 * 16, dropped  # a pending and a partial segment of T x envs each
+    assert dropped <= 3 * 2 * 8 * 16, dropped  # at most a pending and a partial segment of T x envs each
     assert taken <= inserted <= taken + 2 + 4 * 2, (inserted, taken)  # the queue, held ring slots

@@ -657,7 +657,7 @@ class Table:
         self.generation = arena.array("generation", storage.num_slots, np.int64)
         # Per writer id: the incarnation that said hello and the serial of its last inserted segment.
         self.writers = arena.array("writers", (max(storage.writer_ids) + 1, 2), np.int64)
-        self.rng = np.random.default_rng([seed, arena.restarts])
+        self.rng = np.random.default_rng([seed, arena.restarts] if arena.restarts else seed)
         self.counts = Cells(arena, "table", evicted=0, dropped_stale=0, priority_updates=0,
                             priority_updates_ignored=0, torn_items=0)
         self.recovered = self.recover() if arena.restored else None
