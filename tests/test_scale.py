@@ -35,9 +35,21 @@ def test_ppo_scaled_from_2_to_4_samplers_and_back_to_1_loses_nothing_and_reaches
     assert result["reason"] == "target" and result["mean_return"] >= 475, result
     # Every segment the samplers handed over was inserted once (but those in flight when a
     # sampler stopped: at most its ring), and trained on or dropped for lag at most once.
-    page = run.metrics()
-    sent = metric_value(page, "rlpipe_sampler_segments_total")  # removed samplers' counts stay
-    inserted = metric_value(page, "rlpipe_replay_inserts_total")
+    def counts():
+        page = run.metrics()  # removed samplers' counts stay
+        return page, metric_value(page, "rlpipe_sampler_segments_total"), metric_value(page, "rlpipe_replay_inserts_total")
+
+    # A scrape reads the processes' counters one after another, so sampler 0 and replay could
+    # count a segment in between: compare once they have stalled (the learner is done and
+    # replay holds sampler 0's ring slots), i.e. when two scrapes agree.
+    previous = [counts()]
+
+    def settled():
+        now, before = counts(), previous[0]
+        previous[0] = now
+        return now if now[1:] == before[1:] else None
+
+    page, sent, inserted = run.wait_for(settled, 20, "the segment counts to settle")
     taken = metric_value(page, "rlpipe_replay_samples_total") + metric_value(page, "rlpipe_replay_dropped_total")
     assert sent - 4 * 2 <= inserted <= sent, (sent, inserted)
     # What the 3 removed samplers had collected but not handed over: dropped and counted (none
