@@ -76,12 +76,6 @@ class Arena:
         """Times the table was re-attached after its process died."""
         return 0
 
-    def snapshot(self, directory: Path) -> None:
-        raise ValueError("a table on the heap has no snapshot: set replay.persist = true")
-
-    def unlink(self) -> None:
-        pass
-
 
 HEAP = Arena()
 
