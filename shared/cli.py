@@ -33,9 +33,11 @@ def main(argv=None) -> int:
                         ("clean", "stop what is left of a run and remove its shared memory from /dev/shm")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("run", help="run directory or run id (under runs/)")
-    c = sub.add_parser("scale", help="change how many samplers a live run has, e.g. `rlpipe scale RUN sampler=4`")
+    c = sub.add_parser("scale", help="change how many samplers (action-servers) a live run has, e.g. "
+                                     "`rlpipe scale RUN sampler=4 action_server=2`")
     c.add_argument("run", help="run directory or run id (under runs/)")
-    c.add_argument("counts", nargs="+", metavar="SERVICE=N", help="new count, e.g. sampler=4 (1 to sampler.max_count)")
+    c.add_argument("counts", nargs="+", metavar="SERVICE=N",
+                   help="new count: sampler=N (1 to sampler.max_count), action_server=M (1 to action_server.max_count)")
     c = sub.add_parser("evaluate", help="greedy episodes of a run's latest checkpoint on held-out seeds")
     c.add_argument("run")
     c.add_argument("--episodes", type=int, default=None, help="default: the run's eval.episodes (10)")
@@ -238,12 +240,13 @@ def _scale(args) -> int:
             return 2
         counts[service] = int(value)
     try:
-        added, removed = launch.scale(run_dir, counts)
+        added, removed, moved = launch.scale(run_dir, counts)
     except launch.ScaleError as e:
         print(f"rlpipe: scale: {e}", file=sys.stderr)
         return 2
     print(f"{run_dir.name}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
-          + (f"; started {' '.join(added)}" if added else "") + (f"; stopped {' '.join(removed)}" if removed else ""))
+          + (f"; started {' '.join(added)}" if added else "") + (f"; stopped {' '.join(removed)}" if removed else "")
+          + (f"; restarted {' '.join(moved)} for their new action-server" if moved else ""))
     return 0
 
 

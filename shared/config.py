@@ -80,7 +80,10 @@ class SamplerConfig:
 @dataclass(frozen=True)
 class ActionServerConfig:
     count: int = 1
-    """Number of action-server processes (samplers are spread over them round-robin)."""
+    """Number of action-server processes (samplers are spread over them round-robin, sampler i to
+    action-server i mod count when it starts; ``rlpipe scale RUN action_server=M`` changes it)."""
+    max_count: int = 0
+    """Most action-servers ``rlpipe scale`` may run (0: count): their TCP ports are reserved."""
     max_batch: int = 64
     """Most observation requests gathered into one forward pass."""
     max_wait_ms: float = 0.5
@@ -312,6 +315,11 @@ def max_samplers(exp) -> int:
     return max(exp.sampler.count, exp.sampler.max_count)
 
 
+def max_action_servers(exp) -> int:
+    """The most action-servers the run may have (``action_server.max_count``, at least its count)."""
+    return max(exp.action_server.count, exp.action_server.max_count)
+
+
 def _suggest(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -330,8 +338,10 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
-    if exp.sampler.max_count and exp.sampler.max_count < exp.sampler.count:
-        raise ConfigError(f"sampler.count = {exp.sampler.count}: above sampler.max_count = {exp.sampler.max_count}")
+    for section in (exp.sampler, exp.action_server):
+        if section.max_count and section.max_count < section.count:
+            name = "sampler" if section is exp.sampler else "action_server"
+            raise ConfigError(f"{name}.count = {section.count}: above {name}.max_count = {section.max_count}")
     if exp.sampler.inference not in INFERENCE:
         raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
     if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
@@ -456,7 +466,7 @@ def port_free(host: str, port: int) -> bool:
 def tcp_offsets(exp: Experiment) -> dict[str, int]:
     """Port offsets from base_port of every bound socket."""
     offsets = {"replay": 0, "params": 1}
-    for i in range(exp.action_server.count):
+    for i in range(max_action_servers(exp)):
         offsets[f"action_server{i}"] = 2 + i
     return offsets
 

@@ -45,7 +45,7 @@ stdout_logfile_maxbytes=20MB
 stdout_logfile_backups=1
 environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1"
 """
-SCALABLE = ("sampler",)
+SCALABLE = ("sampler", "action_server")
 """Services ``rlpipe scale`` changes the count of: one supervisord program (and group) per
 instance, so that adding or removing one leaves the others running."""
 
@@ -142,12 +142,14 @@ class ScaleError(ValueError):
     """A scale request that cannot be applied (one line, naming why)."""
 
 
-def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str]]:
-    """Change service counts of a live run: ``{"sampler": N}``. Writes the new count to the run's
-    config (services started from now on read it), regenerates supervisord.conf and applies it
-    over XML-RPC: the instances beyond N are stopped (SIGTERM: a sampler drops the segment it is
-    collecting; replay still inserts what it announced) and removed, new ones are added and
-    started; the others are not touched. Returns (processes added, processes removed)."""
+def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+    """Change service counts of a live run, e.g. ``{"sampler": 4, "action_server": 2}``. Writes
+    the new counts to the run's config (services started from now on read it), regenerates
+    supervisord.conf and applies it over XML-RPC: instances beyond a new count are stopped
+    (SIGTERM: a sampler drops the segment it is collecting; replay still inserts what it
+    announced) and removed, new ones are added and started; the others are not touched, but
+    for the samplers whose action-server (i mod count) changes with the action-server count,
+    which are restarted. Returns (processes added, removed, restarted)."""
     unknown = sorted(set(counts) - set(SCALABLE))
     if unknown:
         raise ScaleError(f"cannot scale {', '.join(unknown)}: scalable services are {', '.join(SCALABLE)}")
@@ -155,15 +157,17 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str]]:
         raise ScaleError(f"run {run_dir.name} is not running: scale applies to a live run")
     path = run_dir / RUN_CONFIG
     exp = config_mod.load(path)
-    most = config_mod.max_samplers(exp)
-    n = counts["sampler"]
-    if not 1 <= n <= most:
-        raise ScaleError(f"sampler={n}: this run takes 1 to {most} samplers (sampler.max_count = "
-                         f"{exp.sampler.max_count}, set at launch)")
-    try:
-        new = config_mod.load(path, [f"sampler.count={n}"])  # ConfigError names a conflict (e.g. batch_segments)
+    if "action_server" in counts and exp.sampler.inference != "server":
+        raise ScaleError(f"action_server={counts['action_server']}: this run's samplers act locally "
+                         f"(sampler.inference = {exp.sampler.inference}): it runs no action-servers")
+    for service, most in (("sampler", config_mod.max_samplers(exp)), ("action_server", config_mod.max_action_servers(exp))):
+        n = counts.get(service)
+        if n is not None and not 1 <= n <= most:
+            raise ScaleError(f"{service}={n}: this run takes 1 to {most} (its {service}.max_count, set at launch)")
+    try:  # ConfigError names a conflict (e.g. learner.batch_segments with fewer samplers)
+        new = config_mod.load(path, [f"{service}.count={n}" for service, n in counts.items()])
     except config_mod.ConfigError as e:
-        raise ScaleError(f"sampler={n}: {e}") from None
+        raise ScaleError(", ".join(f"{k}={v}" for k, v in counts.items()) + f": {e}") from None
     tmp = path.with_suffix(".tmp")
     tmp.write_text(config_mod.dumps(new))
     tmp.replace(path)
@@ -175,7 +179,12 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str]]:
         server.removeProcessGroup(group)
     for group in changed + added:
         server.addProcessGroup(group)
-    return sorted(changed + added), sorted(removed + changed)
+    old_m, new_m = exp.action_server.count, new.action_server.count
+    moved = [f"sampler{i}" for i in range(min(exp.sampler.count, new.sampler.count)) if i % old_m != i % new_m]
+    for name in moved:  # to the action-server i mod new count (a sampler picks it when it starts)
+        server.stopProcess(name, True)
+        server.startProcess(name, False)
+    return sorted(changed + added), sorted(removed + changed), moved
 
 
 def rpc(run_dir: Path) -> xmlrpc.client.ServerProxy:

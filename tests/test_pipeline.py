@@ -103,12 +103,21 @@ def test_an_idle_pipeline_waits_without_spinning_and_only_networks_load_torch(ru
         assert share < 0.05, f"{name} used {share:.0%} of a core while the pipeline was idle"
 
 
-def test_sampler_count_follows_config_and_metrics_show_instances(runs):
-    """A2C with 3 samplers and an action-server reaches 200; the endpoint shows 3 sampler instances."""
-    run = runs("cartpole_a2c.toml", "sampler.count=3", "sampler.inference=server")
+def test_sampler_count_follows_config_metrics_show_instances_and_action_servers_scale(runs):
+    """A2C with 3 samplers and an action-server reaches 200; the endpoint shows 3 sampler
+    instances. `rlpipe scale RUN action_server=2` adds a second action-server: sampler 1 (1 mod 2)
+    is restarted onto it, samplers 0 and 2 stay where they are, untouched."""
+    run = runs("cartpole_a2c.toml", "sampler.count=3", "sampler.inference=server", "action_server.max_count=2")
     run.wait_steps(5_000)
     page = run.metrics()
     assert instances(page, "rlpipe_sampler_up") == {"0", "1", "2"}
+    kept = run.pid("sampler0"), run.pid("sampler2")
+    out = rlpipe_here("scale", str(run.dir), "action_server=2")
+    assert out.returncode == 0 and "restarted sampler1" in out.stdout, out
+    run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_action_server_requests_total", instance="1") > 100, 20,
+                 "action-server 1 to serve sampler 1")
+    assert (run.pid("sampler0"), run.pid("sampler2")) == kept
+    page = run.metrics()
     for name in ("rlpipe_sampler_env_steps_total", "rlpipe_action_server_batch_size_requests_count",
                  "rlpipe_action_server_latency_seconds_count", "rlpipe_replay_inserts_total",
                  "rlpipe_learner_updates_total"):

@@ -23,8 +23,10 @@ def test_ppo_scaled_from_2_to_4_samplers_and_back_to_1_loses_nothing_and_reaches
     run = runs("cartpole_ppo.toml", "sampler.max_count=4", "sampler.ring=2")
     run.wait_steps(8_000, timeout=60)
     kept = run.pid("sampler0"), run.pid("sampler1")
-    out = rlpipe_here("scale", str(run.dir), "sampler=5")
-    assert out.returncode == 2 and "sampler=5: this run takes 1 to 4 samplers" in out.stderr, out
+    for request, message in (("sampler=5", "sampler=5: this run takes 1 to 4"),
+                             ("action_server=2", "act locally (sampler.inference = local): it runs no action-servers")):
+        out = rlpipe_here("scale", str(run.dir), request)
+        assert out.returncode == 2 and message in out.stderr, out
     assert run.scale(4) < 10
     assert (run.pid("sampler0"), run.pid("sampler1")) == kept  # the others were not touched
     run.wait_for(lambda: all(metric_value(run.metrics(), "rlpipe_sampler_segments_total", instance=str(i)) > 5
