@@ -310,14 +310,10 @@ def _coerce(where: str, hint, value):
     return value
 
 
-def max_samplers(exp) -> int:
-    """The most samplers the run may have (``sampler.max_count``, at least ``sampler.count``)."""
-    return max(exp.sampler.count, exp.sampler.max_count)
-
-
-def max_action_servers(exp) -> int:
-    """The most action-servers the run may have (``action_server.max_count``, at least its count)."""
-    return max(exp.action_server.count, exp.action_server.max_count)
+def most_count(section) -> int:
+    """The most instances of a scalable service (``sampler``, ``action_server``) the run may have:
+    its ``max_count``, at least its ``count``."""
+    return max(section.count, section.max_count)
 
 
 def _suggest(word: str, choices) -> str:
@@ -338,9 +334,8 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
-    for section in (exp.sampler, exp.action_server):
+    for name, section in (("sampler", exp.sampler), ("action_server", exp.action_server)):
         if section.max_count and section.max_count < section.count:
-            name = "sampler" if section is exp.sampler else "action_server"
             raise ConfigError(f"{name}.count = {section.count}: above {name}.max_count = {section.max_count}")
     if exp.sampler.inference not in INFERENCE:
         raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
@@ -358,9 +353,9 @@ def _check(exp: Experiment, check_ports: bool) -> None:
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
     if exp.algo_name == "r2d1":
         _check_r2d1(exp)
-    elif not on_policy and exp.replay.capacity < max_samplers(exp) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
+    elif not on_policy and exp.replay.capacity < most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
-                          f"of all {max_samplers(exp) * exp.sampler.envs} envs (sampler.max_count)")
+                          f"of all {most_count(exp.sampler) * exp.sampler.envs} envs (sampler.max_count)")
     if exp.replay.snapshot_interval_s and not (exp.replay.persist and exp.replay.snapshot_interval_s >= 1):
         raise ConfigError(f"replay.snapshot_interval_s = {exp.replay.snapshot_interval_s}: snapshots need "
                           "replay.persist = true and at least 1 s between them (0 = none)")
@@ -413,10 +408,10 @@ def _check_r2d1(exp: Experiment) -> None:
     if a.burn_in > r.sequence_length - 2:
         raise ConfigError(f"algo.burn_in = {a.burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
                           "(a sequence must keep steps to train on)")
-    need = max_samplers(exp) * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
+    need = most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
     if r.capacity < need:
         raise ConfigError(f"replay.capacity = {r.capacity}: the sequence table needs at least (horizon + "
-                          f"sequence_length) steps of all {max_samplers(exp) * exp.sampler.envs} envs = {need}")
+                          f"sequence_length) steps of all {most_count(exp.sampler) * exp.sampler.envs} envs = {need}")
 
 
 SAMPLER_SEED_STRIDE = 10_007
@@ -432,7 +427,7 @@ def _check_eval(exp: Experiment) -> None:
     for name, value in (("eval.episodes", e.episodes), ("eval.envs", e.envs)):
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
-    training = SAMPLER_SEED_STRIDE * max_samplers(exp)
+    training = SAMPLER_SEED_STRIDE * most_count(exp.sampler)
     if e.seed_offset < training:
         raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "
                           "sampler.max_count) so that evaluation seeds are held out from the samplers' seeds")
@@ -466,7 +461,7 @@ def port_free(host: str, port: int) -> bool:
 def tcp_offsets(exp: Experiment) -> dict[str, int]:
     """Port offsets from base_port of every bound socket."""
     offsets = {"replay": 0, "params": 1}
-    for i in range(max_action_servers(exp)):
+    for i in range(most_count(exp.action_server)):
         offsets[f"action_server{i}"] = 2 + i
     return offsets
 

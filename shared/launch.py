@@ -160,9 +160,9 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     if "action_server" in counts and exp.sampler.inference != "server":
         raise ScaleError(f"action_server={counts['action_server']}: this run's samplers act locally "
                          f"(sampler.inference = {exp.sampler.inference}): it runs no action-servers")
-    for service, most in (("sampler", config_mod.max_samplers(exp)), ("action_server", config_mod.max_action_servers(exp))):
-        n = counts.get(service)
-        if n is not None and not 1 <= n <= most:
+    for service, n in counts.items():
+        most = config_mod.most_count(getattr(exp, service))
+        if not 1 <= n <= most:
             raise ScaleError(f"{service}={n}: this run takes 1 to {most} (its {service}.max_count, set at launch)")
     try:  # ConfigError names a conflict (e.g. learner.batch_segments with fewer samplers)
         new = config_mod.load(path, [f"{service}.count={n}" for service, n in counts.items()])

@@ -19,6 +19,7 @@ import numpy as np
 
 from shared import config as config_mod
 from shared import launch
+from shared.replay import arena
 from shared.runtime import RUN_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,7 +130,7 @@ class Run:
         while True:
             os.kill(pid, signal.SIGSTOP)
             time.sleep(0.05)  # the stop takes effect at once; the state is now what it will be
-            if np.fromfile(shm_file + "table", np.int64)[4] == 0:  # no operation in progress
+            if np.fromfile(shm_file + "table", np.int64)[arena.HEADER_OP] == arena.OP_NONE:
                 break
             os.kill(pid, signal.SIGCONT)
         inserts, samples, deletes = np.fromfile(shm_file + "t.limiter", np.int64)
@@ -160,7 +161,7 @@ class Run:
         from shared.layout import segment_spec
 
         exp = self.config()
-        columns = {i: exp.sampler.envs for i in range(config_mod.max_samplers(exp))}
+        columns = {i: exp.sampler.envs for i in range(config_mod.most_count(exp.sampler))}
         spec = segment_spec(example_step(exp, env_probe(exp)), exp.sampler.horizon, exp.sampler.envs)
         table = make_table(exp.replay, columns, spec, batch_items(exp), arena=table_arena(exp.replay, columns, spec, self.id))
         assert table.arena.restored, "the table in shared memory has another layout"

@@ -8,7 +8,7 @@ from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
 from shared.acting import acting_seed, seed_torch
 from shared.auth import read_secret
-from shared.config import endpoint, max_samplers, socket_dir
+from shared.config import endpoint, most_count, socket_dir
 from shared.factory import env_probe, example_step, make_agent
 from shared.layout import slot_spec
 from shared.namedarraytuple import drop_leading_dims
@@ -33,7 +33,7 @@ def run(exp, run_dir, instance: int) -> None:
     params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
                       on_bad=bad)
     server = ActionServer(exp.action_server, agent, router, params, m, socket_dir(run_dir), run_id_of(run_dir),
-                          read_secret(run_dir), slot_item_spec, exp.sampler.envs, max_samplers(exp) * exp.sampler.envs,
+                          read_secret(run_dir), slot_item_spec, exp.sampler.envs, most_count(exp.sampler) * exp.sampler.envs,
                           seed)
     m.healthy.set(1)
     log.info("action-server %d on %s, device %s", instance, router.address, device)

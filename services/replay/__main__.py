@@ -9,7 +9,7 @@ from services.replay.tables import make_table, table_arena
 from shared import metrics as metrics_mod
 from shared import runtime
 from shared.auth import read_secret
-from shared.config import endpoint, max_samplers
+from shared.config import endpoint, most_count
 from shared.factory import batch_items
 from shared.runtime import serve
 from shared.sockets import Endpoint
@@ -19,7 +19,7 @@ log = logging.getLogger("services.replay")
 
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("replay", instance)
-    columns = {i: exp.sampler.envs for i in range(max_samplers(exp))}  # room for `rlpipe scale`
+    columns = {i: exp.sampler.envs for i in range(most_count(exp.sampler))}  # room for `rlpipe scale`
     ctx = zmq.Context()
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
                       on_bad=metrics_mod.bad_message_counter(m))

@@ -10,7 +10,7 @@ from services.sampler.transport import RemoteActions, RemoteSink
 from shared import metrics as metrics_mod
 from shared import shm
 from shared.auth import read_secret
-from shared.config import endpoint, max_samplers, socket_dir
+from shared.config import endpoint, most_count, socket_dir
 from shared.factory import env_probe, make_agent
 from shared.runtime import run_id_of, serve, torch_device
 
@@ -27,7 +27,7 @@ def local_actions(exp, sampler: Sampler, run_id: str):
     agent = make_agent(exp, env_probe(exp)).eval()
     seed_torch(acting_seed(exp.run.seed, "sampler", sampler.instance))  # make_agent seeded it with run.seed
     params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0))
-    return LocalActions(agent, sampler, params, max_samplers(exp) * exp.sampler.envs, exp.run.seed)
+    return LocalActions(agent, sampler, params, most_count(exp.sampler) * exp.sampler.envs, exp.run.seed)
 
 
 def run(exp, run_dir, instance: int) -> None:

@@ -142,17 +142,16 @@ class Sampler:
         k, vmin, vmax, episodes = pending
         self.serial += 1
         self.unannounced -= self.cfg.horizon * self.cfg.envs
-        if self.metrics is not None:
-            self.metrics.segments.inc()  # before the announcement: replay's count never runs ahead of ours
-        sink.announce(k, {"serial": self.serial, "steps": self.cfg.horizon * self.cfg.envs, "episodes": episodes,
-                          "version_min": int(vmin), "version_max": int(vmax)})
-        if self.metrics is not None:
+        if self.metrics is not None:  # before the announcement: replay's counts never run ahead of ours
+            self.metrics.segments.inc()
             self.metrics.env_steps.inc(self.cfg.horizon * self.cfg.envs)
             if episodes:
                 rets = np.array(episodes)
                 self.metrics.episodes.inc(len(episodes))
                 self.metrics.episode_return.set(float(rets[:, 0].mean()))
                 self.metrics.episode_length.set(float(rets[:, 1].mean()))
+        sink.announce(k, {"serial": self.serial, "steps": self.cfg.horizon * self.cfg.envs, "episodes": episodes,
+                          "version_min": int(vmin), "version_max": int(vmax)})
 
     def _step_envs(self, g: int, env: EnvGroup, slot, step) -> None:
         try:

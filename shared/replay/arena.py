@@ -39,6 +39,8 @@ MAGIC = 0x726C7069_70657462  # "rlpipetb"
 LAYOUT_VERSION = 1
 # Header cells (int64).
 _MAGIC, _VERSION, _FINGERPRINT, _COMPLETE, _OP, _OP_WRITER, _OP_CURSOR, _RESTARTS = range(8)
+HEADER_OP = _OP
+"""The header cell holding the operation in progress (an outside reader, e.g. a test, checks it is OP_NONE)."""
 _HEADER_CELLS = 16
 
 OP_NONE, OP_INSERT, OP_SAMPLE, OP_PRIORITIES, OP_DROP = range(5)
