@@ -49,7 +49,6 @@ class Writer:
     segment: object
     ring: object
     last_seen: float
-    last_serial: int = 0
     pending: collections.deque = field(default_factory=collections.deque)  # (body, arrival time)
 
 
@@ -158,8 +157,7 @@ class ReplayService:
             log.info("sampler %d restarted: dropping %d segment(s) announced by its previous incarnation",
                      known.instance, len(known.pending))
             known.segment.close()
-        self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now,
-                                                last_serial)
+        self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now)
         log.info("sampler %d attached%s", body["instance"],
                  f" (resumes after serial {last_serial})" if last_serial else "")
 
@@ -178,7 +176,7 @@ class ReplayService:
         ring = len(w.ring.bootstrap_value)
         if not body["index"] < ring:
             raise Rejected("value", f"segment index {body['index']} outside the ring of {ring}")
-        if body["serial"] <= w.last_serial:
+        if body["serial"] <= self.table.last_serial(w.instance):
             self.router.send("release", {"index": body["index"]}, to=peer)  # a resend of what we hold already
             return
         for p, _ in w.pending:
@@ -271,12 +269,11 @@ class ReplayService:
         return True
 
     def _insert(self, w: Writer, body: dict) -> None:
-        if body["serial"] != w.last_serial + 1:
+        if body["serial"] != self.table.last_serial(w.instance) + 1:
             self.table.reset_writer(w.instance)  # segments lost in between: no n-step window may span the gap
         segment = w.ring[body["index"]]
         keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation,
                                  serial=body["serial"])
-        w.last_serial = body["serial"]
         if self.cfg.release_on_sample and self.cfg.table == "queue":
             for key in keys:
                 self.held[int(key)] = (w.instance, w.incarnation, body["index"])

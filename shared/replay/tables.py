@@ -681,10 +681,14 @@ class Table:
         if writer_id not in self.storage.writer_ids:
             raise ValueError(f"unknown writer_id {writer_id}; writers are {self.storage.writer_ids}")
         if self.writers[writer_id, 0] == incarnation:
-            return int(self.writers[writer_id, 1])
+            return self.last_serial(writer_id)
         self.storage.reset_writer(writer_id)
         self.writers[writer_id] = incarnation, 0
         return 0
+
+    def last_serial(self, writer_id: int) -> int:
+        """The serial of the last segment inserted from ``writer_id``'s attached incarnation."""
+        return int(self.writers[writer_id, 1])
 
     def insert(self, writer_id: int, samples, bootstrap_value=None, bootstrap_observation=None,
                serial: int | None = None) -> np.ndarray:
