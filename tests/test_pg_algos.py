@@ -230,7 +230,7 @@ def test_optimizer_state_round_trip_continues_identically(name):
 # ---------------------------------------------------------------- CartPole (learning checks)
 
 
-def train_cartpole(algo_name, cfg, T, total_steps, seed, target, n_envs=32):
+def train_cartpole(cfg: A2CConfig, T, total_steps, seed, target, n_envs=32):
     """Sampler-like loop (SAME_STEP autoreset) filling Samples exactly as the contract says.
 
     Returns the mean return of the last 100 finished episodes after each batch, stopping
@@ -243,7 +243,7 @@ def train_cartpole(algo_name, cfg, T, total_steps, seed, target, n_envs=32):
     )
     obs, _ = env.reset(seed=seed)
     agent = PgAgent(np.zeros(4, np.float32), env.single_action_space)
-    algo = PPO(agent, cfg) if algo_name == "ppo" else A2C(agent, cfg)
+    algo = A2C(agent, cfg)
     buf = Samples(
         observation=np.zeros((T, n_envs, 4), np.float32),
         action=np.zeros((T, n_envs), np.int64),
@@ -277,15 +277,7 @@ def train_cartpole(algo_name, cfg, T, total_steps, seed, target, n_envs=32):
 
 
 @pytest.mark.learning
-def test_ppo_solves_cartpole():
-    # ~10 s on one free core. Tuned settings; 475 is reached at 60-100k steps (5 seeds).
-    cfg = PPOConfig(lr=1e-3, gamma=0.98, gae_lambda=0.8, epochs=20, minibatches=1, entropy_coef=0.0, value_clip=0.0)
-    curve = train_cartpole("ppo", cfg, T=8, total_steps=150_000, seed=0, target=475)
-    assert max(curve) >= 475
-
-
-@pytest.mark.learning
 def test_a2c_learns_cartpole():
     # ~3 s on one free core. SB3 defaults; 200 is reached at 35-55k steps (3 seeds).
-    curve = train_cartpole("a2c", A2CConfig(), T=5, total_steps=100_000, seed=0, target=200)
+    curve = train_cartpole(A2CConfig(), T=5, total_steps=100_000, seed=0, target=200)
     assert max(curve) >= 200
