@@ -16,6 +16,8 @@ from services.learner.learner import Learner
 from services.replay.tables import make_table, sample_batch
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
+from shared.acting import acting_seed
+from shared.agents.actor import Actor
 from shared.config import Experiment
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
 from shared.layout import segment_spec
@@ -81,7 +83,8 @@ def train_serial(exp: Experiment) -> dict:
     samplers, parts = [], []
     for i in range(exp.sampler.count):
         s = Sampler(exp, i, run_id="serial", shared_memory=False)
-        actions = LocalActions(agent, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs, exp.run.seed)
+        act = Actor(agent, acting_seed(exp.run.seed, "sampler", i))
+        actions = LocalActions(act, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs)
         sink = LocalSink(table, i, s.ring, counters, moments)
         s.start(actions)
         samplers.append(s)

@@ -147,6 +147,21 @@ class QAgentConfig:
                 f"{self.eps_decay_steps} and {self.apex_alpha}"
             )
 
+    def epsilon(self, env_steps: int, env_index: np.ndarray | int, n_envs_total: int) -> np.ndarray:
+        """Exploration epsilons float32, shaped like ``env_index``, after ``env_steps`` env steps.
+
+        ``env_index``: global indices in [0, n_envs_total) of the envs asking (the Ape-X
+        spread depends on them); see the class doc for the formula.
+        """
+        j = np.asarray(env_index, dtype=np.float64)
+        if self.apex_alpha > 0:
+            spread = j / (n_envs_total - 1) if n_envs_total > 1 else np.zeros_like(j)
+            final = self.apex_eps_base ** (1.0 + self.apex_alpha * spread)
+        else:
+            final = np.full_like(j, self.eps_end)
+        frac = min(1.0, env_steps / self.eps_decay_steps) if self.eps_decay_steps > 0 else 1.0
+        return (self.eps_start + (final - self.eps_start) * frac).astype(np.float32)
+
 
 @dataclass(frozen=True)
 class QpgAgentConfig:

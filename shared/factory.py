@@ -24,8 +24,8 @@ def env_probe(exp: Experiment) -> EnvGroup:
 
 def make_agent(exp: Experiment, probe: EnvGroup):
     """The run's agent, initialised from ``run.seed``: every process that builds it (learner,
-    local samplers, action-servers) holds the same version-0 parameters, so samplers can act
-    before the learner has published anything."""
+    local samplers acting in torch, action-servers) holds the same version-0 parameters, so
+    those can act before the learner has published anything."""
     import torch
 
     torch.manual_seed(exp.run.seed)

@@ -10,6 +10,10 @@ overwriting with v + 2) is detected instead of silently used.
 Action-servers learn of versions from the learner's announcements (``ParamReader``);
 local-inference samplers look at the stamps themselves before every step
 (``ParamFollower``: two int64 reads, no message, no syscall).
+
+A reader loads versions into a torch module's state (any device), or into ``StateArrays``:
+numpy arrays of its own, for a sampler that acts in numpy and never imports torch (this
+module does not import it).
 """
 
 from __future__ import annotations
@@ -17,22 +21,22 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
 from shared import shm
-from shared.namedarraytuple import leaves, namedarraytuple, spec_of, with_leading_dims
+from shared.namedarraytuple import leaves, namedarraytuple, spec_of, validate_spec, with_leading_dims
 
 ParamSlot = namedarraytuple("ParamSlot", ["stamp", "env_steps", "tensors"])
 
 
-def _field(key: str) -> str:
+def field_name(key: str) -> str:
+    """The segment's field for state_dict entry ``key``."""
     return "p_" + key.replace(".", "__")
 
 
-def state_spec(module: torch.nn.Module):
-    """Spec of ParamSlot for ``module``'s state_dict, with a leading copy dimension of 2."""
+def state_spec(module):
+    """Spec of ParamSlot for a torch ``module``'s state_dict, with a leading copy dimension of 2."""
     state = module.state_dict()
-    cls = namedarraytuple("State", [_field(k) for k in state])
+    cls = namedarraytuple("State", [field_name(k) for k in state])
     example = ParamSlot(np.zeros(2, np.int64), np.int64(0), cls(*(t.detach().cpu().numpy() for t in state.values())))
     return with_leading_dims(spec_of(example), [2])
 
@@ -40,7 +44,7 @@ def state_spec(module: torch.nn.Module):
 class ParamWriter:
     """Owner side (learner): ``write(version)`` copies the module's state into the segment."""
 
-    def __init__(self, module: torch.nn.Module, segment_name: str):
+    def __init__(self, module, segment_name: str):
         self.module = module
         spec = state_spec(module)
         self.previous_version = _stale_version(segment_name, spec)
@@ -79,15 +83,52 @@ def _stale_version(name: str, spec) -> int:
     return version
 
 
+class ModuleState:
+    """Load target: a torch module's state_dict tensors, overwritten in place (on any device)."""
+
+    def __init__(self, module) -> None:
+        self.spec = state_spec(module)
+        self.tensors = list(module.state_dict().values())  # detached, sharing the parameters' storage
+
+    def load(self, staged: list[np.ndarray]) -> None:
+        for t, arr in zip(self.tensors, staged):
+            t.copy_(t.new_tensor(arr))
+
+
+class StateArrays:
+    """Load target without torch: one numpy array per state entry, by segment field (``arrays``),
+    for the layout ``spec`` the learner published (``shared.acting.read_acting_file``)."""
+
+    def __init__(self, spec) -> None:
+        validate_spec(spec, "parameter segment spec")
+        self.spec = spec
+        self.arrays = {f: np.zeros(leaf["shape"][1:], np.dtype(leaf["dtype"])) for f, leaf in _state_fields(spec)}
+
+    def load(self, staged: list[np.ndarray]) -> None:
+        for arr, new in zip(self.arrays.values(), staged):
+            np.copyto(arr, new)
+
+
+def _state_fields(spec) -> list:
+    """[(field, leaf spec)] of the state entries in a (validated) ParamSlot spec."""
+    state = dict((spec or {}).get("fields") or [])
+    fields = (state.get("tensors") or {}).get("fields")
+    if (spec or {}).get("type") != "ParamSlot" or fields is None or \
+            not all("shape" in leaf and leaf["shape"][:1] == [2] for _, leaf in fields):
+        raise ValueError("not the layout of a parameter segment (ParamSlot with two copies of a state)")
+    return fields
+
+
 class ParamReader:
-    """Peer side: ``read(version, descriptor)`` loads a published version into ``module``
-    from a segment of ``owner`` (the run's learner).
+    """Peer side: ``read(version, descriptor)`` loads a published version into ``target``
+    (a torch module, or ``StateArrays``) from a segment of ``owner`` (the run's learner).
 
     ``version`` and ``env_steps`` are those of the last version loaded (-1 and 0 before any).
     """
 
-    def __init__(self, module: torch.nn.Module, owner: shm.Owner):
-        self.module, self.owner = module, owner
+    def __init__(self, target, owner: shm.Owner):
+        self.state = target if isinstance(target, StateArrays) else ModuleState(target)
+        self.owner = owner
         self.segment = None
         self.nonce = None
         self.slots = None
@@ -95,7 +136,7 @@ class ParamReader:
         self.env_steps = 0
 
     def read(self, version: int, descriptor: dict) -> bool:
-        """Load ``version`` into the module; False if the copy was torn or stale (a newer one follows)."""
+        """Load ``version``; False if the copy was torn or stale (a newer one follows)."""
         if descriptor.get("nonce") != self.nonce:
             self.attach(descriptor)
         i = version % 2
@@ -106,9 +147,7 @@ class ParamReader:
         env_steps = int(self.slots.env_steps[i])
         if stamp[0] != version:
             return False
-        with torch.no_grad():
-            for t, arr in zip(self.module.state_dict().values(), staged):
-                t.copy_(torch.from_numpy(arr))
+        self.state.load(staged)
         self.version, self.env_steps = version, env_steps
         return True
 
@@ -120,7 +159,7 @@ class ParamReader:
 
     def attach(self, descriptor: dict) -> None:
         # Check before attaching, so a rejected descriptor leaves the current segment in use.
-        if descriptor.get("spec") != state_spec(self.module):
+        if descriptor.get("spec") != self.state.spec:
             raise ValueError(f"parameter segment {descriptor.get('name')} does not match this agent's state_dict "
                              "(was the learner started with another config?)")
         if self.segment is not None:
@@ -134,14 +173,15 @@ class ParamFollower:
     """Follows the newest version in a learner's parameter segment by name, without messages.
 
     ``poll()`` (every step of a local-inference sampler) compares the segment's stamps with
-    the version held and loads a newer one. Until the learner's segment exists the module
+    the version held and loads a newer one. Until the learner's segment exists the target
     keeps its own parameters; every ``recheck_s`` the segment's inode is compared with the
     attached one, so a learner that restarted (and recreated its segment) is followed again.
     """
 
-    def __init__(self, module: torch.nn.Module, segment_name: str, owner: shm.Owner, recheck_s: float = 1.0):
-        self.reader = ParamReader(module, owner)
-        self.descriptor = {"name": segment_name, "nonce": None, "spec": state_spec(module)}
+    def __init__(self, target, segment_name: str, owner: shm.Owner, recheck_s: float = 1.0):
+        """``target``: as ``ParamReader``'s."""
+        self.reader = ParamReader(target, owner)
+        self.descriptor = {"name": segment_name, "nonce": None, "spec": self.reader.state.spec}
         self.recheck_s = recheck_s
         self.t_check = -float("inf")
 

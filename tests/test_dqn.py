@@ -165,17 +165,17 @@ def test_state_dict_round_trip_restores_target_optimizer_and_count():
 def test_epsilon_schedule_and_apex_spread():
     obs, space = np.zeros(3, np.float32), gym.spaces.Discrete(2)
     agent = QAgent(obs, space, LINEAR, QAgentConfig(eps_start=1.0, eps_end=0.1, eps_decay_steps=1000))
-    np.testing.assert_allclose(agent.epsilon(0, np.arange(4), 4), [1.0] * 4)
-    np.testing.assert_allclose(agent.epsilon(500, 2, 4), 0.55, rtol=1e-6)
-    np.testing.assert_allclose(agent.epsilon(10_000, np.arange(4), 4), [0.1] * 4, rtol=1e-6)
+    np.testing.assert_allclose(agent.cfg.epsilon(0, np.arange(4), 4), [1.0] * 4)
+    np.testing.assert_allclose(agent.cfg.epsilon(500, 2, 4), 0.55, rtol=1e-6)
+    np.testing.assert_allclose(agent.cfg.epsilon(10_000, np.arange(4), 4), [0.1] * 4, rtol=1e-6)
     apex = QAgent(obs, space, LINEAR, QAgentConfig(eps_start=1.0, eps_decay_steps=0, apex_alpha=7.0, apex_eps_base=0.4))
-    eps = apex.epsilon(0, np.array([0, 4, 8]), 9)
+    eps = apex.cfg.epsilon(0, np.array([0, 4, 8]), 9)
     np.testing.assert_allclose(eps, [0.4, 0.4**4.5, 0.4**8], rtol=1e-5)
     assert eps.shape == (3,) and eps.dtype == np.float32
     # the decay leads each env to its own final value: halfway, halfway from eps_start
     half = QAgent(obs, space, LINEAR, QAgentConfig(eps_start=1.0, eps_decay_steps=100, apex_alpha=7.0))
-    np.testing.assert_allclose(half.epsilon(50, np.array([0, 8]), 9), [0.7, 0.5 + 0.5 * 0.4**8], rtol=1e-5)
-    np.testing.assert_allclose(apex.epsilon(0, 0, 1), 0.4, rtol=1e-6)  # one env: the base
+    np.testing.assert_allclose(half.cfg.epsilon(50, np.array([0, 8]), 9), [0.7, 0.5 + 0.5 * 0.4**8], rtol=1e-5)
+    np.testing.assert_allclose(apex.cfg.epsilon(0, 0, 1), 0.4, rtol=1e-6)  # one env: the base
 
 
 def test_epsilon_greedy_is_greedy_at_zero_epsilon_and_uniform_at_one():

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
 from shared import config as config_mod
+from shared.acting import acting_seed
 from shared.agent_config import (AgentInfo, Memory, ModelConfig, PgAgentConfig, QAgentConfig, RecurrentAgentInfo,
                                  RecurrentQAgentInfo, RnnState, info_example)
 from shared.agents import StepContext
+from shared.agents.actor import Actor
 from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
@@ -110,7 +112,7 @@ def _recurrent_segment(*overrides: str):
         "model.lstm_prev_reward=true", "algo.minibatches=2", *overrides])
     agent = make_agent(exp, env_probe(exp))
     sampler = Sampler(exp, 0, "memtest", shared_memory=False)
-    actions = LocalActions(agent, sampler, FixedParams(), exp.sampler.envs, exp.run.seed)
+    actions = LocalActions(Actor(agent, acting_seed(exp.run.seed, "sampler", 0)), sampler, FixedParams(), exp.sampler.envs)
     sampler.start(actions)
     for _ in range(3):
         sampler.collect_segment(actions, KeepAll())

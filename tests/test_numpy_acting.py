@@ -1,20 +1,26 @@
 """The numpy acting step equals the torch agents' step: same greedy actions, log-probs and
-values, samples from the same distributions, and it follows parameter versions loaded in place."""
+values, samples from the same distributions; it follows parameter versions loaded in place,
+and, built from the learner's acting.json on arrays of its own, the versions the learner
+publishes."""
 
 from __future__ import annotations
+
+import json
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 
-from shared.acting import Actor, acting_seed
+from shared import shm
+from shared.acting import acting_seed, check_plan, numpy_actor, read_acting_file, write_acting_file
 from shared.agent_config import ModelConfig, PgAgentConfig, QAgentConfig, QpgAgentConfig
 from shared.agents import EVALUATE, StepContext
-from shared.agents.numpy_acting import numpy_actor
+from shared.agents.actor import Actor, acting_plan, state_arrays
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.agents.qpg import SacAgent
+from shared.params import ParamFollower, ParamWriter, StateArrays
 
 OBS = np.zeros(4, np.float32)
 ATOL = 2e-5
@@ -35,6 +41,11 @@ def _rng():
     return np.random.default_rng(0)
 
 
+def _numpy_actor(agent):
+    """The numpy actor on views of ``agent``'s tensors, its plan through JSON as a sampler reads it."""
+    return numpy_actor(json.loads(json.dumps(acting_plan(agent))), state_arrays(agent), getattr(agent, "cfg", None), _rng())
+
+
 PG_SPACES = {"discrete": gym.spaces.Discrete(3), "multi_discrete": gym.spaces.MultiDiscrete([2, 4]),
              "box": gym.spaces.Box(-1.0, 1.0, (2,), np.float32)}
 
@@ -47,8 +58,7 @@ def test_policy_gradient_agents_act_as_in_torch(space, model, shared_encoder):
     torch.manual_seed(0)
     agent = PgAgent(OBS, PG_SPACES[space], model, PgAgentConfig(shared_encoder=shared_encoder))
     _normalised(agent)
-    actor, obs = numpy_actor(agent, _rng()), _obs()
-    assert actor is not None
+    actor, obs = _numpy_actor(agent), _obs()
     with torch.no_grad():
         want_action, want = agent.step(torch.from_numpy(obs), EVALUATE)
         action, info = actor.step(obs, EVALUATE)
@@ -71,7 +81,7 @@ def test_categorical_samples_follow_the_softmax():
         agent.pi_head.net[0].bias.copy_(torch.tensor([1.0, 0.0, -1.0]))  # a policy far from uniform
         obs = np.repeat(_obs(1), 30_000, axis=0)
         probs = torch.softmax(agent._forward(torch.from_numpy(obs[:1]))[0], -1)[0].numpy()
-    action, _ = numpy_actor(agent, _rng()).step(obs, StepContext())
+    action, _ = _numpy_actor(agent).step(obs, StepContext())
     np.testing.assert_allclose(np.bincount(action, minlength=3) / len(action), probs, atol=0.01)
 
 
@@ -81,7 +91,7 @@ def test_gaussian_samples_have_the_policy_mean_and_std():
     obs = np.repeat(_obs(1), 30_000, axis=0)
     with torch.no_grad():
         mean = agent._forward(torch.from_numpy(obs[:1]))[0][0].numpy()
-    action, _ = numpy_actor(agent, _rng()).step(obs, StepContext())
+    action, _ = _numpy_actor(agent).step(obs, StepContext())
     np.testing.assert_allclose(action.mean(0), mean, atol=0.01)
     np.testing.assert_allclose(action.std(0), np.exp(-0.5), atol=0.01)
 
@@ -95,7 +105,7 @@ def test_q_agents_act_as_in_torch(dueling, distributional):
     agent = QAgent(OBS, gym.spaces.Discrete(4), ModelConfig(hidden_sizes=(32, 32), activation="relu",
                                                            normalize_observations=True), cfg)
     _normalised(agent)
-    actor, obs = numpy_actor(agent, _rng()), _obs()
+    actor, obs = _numpy_actor(agent), _obs()
     with torch.no_grad():
         q = agent.q_values(torch.from_numpy(obs)).numpy()
     action, info = actor.step(obs, EVALUATE)
@@ -114,7 +124,7 @@ def test_the_actor_follows_parameters_loaded_in_place():
     agent = PgAgent(OBS, gym.spaces.Discrete(3), ModelConfig(hidden_sizes=(16,), normalize_observations=True))
     other = PgAgent(OBS, gym.spaces.Discrete(3), ModelConfig(hidden_sizes=(16,), normalize_observations=True))
     _normalised(other)
-    actor, obs = numpy_actor(agent, _rng()), _obs()
+    actor, obs = _numpy_actor(agent), _obs()
     before = actor.step(obs, EVALUATE)[1].value.copy()
     agent.load_state_dict(other.state_dict())
     with torch.no_grad():
@@ -129,7 +139,7 @@ def test_agents_the_numpy_step_does_not_cover_act_in_torch():
     image = QAgent(np.zeros((4, 84, 84), np.uint8), gym.spaces.Discrete(2), ModelConfig(encoder="nature_cnn"))
     continuous = SacAgent(OBS, PG_SPACES["box"], ModelConfig(hidden_sizes=(8,)), QpgAgentConfig())
     for agent in (recurrent, image, continuous):
-        assert numpy_actor(agent, _rng()) is None
+        assert acting_plan(agent) is None
     # ...and the Actor runs them in torch, with the same call.
     actor = Actor(continuous, acting_seed(0, "sampler", 0))
     action, _ = actor(_obs(5), np.arange(5), np.zeros(5, bool), np.zeros(5, np.float32), 0, 5)
@@ -148,3 +158,45 @@ def test_acting_processes_draw_different_noise():
     again = Actor(agent, acting_seed(7, "sampler", 0))(obs, np.arange(256), np.zeros(256, bool),
                                                        np.zeros(256, np.float32), 0, 256)[0]
     np.testing.assert_array_equal(again, draws[0])  # and the same seed replays the same draws
+
+
+@pytest.mark.parametrize("make", [
+    lambda: PgAgent(OBS, gym.spaces.Discrete(3), ModelConfig(hidden_sizes=(16,), normalize_observations=True)),
+    lambda: QAgent(OBS, gym.spaces.Discrete(4), ModelConfig(hidden_sizes=(16,)),
+                   QAgentConfig(dueling=True, distributional=True, n_atoms=5, eps_eval=0.0))])
+def test_a_sampler_acts_from_acting_json_on_its_own_arrays_with_each_published_version(make, tmp_path, run_id):
+    """What a torch-free local sampler does: acting.json, StateArrays and a ParamFollower."""
+    torch.manual_seed(6)
+    learner, obs = make(), _obs()
+    writer = ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
+    write_acting_file(tmp_path, writer.descriptor["spec"], acting_plan(learner))
+    published = read_acting_file(tmp_path)
+    state = StateArrays(published["spec"])
+    actor = numpy_actor(published["plan"], state.arrays, getattr(learner, "cfg", None), _rng())
+    follower = ParamFollower(state, writer.descriptor["name"], shm.Owner(run_id, "learner"), recheck_s=0.0)
+    try:
+        for version in range(3):
+            _normalised(learner) if version == 1 else torch.nn.init.normal_(next(learner.parameters()))
+            writer.write(version)
+            assert follower.poll() and follower.version == version
+            with torch.no_grad():
+                want_action, want = learner.step(torch.from_numpy(obs), EVALUATE)
+            action, info = actor.step(obs, EVALUATE)
+            np.testing.assert_array_equal(action, want_action.numpy())
+            np.testing.assert_allclose(info.value, want.value.numpy(), atol=ATOL)
+    finally:
+        follower.close()
+        writer.close()
+
+
+def test_a_bad_acting_plan_or_layout_is_a_clear_error():
+    agent = PgAgent(OBS, gym.spaces.Discrete(3), ModelConfig(hidden_sizes=(8,)))
+    plan, arrays = acting_plan(agent), state_arrays(agent)
+    with pytest.raises(ValueError, match="p_nowhere"):
+        check_plan({**plan, "pi_head": [["p_nowhere", plan["pi_head"][0][1], None]]}, arrays)
+    with pytest.raises(ValueError, match="activations.*'gelu'"):
+        check_plan({**plan, "v_head": [[*plan["v_head"][0][:2], "gelu"]]}, arrays)
+    with pytest.raises(ValueError, match="malformed"):
+        check_plan({**plan, "trunks": 3}, arrays)
+    with pytest.raises(ValueError, match="not a parameter segment|layout of a parameter segment"):
+        StateArrays({"type": "Other", "fields": [["x", {"dtype": "<f4", "shape": [2]}]]})

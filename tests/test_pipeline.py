@@ -19,13 +19,15 @@ pytestmark = pytest.mark.learning
 def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inference):
     """The default experiment reaches 475 within 200k steps although a sampler and the
     learner are killed with SIGKILL mid-run; supervisord restarts both, the learner resumes
-    from its checkpoint with increasing policy versions; `rlpipe stop` leaves nothing.
+    from its checkpoint with increasing policy versions; `rlpipe stop` leaves nothing. No
+    sampler loads torch, a restarted one neither.
     In server mode the action-server notices the killed sampler through its doorbell at
     once, long before its peer timeout."""
     run = runs("cartpole_ppo.toml", "learner.checkpoint_interval_s=2.0", f"sampler.inference={inference}",
                "action_server.peer_timeout_s=60")
     run.wait_steps(25_000)
     sampler_pid = run.pid("sampler0")
+    assert not maps_torch(sampler_pid)  # local inference acts in numpy from the learner's acting.json
     os.kill(sampler_pid, signal.SIGKILL)
     t_kill = time.monotonic()
     if inference == "server":
@@ -34,6 +36,7 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
         assert time.monotonic() - t_kill < 10  # well within peer_timeout_s = 60: the doorbell closed
     run.wait_for(lambda: run.status().get("sampler0", ("", None))[1] not in (None, sampler_pid), 30,
                  "supervisord to restart sampler0")
+    assert not maps_torch(run.pid("sampler0"))
 
     run.wait_for(lambda: (run.dir / "checkpoints" / "latest.pt").exists(), 30, "a checkpoint")
     version_before = max(int(r["policy_version"]) for r in run.progress())

@@ -6,7 +6,8 @@ import zmq
 
 from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
-from shared.acting import acting_seed, seed_torch
+from shared.acting import acting_seed
+from shared.agents.actor import seed_torch
 from shared.auth import read_secret
 from shared.config import endpoint, most_count, socket_dir
 from shared.factory import env_probe, example_step, make_agent

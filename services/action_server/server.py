@@ -24,7 +24,7 @@ import torch
 import zmq
 
 from shared import shm
-from shared.acting import Actor
+from shared.agents.actor import Actor
 from shared.auth import check_secret
 from shared.config import ActionServerConfig
 from shared.doorbell import PeerGone, ServerBell
@@ -62,7 +62,7 @@ class ActionServer:
         """``bell_dir`` holds the samplers' doorbells; ``run_id``/``secret`` say who belongs to
         the run; ``slot_item_spec``: one env's StepSlot; ``envs_per_sampler``/``envs_total`` give
         every env a global index, for agents whose exploration depends on it
-        (``agent.epsilon(env_steps, env_index, envs_total)``); ``seed``: of the exploration noise
+        (``cfg.epsilon(env_steps, env_index, envs_total)``); ``seed``: of the exploration noise
         (``shared.acting.acting_seed``; None: fresh entropy)."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
         self.act = Actor(agent, seed)

@@ -8,6 +8,8 @@ from services.learner.learner import Learner, lock_run, run_loop
 from services.learner.transport import PublishedParams, RemoteBatches
 from shared import metrics as metrics_mod
 from shared import shm
+from shared.acting import write_acting_file
+from shared.agents.actor import acting_plan
 from shared.auth import read_secret
 from shared.config import endpoint
 from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
@@ -36,6 +38,7 @@ def run(exp, run_dir, instance: int) -> None:
         slots.append(tree)
         descriptors.append(desc)
     writer = ParamWriter(agent, shm.segment_name(run_id, "learner", instance, "params"))
+    write_acting_file(run_dir, writer.descriptor["spec"], acting_plan(agent))  # for torch-free local samplers
     learner.version = max(learner.version, writer.previous_version + 1)
     ctx = zmq.Context()
     params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer)

@@ -3,6 +3,7 @@
 import logging
 import time
 
+import numpy as np
 import zmq
 
 from services.sampler.sampler import Sampler, run_loop
@@ -15,19 +16,46 @@ from shared.factory import env_probe, make_agent
 from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.sampler")
+POLL_S = 0.02  # waiting for the learner's first publication at start-up
+NOTE_S = 10.0  # a note in the log this often while the learner is not there
 
 
-def local_actions(exp, sampler: Sampler, run_id: str):
-    """Local inference: a copy of the agent on the CPU that follows the learner's parameter segment."""
+def local_actions(exp, sampler: Sampler, run_dir, run_id: str):
+    """Local inference: the agent's copy that follows the learner's parameter segment. Where
+    the learner published a numpy acting plan (``shared.acting``), the sampler acts in numpy
+    on its own copy of the state and never imports torch; else it builds the torch agent."""
     from services.sampler.local import LocalActions
-    from shared.acting import acting_seed, seed_torch
-    from shared.params import ParamFollower
+    from shared.acting import acting_seed, numpy_actor, read_acting_file
+    from shared.params import ParamFollower, StateArrays
 
-    torch_device("cpu")
-    agent = make_agent(exp, env_probe(exp)).eval()
-    seed_torch(acting_seed(exp.run.seed, "sampler", sampler.instance))  # make_agent seeded it with run.seed
-    params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0))
-    return LocalActions(agent, sampler, params, most_count(exp.sampler) * exp.sampler.envs, exp.run.seed)
+    seed = acting_seed(exp.run.seed, "sampler", sampler.instance)
+    segment, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
+    published = wait_for("the learner's acting.json", lambda: read_acting_file(run_dir))
+    if published["plan"] is not None:
+        state = StateArrays(published["spec"])
+        act = numpy_actor(published["plan"], state.arrays, exp.agent, np.random.default_rng(seed))
+        params = ParamFollower(state, segment, owner)
+        wait_for("the learner's first parameter version", params.poll)  # it follows acting.json at once
+    else:
+        from shared.agents.actor import Actor, seed_torch
+
+        torch_device("cpu")
+        agent = make_agent(exp, env_probe(exp)).eval()
+        seed_torch(seed)  # make_agent seeded it with run.seed
+        act = Actor(agent, seed)
+        params = ParamFollower(agent, segment, owner)
+    return LocalActions(act, sampler, params, most_count(exp.sampler) * exp.sampler.envs)
+
+
+def wait_for(what: str, ready):
+    """``ready()``'s first true value, polled; a note in the log every NOTE_S while waiting."""
+    t_note = time.monotonic()
+    while not (value := ready()):
+        if time.monotonic() - t_note > NOTE_S:
+            log.info("waiting for %s", what)
+            t_note = time.monotonic()
+        time.sleep(POLL_S)
+    return value
 
 
 def run(exp, run_dir, instance: int) -> None:
@@ -40,7 +68,7 @@ def run(exp, run_dir, instance: int) -> None:
     actions = sink = None
     try:
         if exp.sampler.inference == "local":
-            actions = local_actions(exp, sampler, run_id)
+            actions = local_actions(exp, sampler, run_dir, run_id)
         else:
             server = instance % exp.action_server.count
             actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,

@@ -3,6 +3,9 @@
 No action-server and no per-step message: ``request`` runs the agent on the group's step
 slot at once. Parameters come from ``params``: in the pipeline a ``shared.params.ParamFollower``
 on the learner's segment (checked before every step), in serial mode the learner itself.
+The acting step is a ``shared.acting.NumpyActor`` on the sampler's own copy of the state
+(no torch in the process) where the learner published an acting plan, else a
+``shared.agents.actor.Actor`` around a torch copy of the agent.
 """
 
 from __future__ import annotations
@@ -10,8 +13,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
-
-from shared.acting import Actor, acting_seed
 
 
 class ParamSource(Protocol):
@@ -27,10 +28,10 @@ class ParamSource(Protocol):
 
 
 class LocalActions:
-    """ActionSource that runs ``agent`` on a sampler's step slots right away."""
+    """ActionSource that runs ``act`` (an ``Actor`` or ``NumpyActor``) on a sampler's step slots right away."""
 
-    def __init__(self, agent, sampler, params: ParamSource, envs_total: int, run_seed: int):
-        self.act = Actor(agent, acting_seed(run_seed, "sampler", sampler.instance))
+    def __init__(self, act, sampler, params: ParamSource, envs_total: int):
+        self.act = act
         self.slots, self.params, self.envs_total = sampler.slots, params, envs_total
         base = sampler.instance * sampler.cfg.envs
         self.env_index = [np.arange(g.start, g.stop) + base for g in sampler.groups]

@@ -17,9 +17,14 @@ This module is torch-free (samplers in server mode import nothing from the agent
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+
+
+HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
+"""log sqrt(2 pi): the constant of a Gaussian's log-density."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ is everything the learner publishes; ``step`` never changes it.
 
 from __future__ import annotations
 
-import math
 
 import gymnasium as gym
 import numpy as np
@@ -16,14 +15,13 @@ from torch import nn
 from torch.distributions import Normal
 
 from shared.agent_config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
-from shared.agents import EXPLORE, StepContext
+from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.models import MLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len, map_leaves
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 class PgAgent(nn.Module):
@@ -122,7 +120,7 @@ class PgAgent(nn.Module):
             log_std = self.log_std.reshape(self.action_shape)
             noise = torch.zeros_like(mean) if greedy else torch.randn_like(mean)
             action = mean + noise * log_std.exp()
-            log_prob = (-0.5 * noise.square() - log_std - _HALF_LOG_2PI).flatten(1).sum(-1)
+            log_prob = (-0.5 * noise.square() - log_std - HALF_LOG_2PI).flatten(1).sum(-1)
         else:
             idx, log_prob = [], 0.0
             for chunk in torch.split(out, self.nvec, dim=-1):

@@ -1,7 +1,7 @@
 """Q-learning agent: observations -> epsilon-greedy actions, Q-values, return distributions.
 
 One ``QAgent`` serves the action-server (``step``: epsilon-greedy with each env's epsilon
-from ``epsilon``), the learner (``q_values``, ``dist``) and evaluation (``step`` with a
+from ``cfg.epsilon``), the learner (``q_values``, ``dist``) and evaluation (``step`` with a
 greedy context: epsilon ``eps_eval``). Variants are
 parameters: a plain or dueling head (Wang et al. 2016), scalar Q or a C51 categorical
 return distribution (Bellemare et al. 2017). The target network is not part of the agent
@@ -102,9 +102,9 @@ class QAgent(nn.Module):
 
     def step(self, obs, ctx: StepContext = EXPLORE) -> tuple[torch.Tensor, QAgentInfo]:
         """Epsilon-greedy actions for obs tree [B, ...]: each env's epsilon for ``ctx.env_steps``
-        (``epsilon``), or ``eps_eval`` for a greedy context."""
+        (``cfg.epsilon``), or ``eps_eval`` for a greedy context."""
         n = leading_len(obs)
-        eps = self.cfg.eps_eval if ctx.greedy else self.epsilon(ctx.env_steps, *ctx.rows(n))
+        eps = self.cfg.eps_eval if ctx.greedy else self.cfg.epsilon(ctx.env_steps, *ctx.rows(n))
         if self.core is None:
             return self.epsilon_greedy(obs, eps)
         with torch.no_grad():
@@ -132,20 +132,4 @@ class QAgent(nn.Module):
         explore = torch.rand(B, device=device) < eps
         random = torch.randint(self.n_actions, (B,), device=device)
         return torch.where(explore, random, q.argmax(-1)), q.max(-1).values.float()
-
-    def epsilon(self, env_steps: int, env_index: np.ndarray | int, n_envs_total: int) -> np.ndarray:
-        """Exploration epsilons float32, shaped like ``env_index``, after ``env_steps`` env steps.
-
-        ``env_index``: global indices in [0, n_envs_total) of the envs asking (the Ape-X
-        spread depends on them); see ``QAgentConfig`` for the formula.
-        """
-        cfg = self.cfg
-        j = np.asarray(env_index, dtype=np.float64)
-        if cfg.apex_alpha > 0:
-            spread = j / (n_envs_total - 1) if n_envs_total > 1 else np.zeros_like(j)
-            final = cfg.apex_eps_base ** (1.0 + cfg.apex_alpha * spread)
-        else:
-            final = np.full_like(j, cfg.eps_end)
-        frac = min(1.0, env_steps / cfg.eps_decay_steps) if cfg.eps_decay_steps > 0 else 1.0
-        return (cfg.eps_start + (final - cfg.eps_start) * frac).astype(np.float32)
 

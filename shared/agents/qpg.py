@@ -23,13 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo
-from shared.agents import EXPLORE, StepContext
+from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.models import MLP, EnsembleMLP, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len
 
 ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
 _LOG_2 = math.log(2.0)
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
 def tanh_gaussian_log_prob(u: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
@@ -38,7 +37,7 @@ def tanh_gaussian_log_prob(u: torch.Tensor, mean: torch.Tensor, log_std: torch.T
     Change of variables: log p(a) = log N(u) - sum log(1 - tanh(u)^2), with the stable
     form log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)).
     """
-    gauss = -0.5 * ((u - mean) / log_std.exp()).square() - log_std - _HALF_LOG_2PI
+    gauss = -0.5 * ((u - mean) / log_std.exp()).square() - log_std - HALF_LOG_2PI
     return (gauss - 2.0 * (_LOG_2 - u - F.softplus(-2.0 * u))).sum(-1)
 
 

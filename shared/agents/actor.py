@@ -1,0 +1,86 @@
+"""One agent step for a batch of observations: the same in the action-server, in
+local-inference samplers that act in torch and in serial mode; and the acting plan of the
+agents that can act in numpy (``shared.acting``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.acting import numpy_actor
+from shared.agents import StepContext
+from shared.agents.pg import PgAgent
+from shared.agents.q import QAgent
+from shared.models import MLP, Encoder
+from shared.namedarraytuple import numpify, torchify
+from shared.params import field_name
+
+_ACTIVATION_NAMES = {torch.tanh: "tanh", torch.relu: "relu", None: None}
+
+
+def seed_torch(seed: np.random.SeedSequence) -> None:
+    """Seed the process's torch generator, which the torch acting path draws from."""
+    torch.manual_seed(int(seed.generate_state(1)[0]))
+
+
+def acting_plan(agent) -> dict | None:
+    """The numpy acting plan of ``agent`` (``shared.acting``), or None where it must act in torch
+    (on the CPU, that is: the plan says nothing of the device ``agent`` is on)."""
+    if getattr(agent, "core", None) is not None:
+        return None
+    fields = {id(t): field_name(k) for k, t in agent.state_dict(keep_vars=True).items()}
+
+    def layers(mlp: MLP) -> list | None:
+        if any(fn not in _ACTIVATION_NAMES for _, fn in mlp.plan):
+            return None
+        return [(fields[id(linear.weight)], fields[id(linear.bias)], _ACTIVATION_NAMES[fn]) for linear, fn in mlp.plan]
+
+    def trunk(encoder: Encoder | None) -> list | None:
+        return None if encoder is None or not encoder.vector_only else layers(encoder.trunk)
+
+    norm = agent.obs_norm
+    plan = {"norm": None if norm is None else
+            {"mean": fields[id(norm.mean)], "var": fields[id(norm.var)], "clip": float(norm.clip)}}
+    if isinstance(agent, PgAgent):
+        plan.update(family="pg", trunks=[trunk(agent.pi_encoder)] + ([] if agent.v_encoder is None else
+                                                                     [trunk(agent.v_encoder)]),
+                    pi_head=layers(agent.pi_head), v_head=layers(agent.v_head), kind=agent.kind)
+        box = agent.kind == "box"
+        plan.update(nvec=[] if box else agent.nvec, action_shape=list(agent.action_shape) if box else [],
+                    log_std=fields[id(agent.log_std)] if box else None)
+        needed = [*plan["trunks"], plan["pi_head"], plan["v_head"]]
+    elif isinstance(agent, QAgent):
+        plan.update(family="q", trunks=[trunk(agent.encoder)], advantage=layers(agent.advantage),
+                    value=None if agent.value is None else layers(agent.value), n_actions=agent.n_actions,
+                    n_atoms=agent.n_atoms, support=None if agent.support is None else fields[id(agent.support)])
+        needed = [*plan["trunks"], plan["advantage"]] + ([] if agent.value is None else [plan["value"]])
+    else:
+        return None
+    return None if None in needed else plan
+
+
+def state_arrays(agent) -> dict[str, np.ndarray]:
+    """Numpy views of a CPU agent's state_dict tensors, by parameter-segment field."""
+    return {field_name(k): t.numpy() for k, t in agent.state_dict().items()}
+
+
+class Actor:
+    """``agent``'s acting step on numpy observations: in numpy for the agents with an acting
+    plan (on the CPU), drawing from a generator seeded with ``seed``, else in torch (from
+    torch's generator)."""
+
+    def __init__(self, agent, seed: np.random.SeedSequence) -> None:
+        self.agent = agent
+        plan = acting_plan(agent) if agent.device.type == "cpu" else None
+        self.fast = None if plan is None else \
+            numpy_actor(plan, state_arrays(agent), getattr(agent, "cfg", None), np.random.default_rng(seed))
+
+    def __call__(self, obs, env_index: np.ndarray, first: np.ndarray, reward: np.ndarray, env_steps: int,
+                 envs_total: int):
+        """As ``NumpyActor.__call__``, numpy in and out."""
+        if self.fast is not None:
+            return self.fast(obs, env_index, first, reward, env_steps, envs_total)
+        ctx = StepContext(env_index=env_index, first=first, reward=reward, env_steps=env_steps, envs_total=envs_total)
+        with torch.inference_mode():  # cheaper than no_grad; nothing here is ever differentiated
+            action, info = self.agent.step(torchify(obs), ctx)
+        return numpify(action), numpify(info)
