@@ -13,7 +13,7 @@ from torch import nn
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import A2CConfig
-from shared.algos.optim import adam, gradient_step, set_lr
+from shared.algos.optim import adam, gradient_step, rmsprop, set_lr
 
 class A2C:
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
@@ -22,9 +22,7 @@ class A2C:
         self.agent = agent
         self.cfg = cfg
         if cfg.optimizer == "rmsprop":
-            self.optimizer = torch.optim.RMSprop(
-                agent.parameters(), lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.optimizer_eps
-            )
+            self.optimizer = rmsprop(agent.parameters(), lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.optimizer_eps)
         else:
             self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps)
 
