@@ -140,22 +140,17 @@ def _launch(args) -> int:
         return 2
     t0 = time.monotonic()
     launch.start(exp, run_dir)
-    # The agent is built here while the services start (importing torch is most of both):
-    # a model that cannot exist stops the run and leaves nothing behind but the error line.
-    if _buildable(exp) is None:
-        launch.clean(run_dir)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        return 2
-    servers = f", {exp.action_server.count} action-server(s)" if exp.sampler.inference == "server" else ""
-    print(f"run {run_dir.name}: {exp.algo_name} on {exp.env.id}, {exp.sampler.count} sampler(s) x "
-          f"{exp.sampler.envs} envs{servers}, {args.inference}")
-    print(f"run directory: {run_dir}")
-    if exp.network.metrics_port:
-        print(f"metrics: http://{exp.network.metrics_host}:{exp.network.metrics_port}/metrics")
-    if args.detach:
-        print(f"detached; follow with `rlpipe status {run_dir}`, end with `rlpipe stop {run_dir}`")
-        return 0
     try:
+        # A model that cannot exist stops the run and leaves nothing behind but the error line.
+        error = launch.wait_until_built(run_dir)
+        if error is not None:
+            print(f"rlpipe: config error: {error}", file=sys.stderr)
+            launch.clean(run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return 2
+        _announce(exp, run_dir, args)
+        if args.detach:
+            return 0
         result = launch.follow(run_dir, exp.run.max_wall_s)
     except KeyboardInterrupt:
         result = None
@@ -173,6 +168,17 @@ def _launch(args) -> int:
           f"{result['env_steps']} env steps, {result['updates']} updates, in {took:.1f} s")
     print(f"run directory: {run_dir}")
     return 0 if result["reason"] == "target" else 1
+
+
+def _announce(exp, run_dir, args) -> None:
+    servers = f", {exp.action_server.count} action-server(s)" if exp.sampler.inference == "server" else ""
+    print(f"run {run_dir.name}: {exp.algo_name} on {exp.env.id}, {exp.sampler.count} sampler(s) x "
+          f"{exp.sampler.envs} envs{servers}, {args.inference}")
+    print(f"run directory: {run_dir}")
+    if exp.network.metrics_port:
+        print(f"metrics: http://{exp.network.metrics_host}:{exp.network.metrics_port}/metrics")
+    if args.detach:
+        print(f"detached; follow with `rlpipe status {run_dir}`, end with `rlpipe stop {run_dir}`")
 
 
 def _resumable(args):

@@ -25,35 +25,37 @@ def env_probe(exp: Experiment) -> EnvGroup:
 def make_agent(exp: Experiment, probe: EnvGroup):
     """The run's agent, initialised from ``run.seed``: every process that builds it (learner,
     local samplers acting in torch, action-servers) holds the same version-0 parameters, so
-    those can act before the learner has published anything."""
+    those can act before the learner has published anything. ConfigError (one line) for an
+    agent that cannot be built for the env."""
     import torch
 
     torch.manual_seed(exp.run.seed)
     obs, space = probe.example_observation(), probe.action_space
-    if family(exp) == "pg":
-        from shared.agents.pg import PgAgent
-
-        return PgAgent(obs, space, exp.model, exp.agent)
-    if family(exp) == "q":
-        from shared.agents.q import QAgent
-
-        return QAgent(obs, space, exp.model, exp.agent)
-    from shared.agents.qpg import DeterministicAgent, SacAgent
-
-    cls = SacAgent if exp.algo_name == "sac" else DeterministicAgent
-    return cls(obs, space, exp.model, exp.agent, n_critics=exp.algo.n_critics)
-
-
-def check_buildable(exp: Experiment) -> None:
-    """Build the env and the agent as every service will, so that a model that cannot
-    exist is one ConfigError at launch instead of services crashing in a loop."""
-    probe = env_probe(exp)
     try:
-        make_agent(exp, probe)
+        if family(exp) == "pg":
+            from shared.agents.pg import PgAgent
+
+            return PgAgent(obs, space, exp.model, exp.agent)
+        if family(exp) == "q":
+            from shared.agents.q import QAgent
+
+            return QAgent(obs, space, exp.model, exp.agent)
+        from shared.agents.qpg import DeterministicAgent, SacAgent
+
+        cls = SacAgent if exp.algo_name == "sac" else DeterministicAgent
+        return cls(obs, space, exp.model, exp.agent, n_critics=exp.algo.n_critics)
     except (ValueError, RuntimeError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"the {exp.algo_name} agent (encoder = {exp.model.encoder!r}) cannot be built for "
                           f"{exp.env.id}: {first}") from None
+
+
+def check_buildable(exp: Experiment) -> None:
+    """Build the env and the agent as every service will, so that a model that cannot
+    exist is one ConfigError before anything starts (``rlpipe prepare``, grids)."""
+    probe = env_probe(exp)
+    try:
+        make_agent(exp, probe)
     finally:
         probe.close()
 

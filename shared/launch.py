@@ -21,7 +21,8 @@ from shared import config as config_mod
 from shared import shm
 from shared.auth import write_curve_keys, write_secret
 from shared.config import Experiment
-from shared.runtime import RUN_CONFIG
+from shared.acting import ACTING_FILE
+from shared.runtime import CONFIG_ERROR, RUN_CONFIG
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 TEMPLATE = DEPLOY / "supervisord.conf.tmpl"
@@ -78,12 +79,14 @@ def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
 
 def reopen_run_dir(run_dir: Path) -> None:
     """Make a stopped run's directory ready to start again (``launch --resume``): its socket
-    directory back, the previous result set aside (the run goes on to a new one)."""
+    directory back, the previous result set aside (the run goes on to a new one), the
+    previous learner's acting.json gone."""
     make_private_dir(config_mod.socket_base())
     config_mod.socket_dir(run_dir).mkdir(mode=0o700, exist_ok=True)
     result = run_dir / "result.json"
     if result.exists():
         result.replace(run_dir / "result.previous.json")
+    (run_dir / ACTING_FILE).unlink(missing_ok=True)  # the restarted learner writes it when its agent is built
 
 
 def safe_name(name: str) -> str:
@@ -334,6 +337,47 @@ def read_result(run_dir: Path) -> dict | None:
         return json.loads((run_dir / "result.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+BUILD_TIMEOUT_S = 120.0  # a learner this slow to build its agent is left to `follow` and `status`
+
+
+def wait_until_built(run_dir: Path, timeout_s: float = BUILD_TIMEOUT_S) -> str | None:
+    """Wait for the learner to have built the agent (its ``acting.json``): None; or the one
+    line of a service's config error (a model that cannot exist for the env: the learner,
+    and action-servers, exit 2 with it). Raises ServiceCrashLoop when services keep dying at
+    start-up for another reason (the caller stops the run).
+
+    The launcher used to build the agent itself, which imported torch while the learner did
+    the same on two cores: the first env step waited for both.
+    """
+    deadline, watch = time.monotonic() + timeout_s, CrashWatch(run_dir)
+    while time.monotonic() < deadline and not (run_dir / ACTING_FILE).exists():
+        error = _config_error(run_dir)
+        if error is not None:
+            return error
+        try:
+            watch.check()
+        except ServiceCrashLoop:
+            error = _config_error(run_dir)  # its line may have reached the log after the exit
+            if error is None:
+                raise
+            return error
+        time.sleep(0.05)
+    return None
+
+
+def _config_error(run_dir: Path) -> str | None:
+    """The config error a service of the run logged before it exited (``runtime.serve``), if any."""
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            if line.startswith(CONFIG_ERROR):
+                return line[len(CONFIG_ERROR):]
+    return None
 
 
 class ServiceCrashLoop(RuntimeError):

@@ -20,6 +20,7 @@ from shared import config as config_mod
 from shared import shm
 
 RUN_CONFIG = "config.toml"
+CONFIG_ERROR = "config error: "  # how a service's log says its config cannot work (then it exits 2)
 TB_DIR = "tb"
 """The run directory's TensorBoard folder: the learner's event files (progress scalars and
 algorithm diagnostics against env steps); other services add theirs beside them with their own writers."""
@@ -52,13 +53,17 @@ def serve(service: str, run: Callable[[config_mod.Experiment, Path, int], None])
     The exit skips the interpreter's teardown of its modules (torch's alone takes up to a
     second, which every `rlpipe stop` would wait for): by then ``run``'s finally blocks have
     closed its sockets, and the segments it still owns are unlinked here. A SIGTERM
-    (SystemExit) exits with its code; any other exception is logged and exits 1.
+    (SystemExit) exits with its code; a ConfigError is one ``config error: ...`` line and
+    exits 2; any other exception is logged and exits 1.
     """
     code = 0
     try:
         run(*start_service(service))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
+    except config_mod.ConfigError as e:  # one line the launcher shows as it is (launch.wait_until_built)
+        print(f"{CONFIG_ERROR}{e}", file=sys.stderr)
+        code = 2
     except BaseException:  # noqa: BLE001 - reported, then the process ends as it would have
         traceback.print_exc()
         code = 1
