@@ -34,10 +34,14 @@ def service_args(service: str, argv=None) -> argparse.Namespace:
 
 
 def start_service(service: str, argv=None) -> tuple[config_mod.Experiment, Path, int]:
-    """Parse args, set up logging and signals, read the run's resolved config."""
+    """Parse args, set up logging and signals, one BLAS thread (``torch_device``), read the
+    run's resolved config."""
+    from threadpoolctl import threadpool_limits
+
     args = service_args(service, argv)
     setup_logging(f"{service}{args.instance}")
     install_signal_handlers()
+    threadpool_limits(1, user_api="blas")  # torch-free services too: a numpy acting step is numpy's BLAS
     run_dir = Path(args.run_dir)
     exp = config_mod.load(run_dir / RUN_CONFIG)
     if exp.network.transport == "tcp":

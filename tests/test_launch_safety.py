@@ -162,3 +162,15 @@ def test_clean_of_a_run_leaves_a_live_run_whose_name_extends_it_running(runs, tm
     assert live.status() == before and all(state == "RUNNING" for state, _ in before.values()), before
     steps = int(live.progress()[-1]["env_steps"])
     live.wait_steps(steps + 1_000, timeout=60)
+
+
+def test_every_service_runs_one_blas_thread(tmp_path):
+    """A numpy acting step of a 256x256 MLP took ~7 ms with OpenBLAS's two threads against
+    ~0.1 ms with one: a torch-free local sampler ran DQN's acting at 47% of a core until
+    start_service limited BLAS for every service (not only those that set up torch)."""
+    shutil.copy(CONFIGS / "cartpole_dqn.toml", tmp_path / RUN_CONFIG)
+    script = ("import sys; from threadpoolctl import threadpool_info; from shared.runtime import start_service; "
+              "start_service('sampler', ['--run-dir', sys.argv[1], '--instance', '0']); "
+              "print(sorted({p['num_threads'] for p in threadpool_info() if p['user_api'] == 'blas'}))")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["[1]"], out.stdout + out.stderr
