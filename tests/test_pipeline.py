@@ -109,8 +109,11 @@ def test_an_idle_pipeline_waits_without_spinning_and_only_networks_load_torch(ru
 def test_sampler_count_follows_config_metrics_show_instances_and_action_servers_scale(runs):
     """A2C with 3 samplers and an action-server reaches 200; the endpoint shows 3 sampler
     instances. `rlpipe scale RUN action_server=2` adds a second action-server: sampler 1 (1 mod 2)
-    is restarted onto it, samplers 0 and 2 stay where they are, untouched."""
-    run = runs("cartpole_a2c.toml", "sampler.count=3", "sampler.inference=server", "action_server.max_count=2")
+    is restarted onto it, samplers 0 and 2 stay where they are, untouched. The run has no
+    target, so that it outlasts the scaling (A2C can reach 200 in 5 s); the return is read from
+    its progress rows."""
+    run = runs("cartpole_a2c.toml", "sampler.count=3", "sampler.inference=server", "action_server.max_count=2",
+               "run.target_return=1e9")
     run.wait_steps(5_000)
     page = run.metrics()
     assert instances(page, "rlpipe_sampler_up") == {"0", "1", "2"}
@@ -127,8 +130,8 @@ def test_sampler_count_follows_config_metrics_show_instances_and_action_servers_
         assert metric_value(page, name) > 0, name
     for name in ("rlpipe_learner_policy_lag_versions", "rlpipe_replay_size_items", "rlpipe_learner_mean_return"):
         assert f"\n{name}{{" in page, name
-    result = run.wait_result(240)
-    assert result["reason"] == "target" and result["mean_return"] >= 200 and result["env_steps"] <= 200_000, result
+    run.wait_for(lambda: any(float(r["mean_return"]) >= 200 for r in run.progress() if int(r["env_steps"]) <= 200_000),
+                 240, "a mean return of 200 within 200k env steps")
 
 
 def test_pendulum_ppo_gaussian_one_sampler(runs):
