@@ -66,7 +66,7 @@ class NumpyActor:
     """``step(obs, ctx) -> (action, info)`` like the agent's, on numpy arrays [B, ...]."""
 
     def __init__(self, plan: dict, arrays: Mapping[str, np.ndarray], rng: np.random.Generator) -> None:
-        self.plan, self.rng = plan, rng
+        self.rng = rng
         self.trunks = [_Mlp(layers, arrays) for layers in plan["trunks"]]
         norm = plan["norm"]
         self.norm = None if norm is None else (arrays[norm["mean"]], arrays[norm["var"]], float(norm["clip"]))

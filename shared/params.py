@@ -87,12 +87,15 @@ class ModuleState:
     """Load target: a torch module's state_dict tensors, overwritten in place (on any device)."""
 
     def __init__(self, module) -> None:
+        import torch  # only processes that hold a torch module get here
+
         self.spec = state_spec(module)
         self.tensors = list(module.state_dict().values())  # detached, sharing the parameters' storage
+        self.from_numpy = torch.from_numpy
 
     def load(self, staged: list[np.ndarray]) -> None:
-        for t, arr in zip(self.tensors, staged):
-            t.copy_(t.new_tensor(arr))
+        for t, arr in zip(self.tensors, staged):  # the staged copies are ours: wrapped, not copied again
+            t.copy_(self.from_numpy(arr))
 
 
 class StateArrays:

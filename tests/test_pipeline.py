@@ -36,6 +36,8 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
         assert time.monotonic() - t_kill < 10  # well within peer_timeout_s = 60: the doorbell closed
     run.wait_for(lambda: run.status().get("sampler0", ("", None))[1] not in (None, sampler_pid), 30,
                  "supervisord to restart sampler0")
+    run.wait_for(lambda: run.logs("sampler0").count("services.sampler: sampler 0:") >= 2, 30,
+                 "the restarted sampler0 to step its envs")
     assert not maps_torch(run.pid("sampler0"))
 
     run.wait_for(lambda: (run.dir / "checkpoints" / "latest.pt").exists(), 30, "a checkpoint")
