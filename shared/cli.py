@@ -106,6 +106,10 @@ def _train(args) -> int:
     exp = _load(args)
     if exp is None:
         return 2
+    if exp.learner.count > 1:
+        print(f"rlpipe: config error: learner.count = {exp.learner.count}: serial mode runs one learner in this "
+              "process; launch the run for data-parallel ranks", file=sys.stderr)
+        return 2
     from services.serial import train_serial
 
     result = train_serial(exp)

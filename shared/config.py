@@ -141,8 +141,13 @@ class ReplayConfig:
 
 @dataclass(frozen=True)
 class LearnerConfig:
+    count: int = 1
+    """Learner ranks: N > 1 trains data-parallel, one torch.distributed group (gloo on CPU,
+    nccl on CUDA) whose ranks average their gradients each step; replay hands each rank its
+    share of every batch, and rank 0 publishes parameters and writes checkpoints and progress."""
     batch_segments: int = 2
-    """Segments in one batch (one per sampler gives a batch of T x sampler.count*envs)."""
+    """Segments in one batch (one per sampler gives a batch of T x sampler.count*envs); with
+    ``count`` ranks each trains on its share of the batch's env columns."""
     prefetch: int = 1
     """Batch slots in flight; 2 double-buffers (the next batch fills while this one trains) at one more version of lag."""
     checkpoint_interval_s: float = 10.0
@@ -329,6 +334,7 @@ def _check(exp: Experiment, check_ports: bool) -> None:
         "action_server.count": exp.action_server.count, "action_server.max_batch": exp.action_server.max_batch,
         "replay.capacity": exp.replay.capacity, "learner.batch_segments": exp.learner.batch_segments,
         "learner.prefetch": exp.learner.prefetch, "learner.timeout_ms": exp.learner.timeout_ms,
+        "learner.count": exp.learner.count,
         "run.max_env_steps": exp.run.max_env_steps, "run.return_window": exp.run.return_window,
     }
     for name, value in positive.items():
@@ -351,6 +357,10 @@ def _check(exp: Experiment, check_ports: bool) -> None:
                           "ring slots until a batch is sampled")
     if on_policy and exp.replay.capacity < exp.learner.batch_segments:
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
+    columns = exp.sampler.envs * exp.learner.batch_segments
+    if on_policy and columns % exp.learner.count:
+        raise ConfigError(f"learner.count = {exp.learner.count}: each rank trains on an equal share of a batch's "
+                          f"sampler.envs * learner.batch_segments = {columns} env columns; pick a divisor of {columns}")
     if exp.algo_name == "r2d1":
         _check_r2d1(exp)
     elif not on_policy and exp.replay.capacity < most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
@@ -367,10 +377,10 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     if exp.model.lstm_size and exp.algo_name not in RECURRENT_ALGOS:
         raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: {exp.algo_name} has no recurrent agent; "
                           f"recurrent algorithms: {', '.join(RECURRENT_ALGOS)}")
-    if exp.model.lstm_size and exp.algo_name == "ppo" and exp.algo.minibatches > exp.sampler.envs * exp.learner.batch_segments:
+    if exp.model.lstm_size and exp.algo_name == "ppo" and exp.algo.minibatches > columns // exp.learner.count:
         raise ConfigError(f"algo.minibatches = {exp.algo.minibatches}: a recurrent agent's minibatches are whole env "
-                          f"sequences; at most sampler.envs * learner.batch_segments = "
-                          f"{exp.sampler.envs * exp.learner.batch_segments}")
+                          f"sequences; at most sampler.envs * learner.batch_segments / learner.count = "
+                          f"{columns // exp.learner.count}")
     _check_eval(exp)
     dev = exp.run.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):

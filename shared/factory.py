@@ -82,11 +82,18 @@ def batch_items(exp: Experiment) -> int:
     return exp.learner.batch_segments if on_policy(exp) else exp.algo.batch_size
 
 
+def round_items(exp: Experiment) -> int:
+    """What replay takes from its table for one batch of every learner rank: the batch's
+    segments on-policy (the ranks split their env columns), a sample for each rank off-policy."""
+    return batch_items(exp) * (1 if on_policy(exp) else exp.learner.count)
+
+
 def batch_spec(exp: Experiment, example):
-    """Layout of one learner batch slot: OnPolicyBatch [T, n*B], Transition [batch_size] or
-    SequenceBatch [sequence_length, batch_size] (r2d1)."""
+    """Layout of one learner batch slot: OnPolicyBatch [T, n*B / learner.count] (a rank's share
+    of the env columns), Transition [batch_size] or SequenceBatch [sequence_length, batch_size] (r2d1)."""
     if on_policy(exp):
-        return segment_spec(example, exp.sampler.horizon, exp.sampler.envs * exp.learner.batch_segments)
+        return segment_spec(example, exp.sampler.horizon,
+                            exp.sampler.envs * exp.learner.batch_segments // exp.learner.count)
     from shared.namedarraytuple import spec_of
     if exp.replay.table == "sequence":
         from shared.replay.sequences import sequence_batch_spec

@@ -106,7 +106,7 @@ def make_private_dir(path: Path) -> None:
 
 
 def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
-    services = [("replay", 1, 10, "true"), ("learner", 1, 20, "unexpected"), ("sampler", exp.sampler.count, 40, "true")]
+    services = [("replay", 1, 10, "true"), ("learner", exp.learner.count, 20, "unexpected"), ("sampler", exp.sampler.count, 40, "true")]
     if exp.sampler.inference == "server":
         services.insert(2, ("action_server", exp.action_server.count, 30, "true"))
     if exp.network.metrics_port:

@@ -9,13 +9,14 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 
 from services.replay.service import ReplayService
 from services.replay.tables import make_table
 from shared import config, metrics, shm, wire
-from shared.factory import batch_items, batch_spec, env_probe, example_step
+from shared.factory import batch_spec, env_probe, example_step, round_items
 from shared.layout import segment_spec
 from shared.namedarraytuple import with_leading_dims
 from shared.sockets import Endpoint
@@ -46,8 +47,9 @@ class Hub:
         self.bad: list[str] = []
         router = Endpoint(self.ctx, zmq.ROUTER, self.address, bind=True, name="replay0", on_bad=self.bad.append)
         columns = {i: B for i in range(exp.sampler.count)}
-        self.service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, batch_items(exp)),
-                                     router, metrics.for_service("replay", 0), run_id, SECRET)
+        self.service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, round_items(exp)),
+                                     router, metrics.for_service("replay", 0), run_id, SECRET,
+                                     ranks=exp.learner.count)
         self.segments: list = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.service.run, args=(self.stop.is_set,))
@@ -67,14 +69,16 @@ class Hub:
         self.segments.append(seg)
         return desc
 
-    def batch_slots(self, n: int = 1) -> list:
-        descs = []
+    def batch_slots(self, n: int = 1, rank: int = 0) -> tuple[list, list]:
+        """``n`` batch slots of learner rank ``rank``: their descriptors and arrays."""
+        descs, trees = [], []
         for i in range(n):
-            seg, _, desc = shm.allocate(shm.segment_name(self.run_id, "learner", 0, f"batch{i}"),
-                                        batch_spec(self.exp, self.example))
+            seg, tree, desc = shm.allocate(shm.segment_name(self.run_id, "learner", rank, f"batch{i}"),
+                                           batch_spec(self.exp, self.example))
             self.segments.append(seg)
             descs.append(desc)
-        return descs
+            trees.append(tree)
+        return descs, trees
 
     def close(self) -> None:
         self.stop.set()
@@ -156,14 +160,18 @@ def test_a_writer_role_stays_bound_until_a_newer_incarnation_says_hello(hub):
 
 def test_the_reader_role_cannot_be_taken_by_another_peer(hub):
     learner, other = hub.client("learner0"), hub.client("learner0")
-    learner.send("hello_reader", {"slots": hub.batch_slots(), "incarnation": 5, "secret": SECRET})
-    wait_for(lambda: hub.service.reader is not None, "the learner to attach")
+    learner.send("hello_reader", {"slots": hub.batch_slots()[0], "incarnation": 5, "secret": SECRET})
+    wait_for(lambda: 0 in hub.service.readers, "the learner to attach")
     other.send("hello_reader", {"slots": [{"name": "x"}], "incarnation": 5, "secret": SECRET})
     [reply] = replies(other, 1)
-    assert "learner is bound to another routing id" in reply.body["reason"]
+    assert "learner rank 0 is bound to another routing id" in reply.body["reason"]
     raw_send(other, "hello_reader", {"slots": [], "incarnation": 6, "secret": SECRET})  # took the role before
     assert replies(other, 1)[0].type == "error" and hub.bad == ["auth", "wire"]
-    assert hub.service.reader.peer == learner.identity and len(hub.service.reader.slots) == 1
+    other.send("hello_reader", {"slots": hub.batch_slots(rank=1)[0], "incarnation": 7, "secret": SECRET, "rank": 1})
+    [reply] = replies(other, 1)
+    assert "rank 1 is not one of the run's 1 learner rank(s)" in reply.body["reason"]
+    reader = hub.service.readers[0]
+    assert list(hub.service.readers) == [0] and reader.peer == learner.identity and len(reader.slots) == 1
     other.send("sample", {"slot": 0, "n": 4, "min_version": 0})
     [reply] = replies(other, 1)
     assert reply.body["reason"] == "sample: unknown reader: send hello_reader first"
@@ -239,3 +247,76 @@ def test_a_gap_in_serial_numbers_is_a_seam_for_n_step_returns(hub, serials, new_
         sampler.send("segment", segment(serial, index=i % RING))
         assert replies(sampler, 1)[0].type == "release"
     assert hub.service.table.size - size == new_items
+
+
+def ranked_hub(config_file: str, overrides: list, run_id, tmp_path) -> Hub:
+    """A hub for a run of two learner ranks and two samplers of ``B`` envs."""
+    exp = config.load(CONFIGS / config_file, ["learner.count=2", "sampler.count=2", f"sampler.envs={B}",
+                                              f"sampler.horizon={T}", f"sampler.ring={RING}", *overrides])
+    probe = env_probe(exp)
+    example = example_step(exp, probe)
+    probe.close()
+    return Hub(exp, example, run_id, tmp_path)
+
+
+def attach_ranks(hub: Hub) -> tuple[list, list]:
+    """Both ranks say hello with a batch slot each; returns their endpoints and slots."""
+    eps, slots = [], []
+    for rank in range(2):
+        descs, trees = hub.batch_slots(rank=rank)
+        ep = hub.client(f"learner{rank}")
+        ep.send("hello_reader", {"slots": descs, "incarnation": 1, "secret": SECRET, "rank": rank})
+        eps.append(ep)
+        slots.append(trees[0])
+    wait_for(lambda: len(hub.service.readers) == 2, "both ranks to attach")
+    return eps, slots
+
+
+def test_two_ranks_get_disjoint_env_columns_of_one_on_policy_batch_with_the_same_counters(run_id, tmp_path):
+    hub = ranked_hub("cartpole_ppo.toml", ["learner.batch_segments=2"], run_id, tmp_path)
+    try:
+        samplers = [hub.client(f"sampler{i}") for i in range(2)]
+        for i, ep in enumerate(samplers):
+            ring = hub.ring(i)
+            hello_writer(hub, ep, instance=i, ring=ring)
+            wait_for(lambda: i in hub.service.writers, f"sampler {i} to attach")
+            # each env column of each sampler's segment carries its own reward: 10 * sampler + column
+            hub.service.writers[i].ring.samples.reward[0] = 10 * i + np.arange(B)
+            ep.send("segment", segment(1, episodes=[[float(i), 3]]))
+        (rank0, rank1), (slot0, slot1) = attach_ranks(hub)
+        rank0.send("sample", {"slot": 0, "n": 2, "min_version": 0})
+        assert replies(rank0, 1, timeout_ms=300) == []  # a round waits for every rank
+        rank1.send("sample", {"slot": 0, "n": 2, "min_version": 0})
+        [got0], [got1] = replies(rank0, 1), replies(rank1, 1)
+        assert got0.type == got1.type == "sampled"
+        assert got0.body == got1.body  # the same counters: the same books on every rank
+        assert got0.body["env_steps"] == 2 * T * B and sorted(got0.body["episodes"]) == [[0.0, 3], [1.0, 3]]
+        assert slot0.samples.reward.shape == slot1.samples.reward.shape == (T, B)
+        columns = np.concatenate([slot0.samples.reward[0], slot1.samples.reward[0]])
+        assert sorted(columns.tolist()) == [0, 1, 10, 11]  # every column once, none on both ranks
+    finally:
+        hub.close()
+
+
+def test_off_policy_ranks_each_get_a_sample_of_their_own_and_both_send_priorities(run_id, tmp_path):
+    hub = ranked_hub("cartpole_dqn.toml", ["replay.capacity=1000", "replay.min_size_to_sample=1",
+                                           f"replay.n_step={N_STEP}", "replay.samples_per_insert=0.0",
+                                           "replay.table='prioritized'", "algo.batch_size=4"], run_id, tmp_path)
+    try:
+        sampler = hub.client("sampler0")
+        hello_writer(hub, sampler)
+        sampler.send("segment", segment(1))
+        assert replies(sampler, 1)[0].type == "release"
+        (rank0, rank1), _ = attach_ranks(hub)
+        for ep in (rank0, rank1):
+            ep.send("sample", {"slot": 0, "n": 4, "min_version": 0})
+        [got0], [got1] = replies(rank0, 1), replies(rank1, 1)
+        assert got0.body["env_steps"] == got1.body["env_steps"] == T * B and len(got0.body["keys"]) == 4
+        before = hub.service.table.counts.priority_updates
+        for ep, got in ((rank0, got0), (rank1, got1)):
+            ep.send("priorities", {"keys": got.body["keys"], "generations": got.body["generations"],
+                                   "priorities": [2.0] * 4})
+        wait_for(lambda: hub.service.table.counts.priority_updates - before == 8, "both ranks' priorities")
+        assert hub.bad == []
+    finally:
+        hub.close()

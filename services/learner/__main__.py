@@ -1,13 +1,13 @@
-"""python -m services.learner --run-dir RUN"""
+"""python -m services.learner --run-dir RUN --instance RANK"""
 
 import logging
 
 import zmq
 
 from services.learner.learner import Learner, lock_run, run_loop
-from services.learner.transport import PublishedParams, RemoteBatches
+from services.learner.transport import PublishedParams, RemoteBatches, Unpublished
 from shared import metrics as metrics_mod
-from shared import shm
+from shared import ranks, shm
 from shared.acting import write_acting_file
 from shared.agents.actor import acting_plan
 from shared.auth import read_secret
@@ -17,16 +17,19 @@ from shared.params import ParamWriter
 from shared.runtime import run_id_of, serve, torch_device
 
 log = logging.getLogger("services.learner")
+JOIN_TIMEOUT_S = 120.0
+"""How long a rank waits for the rest of its group (their start-up, a restart of them all)."""
 
 
 def run(exp, run_dir, instance: int) -> None:
-    lock = lock_run(run_dir)  # noqa: F841 (held until exit): a second learner would unlink our segments
+    lock = lock_run(run_dir, instance)  # noqa: F841 (held until exit): a second learner would unlink our segments
     m = metrics_mod.for_service("learner", instance)
     device = torch_device(exp.run.device)
+    group = ranks.join(run_dir, instance, exp.learner.count, device, JOIN_TIMEOUT_S) if exp.learner.count > 1 else None
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
     algo = make_algo(exp, agent)
-    learner = Learner(exp, agent, algo, device, run_dir, m)
+    learner = Learner(exp, agent, algo, device, run_dir, m, group)
     learner.resume()
     run_id = run_id_of(run_dir)
     spec = batch_spec(exp, example_step(exp, probe))
@@ -37,15 +40,22 @@ def run(exp, run_dir, instance: int) -> None:
         segments.append(seg)
         slots.append(tree)
         descriptors.append(desc)
-    writer = ParamWriter(agent, shm.segment_name(run_id, "learner", instance, "params"))
-    write_acting_file(run_dir, writer.descriptor["spec"], acting_plan(agent))  # for torch-free local samplers
-    learner.version = max(learner.version, writer.previous_version + 1)
     ctx = zmq.Context()
-    params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer)
+    if learner.leads:
+        writer = ParamWriter(agent, shm.segment_name(run_id, "learner", instance, "params"))
+        write_acting_file(run_dir, writer.descriptor["spec"], acting_plan(agent))  # for torch-free local samplers
+        learner.version = max(learner.version, writer.previous_version + 1)
+        params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer)
+    else:
+        params = Unpublished()
+    if group is not None:
+        learner.version = group.broadcast(learner.version)
+        group.check_identical(agent, "after resuming")
     source = RemoteBatches(ctx, endpoint(exp, run_dir, "replay"), descriptors, batch_items(exp),
-                           exp.learner.timeout_ms, m, read_secret(run_dir))
+                           exp.learner.timeout_ms, m, read_secret(run_dir), instance)
     m.healthy.set(1)
-    log.info("learner: %s on %s, %d item(s) a batch, starting at version %d", exp.algo_name, device,
+    log.info("learner%s: %s on %s, %d item(s) a batch, starting at version %d",
+             "" if group is None else f" rank {instance} of {group.world}", exp.algo_name, device,
              batch_items(exp), learner.version)
     try:
         result = run_loop(learner, slots, source, params)

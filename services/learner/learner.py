@@ -7,8 +7,15 @@ run's counters (env steps, episodes, versions) and checkpoints them with the mod
 optimizer, so a learner killed and restarted resumes where its last checkpoint stood. The
 checkpoint before that is kept beside it: a latest one that cannot be loaded (truncated by
 a full disk, say) is reported and the previous one is used. A lock file in the run
-directory keeps a second learner of the same run from starting (it would take over the
-first one's segments).
+directory keeps a second learner of the same run and rank from starting (it would take over
+the first one's segments).
+
+Data-parallel ranks (``learner.count`` > 1, ``shared.ranks``): each rank trains on its share
+of every batch, and their gradient steps average the gradients, so all hold the same
+parameters; every ``CHECK_EVERY`` updates they compare checksums and stop on a difference.
+Rank 0 alone publishes versions and writes progress, checkpoints and the result; whether
+the run is over is its decision, sent to the others after each update. All ranks resume
+from the same checkpoint.
 """
 
 from __future__ import annotations
@@ -28,12 +35,13 @@ import torch
 from shared import evaluation
 from shared.config import Experiment
 from shared.namedarraytuple import torchify
+from shared.ranks import Group
 from shared.runtime import TB_DIR, append_csv
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoints/latest.pt"
 PREVIOUS_CHECKPOINT = "checkpoints/previous.pt"
-LOCK = "learner.lock"
+LOCK = "learner{rank}.lock"
 PROGRESS = "progress.csv"
 RESULT = "result.json"
 # While no batch comes, the current version is re-announced this often: a PUB message sent
@@ -43,6 +51,9 @@ REANNOUNCE_MS = 500
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
                    "episodes", "mean_return", "mean_length", "policy_lag", "dropped", "replay_size",
                    *evaluation.PROGRESS_COLUMNS]
+REASONS = (None, "target", "budget", "wall")
+CHECK_EVERY = 100
+"""Updates between two comparisons of the ranks' parameter checksums."""
 
 
 class BatchSource(Protocol):
@@ -62,8 +73,13 @@ class ParamSink(Protocol):
 
 class Learner:
     def __init__(self, exp: Experiment, agent: torch.nn.Module, algo, device: torch.device, run_dir: Path | None,
-                 metrics=None):
+                 metrics=None, group: Group | None = None):
+        """``group``: this learner's place among data-parallel ranks (None: the only learner)."""
         self.exp, self.agent, self.algo, self.device, self.run_dir, self.m = exp, agent, algo, device, run_dir, metrics
+        self.group = group
+        self.leads = group is None or group.rank == 0  # publishes, reports, checkpoints
+        self.decided: str | None = None  # a group's end of the run, as rank 0 decided it at the last update
+        self.identical_at: tuple[int, int] | None = None  # (update, checksum) of the ranks' last comparison
         self.version = 0
         self.env_steps = 0
         self.updates = 0
@@ -115,6 +131,10 @@ class Learner:
         self.diag_updates += 1
         self.updates += 1
         self.version += 1
+        if self.group is not None:
+            if self.updates % CHECK_EVERY == 0:
+                self.identical_at = (self.updates, self.group.check_identical(self.agent, f"after update {self.updates}"))
+            self.decide()
         if self.m is not None:
             self.m.update_time.inc(time.perf_counter() - t0)
             self.m.updates.inc()
@@ -138,7 +158,15 @@ class Learner:
         return self.wall_before + time.monotonic() - self.t_start
 
     def finished(self) -> str | None:
-        """Why the run is over (target, budget, wall), or None."""
+        """Why the run is over (target, budget, wall), or None. In a group: rank 0's answer
+        at the last update (``decide``)."""
+        return self.decided if self.group is not None else self.reason()
+
+    def decide(self) -> None:
+        """In a group, at the same point on every rank: rank 0's ``reason()`` for all."""
+        self.decided = REASONS[self.group.broadcast(REASONS.index(self.reason()))]
+
+    def reason(self) -> str | None:
         run = self.exp.run
         if len(self.returns) >= run.return_window and self.mean_return() >= run.target_return:
             return "target"
@@ -188,6 +216,8 @@ class Learner:
             return None
         self.t_progress = time.monotonic()
         row = self.progress_row()
+        if not self.leads:
+            return row
         self.write_scalars(row)  # the evaluator writes its own scalars
         if self.run_dir is not None:
             row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
@@ -195,10 +225,13 @@ class Learner:
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
                  len(self.returns), row["policy_lag"])
+        if self.identical_at is not None:
+            log.info("parameters identical on %d ranks at update %d (crc32 %08x)", self.group.world, *self.identical_at)
+            self.identical_at = None
         return row
 
     def maybe_checkpoint(self, force: bool = False) -> None:
-        if self.run_dir is None:
+        if self.run_dir is None or not self.leads:
             return
         if not force and time.monotonic() - self.t_checkpoint < self.exp.learner.checkpoint_interval_s:
             return
@@ -251,17 +284,17 @@ class Learner:
         result = {"reason": reason, "env_steps": self.env_steps, "updates": self.updates,
                   "policy_version": self.version, "mean_return": self.mean_return(), "episodes": self.episodes_seen,
                   "wall_s": round(self.wall_s(), 2), "first_batch_to_end_s": to_target}
-        if self.run_dir is not None:
+        if self.run_dir is not None and self.leads:
             (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
         if self.tb is not None:
             self.tb.close()
         return result
 
 
-def lock_run(run_dir: Path):
-    """Hold ``<run_dir>/learner.lock`` for this process's life; RuntimeError if another
+def lock_run(run_dir: Path, rank: int = 0):
+    """Hold ``<run_dir>/learner<rank>.lock`` for this process's life; RuntimeError if another
     learner of the run holds it. Returns the open lock file (keep a reference)."""
-    f = open(run_dir / LOCK, "a+")
+    f = open(run_dir / LOCK.format(rank=rank), "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -277,7 +310,10 @@ def lock_run(run_dir: Path):
 
 
 def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:
-    """Train until the run is finished; returns the result."""
+    """Train until the run is finished; returns the result. ``params``: a sink that publishes
+    nothing on ranks other than 0."""
+    if learner.group is not None:
+        learner.decide()
     params.publish(learner.version, learner.env_steps)
     for i in range(len(slots)):
         source.request(i, learner.min_version())
@@ -292,6 +328,8 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
                 learner.m.batch_wait.inc(time.perf_counter() - t0)
             if item is None:
                 params.publish(learner.version, learner.env_steps)  # re-announce for action-servers that (re)started meanwhile
+                if learner.group is not None:
+                    learner.group.check_peers()  # a rank waiting for its share of a batch a lost peer never asks for
                 continue
             i, meta = item
             priorities = learner.train(slots[i], meta)

@@ -18,10 +18,11 @@ class RemoteBatches:
     """BatchSource over a DEALER socket to replay; slots are shared-memory descriptors."""
 
     def __init__(self, ctx: zmq.Context, address: str, slot_descriptors: list, batch_items: int, timeout_ms: int,
-                 metrics, secret: str):
-        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name="learner0", on_bad=bad_message_counter(metrics))
+                 metrics, secret: str, rank: int = 0):
+        self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=f"learner{rank}",
+                           on_bad=bad_message_counter(metrics))
         self.batch_items, self.timeout_ms = batch_items, timeout_ms
-        self.hello = {"slots": slot_descriptors, "incarnation": time.time_ns(), "secret": secret}
+        self.hello = {"slots": slot_descriptors, "incarnation": time.time_ns(), "secret": secret, "rank": rank}
         self.outstanding: dict[int, int] = {}  # slot -> min_version asked
         self.t_last = time.monotonic()
         self.ep.send("hello_reader", self.hello)
@@ -77,3 +78,13 @@ class PublishedParams:
     def close(self) -> None:
         self.ep.close()
         self.writer.close()
+
+
+class Unpublished:
+    """ParamSink of the ranks other than 0: rank 0 publishes the group's (identical) parameters."""
+
+    def publish(self, version: int, env_steps: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -10,7 +10,7 @@ from shared import metrics as metrics_mod
 from shared import runtime
 from shared.auth import read_secret
 from shared.config import endpoint, most_count
-from shared.factory import batch_items
+from shared.factory import round_items
 from shared.runtime import serve
 from shared.sockets import Endpoint
 
@@ -27,10 +27,11 @@ def run(exp, run_dir, instance: int) -> None:
 
     def table_factory(spec):
         arena = table_arena(exp.replay, columns, spec, run_id, instance, run_dir / SNAPSHOT_DIR)
-        return make_table(exp.replay, columns, spec, batch_items(exp), exp.run.seed, arena)
+        return make_table(exp.replay, columns, spec, round_items(exp), exp.run.seed, arena)
 
     service = ReplayService(exp.replay, table_factory, router, m, run_id, read_secret(run_dir),
-                            observation_moments=exp.model.normalize_observations, snapshot_dir=run_dir / SNAPSHOT_DIR)
+                            observation_moments=exp.model.normalize_observations, snapshot_dir=run_dir / SNAPSHOT_DIR,
+                            ranks=exp.learner.count)
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
     try:

@@ -7,6 +7,13 @@ then the announcement waits here, so the sampler feels back-pressure and nothing
 is lost. The learner (reader) says hello with its batch slots and asks for slots to be
 filled; a request waits here until the table can serve it.
 
+Data-parallel learners (``learner.count`` ranks) are one reader each. Requests are served in
+rounds, once every rank has one waiting: on-policy the round's batch is sampled once and each
+rank gets its share of the env columns; off-policy each rank gets a sample of its own (the
+rate limiter counts them all), and each sends priorities for its own items. Every rank of a
+round gets the same counters (env steps, episodes, observation moments), so all ranks keep
+the same books and end the run at the same update.
+
 Announcements are idempotent: a writer that timed out resends what it had in flight, and
 serial numbers already inserted are released again rather than inserted twice.
 
@@ -31,8 +38,9 @@ from services.replay.tables import PRIORITIZED, sample_batch
 from shared import shm
 from shared.auth import check_secret
 from shared.config import ReplayConfig
-from shared.namedarraytuple import drop_leading_dims, validate_spec
+from shared.namedarraytuple import drop_leading_dims, from_spec, spec_of, validate_spec
 from shared.obs_stats import NO_MOMENTS, Moments
+from shared.replay import column_share
 from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
@@ -55,6 +63,7 @@ class Writer:
 @dataclass
 class Reader:
     peer: bytes
+    rank: int
     incarnation: int
     segments: list
     slots: list
@@ -65,12 +74,12 @@ class Reader:
 
 class ReplayService:
     def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics, run_id: str, secret: str,
-                 observation_moments: bool = False, snapshot_dir: Path | None = None):
+                 observation_moments: bool = False, snapshot_dir: Path | None = None, ranks: int = 1):
         """``table_factory(segment_spec)`` makes the table once the first sampler shows its layout;
         ``run_id`` and ``secret`` say which peers and segments belong to the run;
         ``observation_moments``: sum up inserted observations for the learner's normaliser
         (``model.normalize_observations``); ``snapshot_dir``: where to copy the table every
-        ``cfg.snapshot_interval_s``."""
+        ``cfg.snapshot_interval_s``; ``ranks``: the learner's data-parallel ranks (module doc)."""
         self.snapshot_dir = snapshot_dir
         self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
         self.observation_moments = observation_moments
@@ -79,7 +88,9 @@ class ReplayService:
         self.table = None
         self.segment_spec = None
         self.writers: dict[int, Writer] = {}
-        self.reader: Reader | None = None
+        self.ranks = ranks
+        self.readers: dict[int, Reader] = {}  # by rank
+        self.staging = None  # on-policy, several ranks: a round's whole batch, before each rank's columns go out
         self.steps_unreported = 0
         self.episodes_unreported: list = []
         self.dropped_unreported = 0
@@ -115,9 +126,10 @@ class ReplayService:
         raise Rejected("state", "unknown sampler: send hello_writer first")
 
     def _reader_of(self, peer: bytes) -> Reader:
-        if self.reader is None or self.reader.peer != peer:
-            raise Rejected("state", "unknown reader: send hello_reader first")
-        return self.reader
+        for reader in self.readers.values():
+            if reader.peer == peer:
+                return reader
+        raise Rejected("state", "unknown reader: send hello_reader first")
 
     def _hello_writer(self, peer: bytes, body: dict) -> None:
         check_secret(body, self.secret)
@@ -189,19 +201,22 @@ class ReplayService:
 
     def _hello_reader(self, peer: bytes, body: dict) -> None:
         check_secret(body, self.secret)
-        known = self.reader
+        rank = body.get("rank", 0)
+        if type(rank) is not int or not 0 <= rank < self.ranks:
+            raise Rejected("value", f"rank {rank!r:.20} is not one of the run's {self.ranks} learner rank(s)")
+        known = self.readers.get(rank)
         if known is not None and known.peer != peer and body["incarnation"] <= known.incarnation:
-            raise Rejected("auth", "the learner is bound to another routing id; a restarted learner must say hello "
-                           "with a newer incarnation")
+            raise Rejected("auth", f"learner rank {rank} is bound to another routing id; a restarted learner must "
+                           "say hello with a newer incarnation")
         try:
-            segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "learner"))
+            segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "learner", rank))
         except (ValueError, FileNotFoundError) as e:
             raise Rejected("descriptor", f"bad batch slot descriptor: {e}") from None
         if known is not None:
             for seg in known.segments:
                 seg.close()
-        self.reader = Reader(peer, body["incarnation"], segments, slots)
-        log.info("learner attached (%d batch slots)", len(slots))
+        self.readers[rank] = Reader(peer, rank, body["incarnation"], segments, slots)
+        log.info("learner%s attached (%d batch slots)", f" rank {rank}" if self.ranks > 1 else "", len(slots))
 
     def _priorities(self, peer: bytes, body: dict) -> None:
         self._reader_of(peer)
@@ -233,40 +248,86 @@ class ReplayService:
             self._insert(w, body)
         if self.table is None:
             return
-        if self.reader is not None:
-            for slot, body in list(self.reader.pending.items()):
-                if not self._fits(slot, body):
-                    continue
-                info, dropped = sample_batch(self.table, self.reader.slots[slot], body["n"], body["min_version"],
-                                             lag_bound=self.cfg.table == "queue")
-                self._release(dropped)
-                self.dropped_unreported += len(dropped)
-                self.m.dropped.inc(len(dropped))
-                if info is None:
-                    break
-                self._reply_sampled(slot, body, info)
+        self._serve_rounds()
         self.m.size.set(self.table.size)
         if self.cfg.table in PRIORITIZED:
             stats = self.table.selector.metrics()
             self.m.priority_max.set(stats["priority_max"])
             self.m.priority_mean.set(stats["priority_alpha_mean"])
 
-    def _fits(self, slot: int, body: dict) -> bool:
-        """Whether the table can write ``body["n"]`` items into the reader's ``slot``; if not the
-        request is answered with an error and dropped (checked once per slot and n)."""
-        reader = self.reader
-        if (slot, body["n"]) in reader.checked:
-            return True
+    def _serve_rounds(self) -> None:
+        """Serve rounds (module doc), each rank's oldest request, while every rank has one."""
+        if len(self.readers) < self.ranks:
+            return
+        readers = [self.readers[rank] for rank in range(self.ranks)]
+        while all(reader.pending for reader in readers):
+            heads = [(reader, *next(iter(reader.pending.items()))) for reader in readers]  # (reader, slot, body)
+            n = heads[0][2]["n"]
+            if not all([self._fits(reader, slot, body, n) for reader, slot, body in heads]):
+                continue  # the misfit was answered and dropped
+            infos = self._sample_round(heads)
+            if infos is None:
+                break
+            meta = {"env_steps": self.steps_unreported, "episodes": self.episodes_unreported,
+                    "dropped": self.dropped_unreported, "replay_size": self.table.size,
+                    **(NO_MOMENTS if self.moments is None else self.moments.take())}
+            for (reader, slot, body), info in zip(heads, infos):
+                self._reply_sampled(reader, slot, body, info, meta)
+            self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
+
+    def _sample_round(self, heads: list) -> list | None:
+        """Fill every head's slot (one round); the sample info per rank, or None if the table
+        cannot serve the round now. The round's lag bound is rank 0's request's."""
+        n, min_version = heads[0][2]["n"], heads[0][2]["min_version"]
+        queue = self.cfg.table == "queue"
+        if self.ranks == 1 or queue:
+            dest = heads[0][0].slots[heads[0][1]] if self.ranks == 1 else self._staging(n)
+            info, dropped = sample_batch(self.table, dest, n, min_version, lag_bound=queue)
+            self._release(dropped)
+            self.dropped_unreported += len(dropped)
+            self.m.dropped.inc(len(dropped))
+            if info is None:
+                return None
+            if self.ranks > 1:
+                for reader, slot, _ in heads:
+                    reader.slots[slot][:] = column_share(self.staging, reader.rank, self.ranks)
+            return [info] * self.ranks
+        if not self.table.can_sample(n * self.ranks):
+            return None
+        return [self.table.sample_into(reader.slots[slot], n) for reader, slot, _ in heads]
+
+    def _fits(self, reader: Reader, slot: int, body: dict, n: int) -> bool:
+        """Whether the table can write ``n`` items, what the round's rank 0 asks for, into the
+        reader's ``slot`` (on-policy with several ranks: its share of a batch of n segments);
+        if not the request is answered with an error and dropped (checked once per slot and n)."""
         try:
-            self.table.storage.check_dest(reader.slots[slot], body["n"])
+            if body["n"] != n:
+                raise ValueError(f"the ranks of a round ask for the same number of items (rank 0: {n})")
+            if (slot, n) not in reader.checked:
+                if self.ranks > 1 and self.cfg.table == "queue":
+                    self._check_share(reader.slots[slot], n)
+                else:
+                    self.table.storage.check_dest(reader.slots[slot], n)
         except (ValueError, AttributeError, TypeError) as e:
             del reader.pending[slot]
             reader.since.pop(slot)
             log.warning("sample request for slot %d of %d items rejected: %s", slot, body["n"], e)
             self.router.reject(reader.peer, "sample", "descriptor", f"batch slot {slot} cannot hold {body['n']} items: {e}")
             return False
-        reader.checked.add((slot, body["n"]))
+        reader.checked.add((slot, n))
         return True
+
+    def _staging(self, n: int):
+        """The round's whole on-policy batch of ``n`` segments (several ranks)."""
+        if self.staging is None or self.staging.bootstrap_value.shape[0] != n * self.table.storage.B:
+            self.staging = from_spec(self.table.storage.batch_spec(n), fill=False)
+        return self.staging
+
+    def _check_share(self, dest, n: int) -> None:
+        """ValueError unless ``dest`` is laid out as one rank's share of a batch of ``n`` segments."""
+        want = spec_of(column_share(self._staging(n), 0, self.ranks))
+        if spec_of(dest) != want:
+            raise ValueError(f"a rank's share of {n} segments is laid out as {want}")
 
     def _insert(self, w: Writer, body: dict) -> None:
         if body["serial"] != self.table.last_serial(w.instance) + 1:
@@ -288,20 +349,16 @@ class ReplayService:
         self.m.inserts.inc()
         self.m.insert_steps.inc(body["steps"])
 
-    def _reply_sampled(self, slot: int, body: dict, info: dict) -> None:
-        reader = self.reader
+    def _reply_sampled(self, reader: Reader, slot: int, body: dict, info: dict, meta: dict) -> None:
         self._release(info["keys"])
         del reader.pending[slot]
         waited = time.monotonic() - reader.since.pop(slot)
         self.m.blocked.labels(side="learner").inc(waited)
         self.m.samples.inc(body["n"])
-        reply = {"slot": slot, "n": body["n"], "env_steps": self.steps_unreported,
-                 "episodes": self.episodes_unreported, "dropped": self.dropped_unreported,
-                 "replay_size": self.table.size, **(NO_MOMENTS if self.moments is None else self.moments.take())}
+        reply = {"slot": slot, "n": body["n"], **meta}
         if self.cfg.table in PRIORITIZED:
             reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
         self.router.send("sampled", reply, to=reader.peer)
-        self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
 
     def _release(self, keys) -> None:
         """Give held ring slots back to their samplers (release_on_sample)."""
@@ -351,6 +408,6 @@ class ReplayService:
     def close(self) -> None:
         for w in self.writers.values():
             w.segment.close()
-        if self.reader is not None:
-            for seg in self.reader.segments:
+        for reader in self.readers.values():
+            for seg in reader.segments:
                 seg.close()

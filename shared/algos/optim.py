@@ -13,11 +13,20 @@ wrapper's cached "dynamo-disabled" function is set to the method itself, and ``A
 with the unwrapped step under ``no_grad`` (what the wrapper does when not compiling, with
 ``differentiable`` off). The same calls, without the import. A torch whose methods are not
 wrapped this way is used as it is.
+
+Data-parallel learner ranks (``learner.count`` > 1, one ``torch.distributed`` group): every
+gradient step averages the gradients over the ranks before clipping, so each rank takes the
+same step and their parameters stay bit-identical. It is the all-reduce that
+``DistributedDataParallel`` does, done here, at the one place every algorithm steps an
+optimizer: DDP hooks into ``forward`` only, and the algorithms call their agents' other
+methods (``evaluate``, ``q``, ``sample``, the target networks...). Decisions taken from data
+(PPO's early stop at ``target_kl``) use values averaged over the ranks too.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 for _method in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
     _fn = getattr(getattr(torch.optim.Optimizer, _method), "__wrapped__", None)
@@ -59,11 +68,34 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float, progress: float, anneal:
     return lr
 
 
+def ranks() -> int:
+    """Learner ranks training together: the process group's size, 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def average_over_ranks(tensors: list[torch.Tensor]) -> None:
+    """Average ``tensors`` in place over the learner ranks: one all-reduce of their
+    concatenation (DDP's buckets, as one); nothing on a single learner."""
+    n = ranks()
+    if n == 1 or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= n
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, max_grad_norm: float) -> torch.Tensor:
-    """One optimizer step on ``loss``, with the gradients' global norm clipped to ``max_grad_norm``
-    (0 = no clipping); returns that norm before clipping."""
+    """One optimizer step on ``loss``, with the gradients averaged over the learner ranks and
+    their global norm clipped to ``max_grad_norm`` (0 = no clipping); returns that norm
+    before clipping."""
+    params = list(params)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    average_over_ranks([p.grad for p in params if p.grad is not None])
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     optimizer.step()
     return grad_norm

@@ -13,7 +13,7 @@ from torch import nn
 from shared.algos import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import PPOConfig
-from shared.algos.optim import adam, gradient_step, set_lr
+from shared.algos.optim import adam, average_over_ranks, gradient_step, set_lr
 
 
 class PPO:
@@ -74,8 +74,11 @@ class PPO:
 
                 per_step.append(torch.stack([policy_loss, value_loss, entropy, approx_kl, clip_fraction,
                                              grad_norm]).detach())
-            if cfg.target_kl > 0 and float(approx_kl) > cfg.target_kl:
-                break
+            if cfg.target_kl > 0:
+                kl = approx_kl.clone()
+                average_over_ranks([kl])  # every rank stops after the same epoch
+                if float(kl) > cfg.target_kl:
+                    break
         means = torch.stack(per_step).mean(0).tolist()
         stats = dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), means))
         stats["lr"] = lr

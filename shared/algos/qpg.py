@@ -186,9 +186,7 @@ class SAC(_QpgAlgo):
             self._step(self.actor_opt, actor_loss, self.actor_params)
         if self.cfg.learn_alpha:
             alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
-            self.alpha_opt.zero_grad(set_to_none=True)
-            alpha_loss.backward()
-            self.alpha_opt.step()
+            gradient_step(self.alpha_opt, alpha_loss, [self.log_alpha], 0.0)
         self.updates += 1
         self._polyak()
         return self._stats(("critic_loss", "actor_loss", "alpha", "entropy", "q_mean", "target_mean",

@@ -28,6 +28,15 @@ OnPolicyBatch = namedarraytuple("OnPolicyBatch", ["samples", "bootstrap_value", 
 after each column's last step, bootstrap_observation [n * B, ...], and its behaviour value
 bootstrap_value [n * B] f32."""
 
+
+def column_share(batch, rank: int, ranks: int):
+    """Rank ``rank``'s share of an OnPolicyBatch among ``ranks`` data-parallel learners: views
+    of its env columns ``rank * B / ranks`` up to the next rank's (whole env sequences, so
+    recurrent agents replay them as they would the whole batch)."""
+    width = batch.bootstrap_value.shape[0] // ranks
+    cols = slice(rank * width, (rank + 1) * width)
+    return OnPolicyBatch(batch.samples[:, cols], batch.bootstrap_value[cols], batch.bootstrap_observation[cols])
+
 SequenceBatch = namedarraytuple(
     "SequenceBatch",
     [

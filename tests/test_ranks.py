@@ -1,0 +1,87 @@
+"""Data-parallel learner ranks (shared/ranks.py): two processes, one gloo group, each training
+on a batch of its own; after every update both hold bit-identical parameters."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared import config
+from shared.factory import batch_spec, env_probe, example_step, make_agent, make_algo
+from shared.namedarraytuple import from_spec, map_leaves, torchify
+from tests.pipeline import CONFIGS
+
+UPDATES = 3
+
+
+def random_batch(exp, example, seed: int):
+    """A batch slot of the experiment's layout filled with random, valid-typed data."""
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        if leaf.dtype.kind == "f":
+            leaf[...] = rng.uniform(0.0, 1.0, leaf.shape)
+        elif leaf.dtype.kind == "b":
+            leaf[...] = rng.random(leaf.shape) < 0.1
+        else:
+            leaf[...] = rng.integers(0, 2, leaf.shape)  # discrete actions of CartPole, versions
+        return leaf
+
+    return map_leaves(fill, from_spec(batch_spec(exp, example)))
+
+
+def train_rank(rank: int, run_dir: str, config_file: str, averaged: bool, out) -> None:
+    import torch
+
+    from shared import ranks
+
+    torch.set_num_threads(1)
+    exp = config.load(CONFIGS / config_file, ["learner.count=2"])
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe)
+    algo = make_algo(exp, agent)
+    batch = torchify(random_batch(exp, example_step(exp, probe), seed=rank))  # each rank its own data
+    group = ranks.join(Path(run_dir), rank, 2, torch.device("cpu"), 60.0) if averaged else None
+    sums = []
+    for _ in range(UPDATES):
+        algo.update(batch, 0.1)
+        sums.append(ranks.parameter_checksum(agent))
+    out.put((rank, sums))
+    if group is not None:
+        group.close()
+
+
+def run_ranks(config_file: str, run_dir: Path, averaged: bool = True) -> list[list[int]]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=train_rank, args=(rank, str(run_dir), config_file, averaged, out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    except queue.Empty:
+        pytest.fail("the two ranks did not finish their updates within 120 s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [got[0], got[1]]
+
+
+@pytest.mark.parametrize("config_file", ["cartpole_ppo.toml", "cartpole_dqn.toml", "pendulum_sac.toml"])
+def test_two_ranks_hold_bit_identical_parameters_after_every_update(config_file, tmp_path):
+    rank0, rank1 = run_ranks(config_file, tmp_path)
+    assert rank0 == rank1, "the ranks' parameters differ after an update"
+    assert len(set(rank0)) == UPDATES  # the parameters did change at every update
+
+
+def test_without_the_group_the_same_ranks_drift_apart(tmp_path):
+    """The check above can fail: on their different batches, unaveraged ranks diverge at once."""
+    rank0, rank1 = run_ranks("cartpole_ppo.toml", tmp_path, averaged=False)
+    assert all(a != b for a, b in zip(rank0, rank1))
