@@ -157,6 +157,26 @@ class LearnerConfig:
 
 
 @dataclass(frozen=True)
+class PlacementConfig:
+    """The node each service runs on, by label. Services with one label share memory: segments,
+    batches and parameters go by shared-memory descriptor. Between labels they travel as
+    ZeroMQ frames over TCP (``network.transport = "tcp"``, CURVE-encrypted). Under supervisord
+    every label runs on this workstation (another label exercises the cross-host path here)."""
+    replay: str = "main"
+    learner: str = "main"
+    sampler: str = "main"
+    action_server: str = "main"
+    evaluator: str = "main"
+
+    def node(self, service: str) -> str:
+        return getattr(self, service)
+
+    def crosses(self, a: str, b: str) -> bool:
+        """Whether the link between services ``a`` and ``b`` crosses nodes."""
+        return self.node(a) != self.node(b)
+
+
+@dataclass(frozen=True)
 class NetworkConfig:
     transport: str = "ipc"
     """ipc (unix sockets in socket_dir(run), one workstation) or tcp."""
@@ -216,6 +236,7 @@ class Experiment:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -228,6 +249,7 @@ SECTIONS: dict[str, type] = {
     "learner": LearnerConfig,
     "network": NetworkConfig,
     "eval": EvalConfig,
+    "placement": PlacementConfig,
 }
 
 
@@ -394,6 +416,7 @@ def _check(exp: Experiment, check_ports: bool) -> None:
     for name, port in (("network.base_port", net.base_port), ("network.metrics_port", net.metrics_port)):
         if not 0 <= port <= 65535 or (name == "network.base_port" and port == 0):
             raise ConfigError(f"{name} = {port}: must be in 1..65535" + (" (0 = off)" if "metrics" in name else ""))
+    _check_placement(exp)
     try:
         validate_env_config(exp.env)
     except ValueError as e:
@@ -426,6 +449,22 @@ def _check_r2d1(exp: Experiment) -> None:
 
 SAMPLER_SEED_STRIDE = 10_007
 """Sampler i seeds its envs from run.seed + SAMPLER_SEED_STRIDE * i (services/sampler/sampler.py)."""
+
+
+def _check_placement(exp: Experiment) -> None:
+    place = exp.placement
+    for service in ("replay", "learner", "sampler", "action_server", "evaluator"):
+        label = place.node(service)
+        if not (label and len(label) <= 64 and all(c.isalnum() or c in "_.-" for c in label)):
+            raise ConfigError(f"placement.{service} = {label!r}: a node label is 1-64 letters, digits, '_', '.' or '-'")
+    if len({place.node(s) for s in ("replay", "learner", "sampler")}) > 1 and exp.network.transport != "tcp":
+        raise ConfigError("[placement] puts services on several nodes: they talk over TCP; set network.transport = 'tcp'")
+    if exp.sampler.inference == "server" and place.crosses("sampler", "action_server"):
+        raise ConfigError(f"placement.action_server = {place.action_server!r}: server inference shares step slots "
+                          f"with the samplers, so it runs on their node ({place.sampler!r})")
+    if exp.eval.every_s and place.crosses("evaluator", "learner"):
+        raise ConfigError(f"placement.evaluator = {place.evaluator!r}: the evaluator reads the learner's checkpoints "
+                          f"and parameters from its node ({place.learner!r})")
 
 
 def _check_eval(exp: Experiment) -> None:

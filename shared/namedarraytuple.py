@@ -165,6 +165,11 @@ def _leaf_specs(spec) -> Iterator[dict]:
         yield spec
 
 
+def spec_leading_len(spec) -> int:
+    """The first dimension of the first leaf a (validated) spec describes (``leading_len`` of its buffer)."""
+    return next(_leaf_specs(spec))["shape"][0]
+
+
 def _leaf_nbytes(leaf: dict) -> int:
     return np.dtype(leaf["dtype"]).itemsize * math.prod(leaf["shape"])  # python ints: a huge shape cannot wrap
 
@@ -253,6 +258,31 @@ def from_spec(spec, buffer=None, fill: bool = True):
         return arr
 
     return build(spec)
+
+
+def from_leaves(spec, arrays: list):
+    """The structure ``spec`` describes over ``arrays`` (its leaves in ``leaves`` order, e.g.
+    the frames of a message), without copying; ValueError unless each array has its leaf's
+    dtype and shape and the counts match."""
+    it = iter(arrays)
+
+    def build(node, path):
+        if node is None:
+            return None
+        if "fields" in node:
+            cls = namedarraytuple(node["type"], [f for f, _ in node["fields"]])
+            return cls(*(build(child, f"{path}.{f}" if path else f) for f, child in node["fields"]))
+        a = next(it, None)
+        if a is None:
+            raise ValueError(f"{len(arrays)} arrays for a layout with more leaves (none for {path})")
+        if a.dtype != np.dtype(node["dtype"]) or list(a.shape) != list(node["shape"]):
+            raise ValueError(f"{path}: {a.dtype.str} {list(a.shape)}, the layout has {node['dtype']} {node['shape']}")
+        return a
+
+    tree = build(spec, "")
+    if next(it, None) is not None:
+        raise ValueError(f"{len(arrays)} arrays for a layout with fewer leaves")
+    return tree
 
 
 def _sentinel(dtype: np.dtype):

@@ -14,10 +14,15 @@ local-inference samplers look at the stamps themselves before every step
 A reader loads versions into a torch module's state (any device), or into ``StateArrays``:
 numpy arrays of its own, for a sampler that acts in numpy and never imports torch (this
 module does not import it).
+
+A consumer on another node than the learner (``[placement]``) cannot map the segment: the
+learner then also publishes every version's arrays as frames (``params_data``), and
+``ParamStream`` follows those.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -25,6 +30,7 @@ import numpy as np
 from shared import shm
 from shared.namedarraytuple import leaves, namedarraytuple, spec_of, validate_spec, with_leading_dims
 
+log = logging.getLogger(__name__)
 ParamSlot = namedarraytuple("ParamSlot", ["stamp", "env_steps", "tensors"])
 
 
@@ -214,3 +220,38 @@ class ParamFollower:
 
     def close(self) -> None:
         self.reader.close()
+
+
+class ParamStream:
+    """Follows the versions that arrive as frames (``params_data`` on ``sub``, a SUB endpoint
+    subscribed to that type): ``poll()`` takes what has come, without blocking, and loads the
+    newest into ``target`` (as ``ParamReader``'s). Arrays that do not fit the state's layout
+    are counted bad (``sub.on_bad``) and skipped."""
+
+    def __init__(self, target, sub):
+        self.state = target if isinstance(target, StateArrays) else ModuleState(target)
+        self.layout = [(tuple(leaf["shape"][1:]), np.dtype(leaf["dtype"])) for _, leaf in _state_fields(self.state.spec)]
+        self.sub = sub
+        self.version = -1
+        self.env_steps = 0
+
+    def poll(self) -> bool:
+        """Load the newest version that came since the last poll; True if one was loaded."""
+        latest = None
+        for _, msg in self.sub.drain():
+            if msg.type == "params_data":
+                latest = msg  # a restarted learner numbers on from its checkpoint: the last one sent wins
+        if latest is None:
+            return False
+        arrays = latest.arrays
+        if [(a.shape, a.dtype) for a in arrays] != self.layout:
+            log.warning("parameters version %d came with arrays that do not fit this agent's state; skipped",
+                        latest.body["version"])
+            self.sub.on_bad("value")
+            return False
+        self.state.load([np.array(a) for a in arrays])  # our own copies: the frames' buffers are read-only
+        self.version, self.env_steps = latest.body["version"], latest.body["env_steps"]
+        return True
+
+    def close(self) -> None:
+        self.sub.close()

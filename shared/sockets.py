@@ -57,7 +57,9 @@ class Rejected(ValueError):
         self.reason = reason
 
 
-def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity: bytes | None = None) -> zmq.Socket:
+def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity: bytes | None = None,
+                subscribe: bytes = b"") -> zmq.Socket:
+    """``subscribe``: a SUB socket's topic (``wire.topic``; everything by default)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     # ZeroMQ checks this per frame as it decodes, and drops a peer that sends more than wire accepts.
@@ -68,7 +70,7 @@ def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished peers silently
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting with its (unguessable) identity gets its route back
     if kind == zmq.SUB:
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.SUBSCRIBE, subscribe)
     if _curve is not None and endpoint.startswith("tcp://"):
         if bind:
             sock.curve_server = True
@@ -92,13 +94,14 @@ class Endpoint:
     """
 
     def __init__(self, ctx: zmq.Context, kind: int, address: str, bind: bool, name: str,
-                 on_bad: Callable[[str], None] | None = None):
+                 on_bad: Callable[[str], None] | None = None, subscribe: bytes = b""):
         self.ctx, self.kind, self.address, self.bind, self.name = ctx, kind, address, bind, name
+        self.subscribe = subscribe
         self.on_bad = on_bad or (lambda reason: None)
         self.seq = 0
         self.identity = f"{name}.{secrets.token_hex(8)}".encode() if kind == zmq.DEALER else None
         self._internal_seen: set[str] = set()
-        self.sock = open_socket(ctx, kind, address, bind, identity=self.identity)
+        self.sock = open_socket(ctx, kind, address, bind, identity=self.identity, subscribe=subscribe)
 
     def send(self, mtype: str, body: dict, arrays: list | None = None, to: bytes | None = None) -> None:
         self.seq += 1
@@ -170,7 +173,8 @@ class Endpoint:
     def reconnect(self) -> None:
         """Lazy Pirate: drop the socket and whatever it had queued; open a fresh one."""
         self.sock.close(linger=0)
-        self.sock = open_socket(self.ctx, self.kind, self.address, self.bind, identity=self.identity)
+        self.sock = open_socket(self.ctx, self.kind, self.address, self.bind, identity=self.identity,
+                                subscribe=self.subscribe)
 
     def close(self) -> None:
         self.sock.close(linger=LINGER_MS)

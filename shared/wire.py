@@ -60,6 +60,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "priorities": {"keys": _LIST, "generations": _LIST, "priorities": _LIST},
     # learner -> action-servers (PUB)
     "params": {"version": _INT, "segment": _DICT, "env_steps": _INT},
+    "params_data": {"version": _INT, "env_steps": _INT},  # the state's arrays as frames, for other nodes
     # any -> any
     "welcome": {"peer": _STR},
     "error": {"reason": _STR},
@@ -134,6 +135,16 @@ def pack(type: str, body: dict, sender: str, seq: int, arrays: list | None = Non
         "arrays": [{"dtype": a.dtype.str, "shape": list(a.shape)} for a in arrays],
     }
     return [msgpack.packb(header, use_bin_type=True)] + [np.ascontiguousarray(a) for a in arrays]
+
+
+def topic(mtype: str) -> bytes:
+    """The first bytes of every message of type ``mtype`` (``pack`` writes "v" and "type" first):
+    a SUB socket subscribed to them gets only that type, and a PUB socket sends nothing of a
+    type no subscriber asked for."""
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "type": mtype, "from": "", "seq": 0, "body": {}, "arrays": []},
+                           use_bin_type=True)
+    name = msgpack.packb(mtype, use_bin_type=True)
+    return header[:header.index(name) + len(name)]
 
 
 def unpack(frames: list) -> Message:

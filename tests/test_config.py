@@ -35,6 +35,20 @@ def test_bad_value_is_one_line_naming_the_field(override, names):
     assert names in message and "\n" not in message
 
 
+@pytest.mark.parametrize("overrides, names", [
+    (["placement.sampler='b'"], "network.transport"),  # several nodes talk over TCP
+    (["placement.sampler='b c'", "network.transport='tcp'"], "placement.sampler"),
+    (["placement.action_server='b'", "sampler.inference='server'", "network.transport='tcp'"],
+     "placement.action_server"),  # it shares step slots with the samplers
+    (["learner.count=3"], "learner.count"),  # 32 env columns a batch: no equal thirds
+    (["learner.count=0"], "learner.count"),
+])
+def test_bad_placements_and_learner_counts_are_one_line_naming_the_field(overrides, names):
+    with pytest.raises(config.ConfigError) as err:
+        config.load(DEFAULT, overrides)
+    assert names in str(err.value) and "\n" not in str(err.value)
+
+
 def test_port_in_use_is_reported_before_launch(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -2,6 +2,8 @@
 version by version, torn and stale copies are refused, other architectures are rejected,
 and a restarted learner learns the highest version its crashed predecessor published."""
 
+import time
+
 import msgpack
 import pytest
 import torch
@@ -191,3 +193,54 @@ def test_follower_follows_a_restarted_learner_to_its_new_segment(run_id):
     finally:
         second.close()
         follower.close()
+
+
+def test_a_consumer_on_another_node_follows_the_versions_sent_as_frames(run_id, tmp_path):
+    """PublishedParams with frames sends each version's arrays as ``params_data``; a
+    ParamStream on a SUB for that type loads them (into a module, and into numpy arrays); a
+    subscriber of ``params`` gets only the announcements; arrays that do not fit are skipped."""
+    import numpy as np
+    import zmq
+
+    from services.learner.transport import PublishedParams
+    from shared import wire
+    from shared.sockets import Endpoint
+
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/params"
+    learner, actor = make_net(0), make_net(1)
+    writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
+    pub = PublishedParams(ctx, address, writer, frames=True)
+    bad: list[str] = []
+    module_stream = params.ParamStream(actor, Endpoint(ctx, zmq.SUB, address, False, "a", bad.append,
+                                                        subscribe=wire.topic("params_data")))
+    arrays = params.StateArrays(writer.descriptor["spec"])
+    numpy_stream = params.ParamStream(arrays, Endpoint(ctx, zmq.SUB, address, False, "b",
+                                                       subscribe=wire.topic("params_data")))
+    announcements = Endpoint(ctx, zmq.SUB, address, False, "c", subscribe=wire.topic("params"))
+    try:
+        deadline, connected = time.monotonic() + 10, set()
+        while len(connected) < 2 and time.monotonic() < deadline:  # until both SUBs are connected
+            pub.publish(0, 0)
+            time.sleep(0.05)
+            connected |= {name for name, s in (("module", module_stream), ("numpy", numpy_stream)) if s.poll()}
+        time.sleep(0.1)
+        announcements.drain()
+        for version in (1, 2, 3):
+            train_a_little(learner, version)
+            pub.publish(version, 100 * version)
+        time.sleep(0.2)
+        assert module_stream.poll() and module_stream.version == 3 and module_stream.env_steps == 300
+        assert_same_state(learner, actor)
+        assert numpy_stream.poll() and numpy_stream.version == 3
+        for value, arr in zip(learner.state_dict().values(), arrays.arrays.values()):
+            assert np.array_equal(value.numpy(), arr)
+        assert [m.type for _, m in announcements.drain()] == ["params"] * 3
+
+        pub.ep.send("params_data", {"version": 4, "env_steps": 400}, arrays=[np.zeros(3, np.float32)])
+        time.sleep(0.2)
+        assert not module_stream.poll() and module_stream.version == 3 and bad == ["value"]
+    finally:
+        for ep in (module_stream, numpy_stream, announcements, pub):
+            ep.close()
+        ctx.destroy(linger=0)

@@ -5,6 +5,7 @@ service or loses what it accepted."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -18,7 +19,7 @@ from services.replay.tables import make_table
 from shared import config, metrics, shm, wire
 from shared.factory import batch_spec, env_probe, example_step, round_items
 from shared.layout import segment_spec
-from shared.namedarraytuple import with_leading_dims
+from shared.namedarraytuple import from_leaves, leaves, with_leading_dims
 from shared.sockets import Endpoint
 from tests.pipeline import CONFIGS
 
@@ -49,7 +50,10 @@ class Hub:
         columns = {i: B for i in range(exp.sampler.count)}
         self.service = ReplayService(exp.replay, lambda spec: make_table(exp.replay, columns, spec, round_items(exp)),
                                      router, metrics.for_service("replay", 0), run_id, SECRET,
-                                     ranks=exp.learner.count)
+                                     ranks=exp.learner.count,
+                                     remote_writers=exp.placement.crosses("sampler", "replay"),
+                                     remote_readers=exp.placement.crosses("learner", "replay"))
+        self.rings: dict = {}  # purpose -> the ring's arrays
         self.segments: list = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.service.run, args=(self.stop.is_set,))
@@ -67,6 +71,7 @@ class Hub:
         ring.samples.policy_version[:] = 0
         ring.samples.observation[:] = 0.5
         self.segments.append(seg)
+        self.rings[(instance, purpose)] = ring
         return desc
 
     def batch_slots(self, n: int = 1, rank: int = 0) -> tuple[list, list]:
@@ -318,5 +323,37 @@ def test_off_policy_ranks_each_get_a_sample_of_their_own_and_both_send_prioritie
                                    "priorities": [2.0] * 4})
         wait_for(lambda: hub.service.table.counts.priority_updates - before == 8, "both ranks' priorities")
         assert hub.bad == []
+    finally:
+        hub.close()
+
+
+def test_peers_on_another_node_send_segments_and_get_batches_as_frames(exp_and_example, run_id, tmp_path):
+    """Samplers and learner placed on other nodes: nothing is mapped, every array travels in
+    the messages; a segment whose frames do not fit the layout is refused, nothing lost."""
+    exp, example = exp_and_example
+    exp = dataclasses.replace(exp, placement=dataclasses.replace(exp.placement, sampler="b", learner="c"))
+    hub = Hub(exp, example, run_id, tmp_path)
+    try:
+        sampler, learner = hub.client("sampler0"), hub.client("learner0")
+        hello_writer(hub, sampler)
+        ring = hub.rings[(0, "ring")]
+        ring.samples.reward[0] = 3.0
+        sampler.send("segment", segment(1), arrays=[leaf for _, leaf in leaves(ring[0])])
+        assert replies(sampler, 1)[0].body == {"index": 0}
+        size = hub.service.table.size
+        assert hub.service.writers[0].segment is None and size > 0  # inserted from the frames, not mapped
+        sampler.send("segment", segment(2, index=1), arrays=[leaf for _, leaf in leaves(ring[1])][:-1])
+        [reply] = replies(sampler, 1)
+        assert reply.type == "error" and "segment 2's arrays" in reply.body["reason"] and hub.bad == ["value"]
+        assert hub.service.table.size == size
+
+        spec = batch_spec(exp, example)
+        learner.send("hello_reader", {"slots": [{"name": "on-another-node", "spec": spec}], "incarnation": 1,
+                                      "secret": SECRET})
+        learner.send("sample", {"slot": 0, "n": 4, "min_version": 0})
+        [reply] = replies(learner, 1)
+        assert reply.type == "sampled" and hub.service.readers[0].segments == []
+        batch = from_leaves(spec, reply.arrays)
+        assert np.all(batch.observation == 0.5) and np.all(batch.return_ >= 3.0)  # the first step's reward, 3
     finally:
         hub.close()

@@ -416,3 +416,11 @@ def test_frames_over_the_size_limit_are_dropped_by_zeromq(ctx, address, monkeypa
     client.send("release", {"index": 1})
     assert server.recv(timeout_ms=5000)[1].body == {"index": 1}
     raw.close(linger=0)
+
+
+def test_a_topic_prefixes_its_type_and_no_other():
+    """SUB sockets subscribe by these prefixes: params announcements and params_data frames apart."""
+    announce = wire.pack("params", {"version": 1, "segment": {}, "env_steps": 0}, "learner0", 7)[0]
+    data = wire.pack("params_data", {"version": 1, "env_steps": 0}, "learner0", 8, [np.zeros(2, np.float32)])[0]
+    assert announce.startswith(wire.topic("params")) and not announce.startswith(wire.topic("params_data"))
+    assert data.startswith(wire.topic("params_data")) and not data.startswith(wire.topic("params"))

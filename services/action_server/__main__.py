@@ -6,6 +6,7 @@ import zmq
 
 from services.action_server.server import ActionServer
 from shared import metrics as metrics_mod
+from shared import wire
 from shared.acting import acting_seed
 from shared.agents.actor import seed_torch
 from shared.auth import read_secret
@@ -31,11 +32,12 @@ def run(exp, run_dir, instance: int) -> None:
     bad = metrics_mod.bad_message_counter(m)
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, f"action_server{instance}"), bind=True,
                       name=f"action_server{instance}", on_bad=bad)
+    frames = exp.placement.crosses("action_server", "learner")  # parameters as frames, not in shared memory
     params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
-                      on_bad=bad)
+                      on_bad=bad, subscribe=wire.topic("params_data" if frames else "params"))
     server = ActionServer(exp.action_server, agent, router, params, m, socket_dir(run_dir), run_id_of(run_dir),
                           read_secret(run_dir), slot_item_spec, exp.sampler.envs, most_count(exp.sampler) * exp.sampler.envs,
-                          seed)
+                          seed, frames)
     m.healthy.set(1)
     log.info("action-server %d on %s, device %s", instance, router.address, device)
     if exp.sampler.inference != "server":

@@ -29,7 +29,7 @@ from shared.auth import check_secret
 from shared.config import ActionServerConfig
 from shared.doorbell import PeerGone, ServerBell
 from shared.namedarraytuple import drop_leading_dims, leading_len, map_leaves, zip_map
-from shared.params import ParamReader
+from shared.params import ParamReader, ParamStream
 from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
@@ -58,17 +58,18 @@ class Request:
 class ActionServer:
     def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
                  metrics, bell_dir: Path, run_id: str, secret: str, slot_item_spec, envs_per_sampler: int = 1,
-                 envs_total: int = 1, seed: np.random.SeedSequence | None = None):
+                 envs_total: int = 1, seed: np.random.SeedSequence | None = None, frames: bool = False):
         """``bell_dir`` holds the samplers' doorbells; ``run_id``/``secret`` say who belongs to
         the run; ``slot_item_spec``: one env's StepSlot; ``envs_per_sampler``/``envs_total`` give
         every env a global index, for agents whose exploration depends on it
         (``cfg.epsilon(env_steps, env_index, envs_total)``); ``seed``: of the exploration noise
-        (``shared.acting.acting_seed``; None: fresh entropy)."""
+        (``shared.acting.acting_seed``; None: fresh entropy); ``frames``: ``params`` brings the
+        parameters as frames (the learner runs on another node), not shared-memory announcements."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
         self.act = Actor(agent, seed)
         self.bell_dir, self.envs_per_sampler, self.envs_total = Path(bell_dir), envs_per_sampler, envs_total
         self.run_id, self.secret, self.slot_item_spec = run_id, secret, slot_item_spec
-        self.reader = ParamReader(agent, shm.Owner(run_id, "learner"))
+        self.reader = ParamStream(agent, params) if frames else ParamReader(agent, shm.Owner(run_id, "learner"))
         self.peers: dict[bytes, Peer] = {}
         self.by_fd: dict[int, bytes] = {}
         self.pending: list[Request] = []
@@ -148,6 +149,10 @@ class ActionServer:
 
     def follow_params(self) -> None:
         """Load the newest parameter version announced (older announcements are skipped)."""
+        if isinstance(self.reader, ParamStream):
+            if self.reader.poll():
+                self.m.policy_version.set(self.reader.version)
+            return
         latest = None
         for _, msg in self.params.drain():
             # A restarted learner (new segment nonce) may number on from below what we hold.

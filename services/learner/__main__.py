@@ -45,14 +45,17 @@ def run(exp, run_dir, instance: int) -> None:
         writer = ParamWriter(agent, shm.segment_name(run_id, "learner", instance, "params"))
         write_acting_file(run_dir, writer.descriptor["spec"], acting_plan(agent))  # for torch-free local samplers
         learner.version = max(learner.version, writer.previous_version + 1)
-        params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer)
+        consumer = "action_server" if exp.sampler.inference == "server" else "sampler"
+        params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer,
+                                 frames=exp.placement.crosses(consumer, "learner"))
     else:
         params = Unpublished()
     if group is not None:
         learner.version = group.broadcast(learner.version)
         group.check_identical(agent, "after resuming")
     source = RemoteBatches(ctx, endpoint(exp, run_dir, "replay"), descriptors, batch_items(exp),
-                           exp.learner.timeout_ms, m, read_secret(run_dir), instance)
+                           exp.learner.timeout_ms, m, read_secret(run_dir), instance,
+                           frames=slots if exp.placement.crosses("learner", "replay") else None)
     m.healthy.set(1)
     log.info("learner%s: %s on %s, %d item(s) a batch, starting at version %d",
              "" if group is None else f" rank {instance} of {group.world}", exp.algo_name, device,

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import zmq
 
 from shared.metrics import bad_message_counter
+from shared.namedarraytuple import from_leaves, leaves, spec_of
 from shared.params import ParamWriter
 from shared.sockets import Endpoint
 
@@ -15,13 +17,15 @@ log = logging.getLogger(__name__)
 
 
 class RemoteBatches:
-    """BatchSource over a DEALER socket to replay; slots are shared-memory descriptors."""
+    """BatchSource over a DEALER socket to replay; slots are shared-memory descriptors. With
+    ``frames`` (the learner's batch slots; replay runs on another node) each batch comes as
+    the reply's frames and is copied into its slot here."""
 
     def __init__(self, ctx: zmq.Context, address: str, slot_descriptors: list, batch_items: int, timeout_ms: int,
-                 metrics, secret: str, rank: int = 0):
+                 metrics, secret: str, rank: int = 0, frames: list | None = None):
         self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=f"learner{rank}",
                            on_bad=bad_message_counter(metrics))
-        self.batch_items, self.timeout_ms = batch_items, timeout_ms
+        self.batch_items, self.timeout_ms, self.frames = batch_items, timeout_ms, frames
         self.hello = {"slots": slot_descriptors, "incarnation": time.time_ns(), "secret": secret, "rank": rank}
         self.outstanding: dict[int, int] = {}  # slot -> min_version asked
         self.t_last = time.monotonic()
@@ -42,12 +46,29 @@ class RemoteBatches:
         msg = reply[1]
         self.t_last = time.monotonic()
         if msg.type == "sampled" and msg.body["slot"] in self.outstanding:
+            if self.frames is not None and not self._take_frames(msg):
+                return None  # asked again: replay serves the request anew
             del self.outstanding[msg.body["slot"]]
             return msg.body["slot"], msg.body
         if msg.type == "error":
             log.warning("replay says: %s", msg.body["reason"])
             self._recover()
         return None
+
+    def _take_frames(self, msg) -> bool:
+        """Copy the batch that came as frames into its slot; False (logged, counted, asked
+        again) if the arrays do not fit the slot."""
+        slot = self.frames[msg.body["slot"]]
+        try:
+            batch = from_leaves(spec_of(slot), msg.arrays)
+        except ValueError as e:
+            log.warning("batch for slot %d does not fit it (%s); asking again", msg.body["slot"], e)
+            self.ep.on_bad("value")
+            self.request(msg.body["slot"], self.outstanding[msg.body["slot"]])
+            return False
+        for (_, dest), (_, src) in zip(leaves(slot), leaves(batch)):
+            np.copyto(dest, src)
+        return True
 
     def update_priorities(self, meta: dict, priorities) -> None:
         self.ep.send("priorities", {"keys": meta["keys"], "generations": meta["generations"],
@@ -65,15 +86,19 @@ class RemoteBatches:
 
 
 class PublishedParams:
-    """ParamSink: writes the agent's state into shared memory, then announces the version."""
+    """ParamSink: writes the agent's state into shared memory, then announces the version;
+    with ``frames`` (a consumer on another node) the state's arrays follow as ``params_data``."""
 
-    def __init__(self, ctx: zmq.Context, address: str, writer: ParamWriter):
-        self.writer = writer
+    def __init__(self, ctx: zmq.Context, address: str, writer: ParamWriter, frames: bool = False):
+        self.writer, self.frames = writer, frames
         self.ep = Endpoint(ctx, zmq.PUB, address, bind=True, name="learner0")
 
     def publish(self, version: int, env_steps: int) -> None:
         self.writer.write(version, env_steps)
         self.ep.send("params", {"version": version, "segment": self.writer.descriptor, "env_steps": env_steps})
+        if self.frames:  # copies: the parameters change under a zero-copy send at the next update
+            arrays = [t.detach().cpu().numpy().copy() for t in self.writer.module.state_dict().values()]
+            self.ep.send("params_data", {"version": version, "env_steps": env_steps}, arrays=arrays)
 
     def close(self) -> None:
         self.ep.close()

@@ -31,7 +31,8 @@ def run(exp, run_dir, instance: int) -> None:
 
     service = ReplayService(exp.replay, table_factory, router, m, run_id, read_secret(run_dir),
                             observation_moments=exp.model.normalize_observations, snapshot_dir=run_dir / SNAPSHOT_DIR,
-                            ranks=exp.learner.count)
+                            ranks=exp.learner.count, remote_writers=exp.placement.crosses("sampler", "replay"),
+                            remote_readers=exp.placement.crosses("learner", "replay"))
     m.healthy.set(1)
     log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
     try:

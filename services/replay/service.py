@@ -14,6 +14,11 @@ rate limiter counts them all), and each sends priorities for its own items. Ever
 round gets the same counters (env steps, episodes, observation moments), so all ranks keep
 the same books and end the run at the same update.
 
+Peers on another node (``[placement]``) cannot share memory: writers then send each
+segment's arrays as frames with its announcement (held here until inserted, then
+released as usual), and readers get each batch's arrays as frames with the reply, from
+batch slots replay keeps on its heap.
+
 Announcements are idempotent: a writer that timed out resends what it had in flight, and
 serial numbers already inserted are released again rather than inserted twice.
 
@@ -38,7 +43,8 @@ from services.replay.tables import PRIORITIZED, sample_batch
 from shared import shm
 from shared.auth import check_secret
 from shared.config import ReplayConfig
-from shared.namedarraytuple import drop_leading_dims, from_spec, spec_of, validate_spec
+from shared.namedarraytuple import (drop_leading_dims, from_leaves, from_spec, leaves, spec_leading_len, spec_of,
+                                    validate_spec)
 from shared.obs_stats import NO_MOMENTS, Moments
 from shared.replay import column_share
 from shared.sockets import Endpoint, Rejected
@@ -54,10 +60,11 @@ class Writer:
     peer: bytes
     instance: int
     incarnation: int
-    segment: object
+    segment: object  # None for a writer on another node (its segments come as frames)
     ring: object
+    ring_size: int
     last_seen: float
-    pending: collections.deque = field(default_factory=collections.deque)  # (body, arrival time)
+    pending: collections.deque = field(default_factory=collections.deque)  # (body, arrival time, frames' segment)
 
 
 @dataclass
@@ -74,12 +81,15 @@ class Reader:
 
 class ReplayService:
     def __init__(self, cfg: ReplayConfig, table_factory, router: Endpoint, metrics, run_id: str, secret: str,
-                 observation_moments: bool = False, snapshot_dir: Path | None = None, ranks: int = 1):
+                 observation_moments: bool = False, snapshot_dir: Path | None = None, ranks: int = 1,
+                 remote_writers: bool = False, remote_readers: bool = False):
         """``table_factory(segment_spec)`` makes the table once the first sampler shows its layout;
         ``run_id`` and ``secret`` say which peers and segments belong to the run;
         ``observation_moments``: sum up inserted observations for the learner's normaliser
         (``model.normalize_observations``); ``snapshot_dir``: where to copy the table every
-        ``cfg.snapshot_interval_s``; ``ranks``: the learner's data-parallel ranks (module doc)."""
+        ``cfg.snapshot_interval_s``; ``ranks``: the learner's data-parallel ranks (module doc);
+        ``remote_writers``/``remote_readers``: samplers/learner run on another node (frames)."""
+        self.remote_writers, self.remote_readers = remote_writers, remote_readers
         self.snapshot_dir = snapshot_dir
         self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
         self.observation_moments = observation_moments
@@ -104,7 +114,7 @@ class ReplayService:
         if msg.type == "hello_writer":
             self._hello_writer(peer, body)
         elif msg.type == "segment":
-            self._segment(peer, body)
+            self._segment(peer, body, msg.arrays)
         elif msg.type == "hello_reader":
             self._hello_reader(peer, body)
         elif msg.type == "priorities":
@@ -151,7 +161,8 @@ class ReplayService:
         if self.segment_spec is not None and spec != self.segment_spec:
             raise Rejected("descriptor", "its segment layout differs from the other samplers' (same config?)")
         try:
-            seg, ring = shm.attach(body["ring"], shm.Owner(self.run_id, "sampler", body["instance"]))
+            seg, ring = (None, None) if self.remote_writers else \
+                shm.attach(body["ring"], shm.Owner(self.run_id, "sampler", body["instance"]))
         except (ValueError, FileNotFoundError) as e:
             raise Rejected("descriptor", f"bad ring descriptor: {e}") from None
         try:
@@ -159,17 +170,18 @@ class ReplayService:
             # ValueError for a sampler the run's config does not have
             last_serial = table.attach_writer(body["instance"], body["incarnation"])
         except ValueError as e:
-            seg.close()
+            _close(seg)
             raise Rejected("value", f"hello_writer: {e}") from None
         except Exception:
-            seg.close()
+            _close(seg)
             raise
         self.segment_spec, self.table = spec, table
         if known is not None:
             log.info("sampler %d restarted: dropping %d segment(s) announced by its previous incarnation",
                      known.instance, len(known.pending))
-            known.segment.close()
-        self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring, now)
+            _close(known.segment)
+        self.writers[body["instance"]] = Writer(peer, body["instance"], body["incarnation"], seg, ring,
+                                                spec_leading_len(body["ring"]["spec"]), now)
         log.info("sampler %d attached%s", body["instance"],
                  f" (resumes after serial {last_serial})" if last_serial else "")
 
@@ -182,22 +194,27 @@ class ReplayService:
         self.m.restarts.set(table.arena.restarts)
         return table
 
-    def _segment(self, peer: bytes, body: dict) -> None:
+    def _segment(self, peer: bytes, body: dict, arrays: list) -> None:
         w = self._writer_of(peer)
         w.last_seen = time.monotonic()
-        ring = len(w.ring.bootstrap_value)
-        if not body["index"] < ring:
-            raise Rejected("value", f"segment index {body['index']} outside the ring of {ring}")
+        if not body["index"] < w.ring_size:
+            raise Rejected("value", f"segment index {body['index']} outside the ring of {w.ring_size}")
+        segment = None
+        if w.ring is None:  # a sampler on another node: the segment is in the frames
+            try:
+                segment = from_leaves(self.segment_spec, arrays)
+            except ValueError as e:
+                raise Rejected("value", f"segment {body['serial']}'s arrays: {e}") from None
         if body["serial"] <= self.table.last_serial(w.instance):
             self.router.send("release", {"index": body["index"]}, to=peer)  # a resend of what we hold already
             return
-        for p, _ in w.pending:
+        for p, _, _ in w.pending:
             if p["serial"] == body["serial"]:
                 return  # a resend of what waits here already
             if p["index"] == body["index"]:
                 raise Rejected("value", f"ring slot {body['index']} announced again (serial {body['serial']}) "
                                f"before serial {p['serial']} there was released")
-        w.pending.append((body, time.monotonic()))
+        w.pending.append((body, time.monotonic(), segment))
 
     def _hello_reader(self, peer: bytes, body: dict) -> None:
         check_secret(body, self.secret)
@@ -209,7 +226,10 @@ class ReplayService:
             raise Rejected("auth", f"learner rank {rank} is bound to another routing id; a restarted learner must "
                            "say hello with a newer incarnation")
         try:
-            segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "learner", rank))
+            if self.remote_readers:  # a learner on another node: slots of ours, their arrays go out as frames
+                segments, slots = [], [_heap_slot(d) for d in body["slots"]]
+            else:
+                segments, slots = shm.attach_all(body["slots"], shm.Owner(self.run_id, "learner", rank))
         except (ValueError, FileNotFoundError) as e:
             raise Rejected("descriptor", f"bad batch slot descriptor: {e}") from None
         if known is not None:
@@ -243,9 +263,9 @@ class ReplayService:
             w = min(waiting, key=lambda w: w.pending[0][1])
             if not self.table.can_insert(w.instance):
                 break
-            body, arrived = w.pending.popleft()
+            body, arrived, segment = w.pending.popleft()
             self.m.blocked.labels(side="sampler").inc(time.monotonic() - arrived)
-            self._insert(w, body)
+            self._insert(w, body, segment)
         if self.table is None:
             return
         self._serve_rounds()
@@ -329,10 +349,12 @@ class ReplayService:
         if spec_of(dest) != want:
             raise ValueError(f"a rank's share of {n} segments is laid out as {want}")
 
-    def _insert(self, w: Writer, body: dict) -> None:
+    def _insert(self, w: Writer, body: dict, segment) -> None:
+        """``segment``: the arrays that came as frames, or None: the writer's ring slot."""
         if body["serial"] != self.table.last_serial(w.instance) + 1:
             self.table.reset_writer(w.instance)  # segments lost in between: no n-step window may span the gap
-        segment = w.ring[body["index"]]
+        if segment is None:
+            segment = w.ring[body["index"]]
         keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation,
                                  serial=body["serial"])
         if self.cfg.release_on_sample and self.cfg.table == "queue":
@@ -358,7 +380,10 @@ class ReplayService:
         reply = {"slot": slot, "n": body["n"], **meta}
         if self.cfg.table in PRIORITIZED:
             reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
-        self.router.send("sampled", reply, to=reader.peer)
+        # On another node the batch goes as frames (zero-copy: the slot is not filled again
+        # before the learner, having received this, asks for it again).
+        arrays = [leaf for _, leaf in leaves(reader.slots[slot])] if self.remote_readers else None
+        self.router.send("sampled", reply, arrays=arrays, to=reader.peer)
 
     def _release(self, keys) -> None:
         """Give held ring slots back to their samplers (release_on_sample)."""
@@ -377,7 +402,7 @@ class ReplayService:
             if not w.pending and now - w.last_seen > self.cfg.peer_timeout_s:
                 log.warning("sampler %d silent for %.1f s: reported lost", instance, now - w.last_seen)
                 self.m.peers_lost.inc()
-                w.segment.close()
+                _close(w.segment)
                 del self.writers[instance]
 
     def snapshot(self) -> None:
@@ -407,7 +432,19 @@ class ReplayService:
 
     def close(self) -> None:
         for w in self.writers.values():
-            w.segment.close()
+            _close(w.segment)
         for reader in self.readers.values():
             for seg in reader.segments:
                 seg.close()
+
+
+def _close(segment) -> None:
+    if segment is not None:  # None: a writer on another node
+        segment.close()
+
+
+def _heap_slot(descriptor: dict):
+    """A batch slot of replay's own for a learner on another node, laid out as its descriptor says."""
+    spec = descriptor.get("spec") if isinstance(descriptor, dict) else None
+    validate_spec(spec, "batch slot spec")
+    return from_spec(spec, fill=False)

@@ -9,32 +9,42 @@ import zmq
 from services.sampler.sampler import Sampler, run_loop
 from services.sampler.transport import RemoteActions, RemoteSink
 from shared import metrics as metrics_mod
-from shared import shm
+from shared import shm, wire
 from shared.auth import read_secret
 from shared.config import endpoint, most_count, socket_dir
 from shared.factory import env_probe, make_agent
 from shared.runtime import run_id_of, serve, torch_device
+from shared.sockets import Endpoint
 
 log = logging.getLogger("services.sampler")
 POLL_S = 0.02  # waiting for the learner's first publication at start-up
 NOTE_S = 10.0  # a note in the log this often while the learner is not there
 
 
-def local_actions(exp, sampler: Sampler, run_dir, run_id: str):
-    """Local inference: the agent's copy that follows the learner's parameter segment. Where
-    the learner published a numpy acting plan (``shared.acting``), the sampler acts in numpy
-    on its own copy of the state and never imports torch; else it builds the torch agent."""
+def local_actions(exp, sampler: Sampler, run_dir, run_id: str, ctx: zmq.Context):
+    """Local inference: the agent's copy that follows the learner's parameter segment (or, on
+    another node than the learner, the versions it publishes as frames). Where the learner
+    published a numpy acting plan (``shared.acting``), the sampler acts in numpy on its own
+    copy of the state and never imports torch; else it builds the torch agent."""
     from services.sampler.local import LocalActions
     from shared.acting import acting_seed, numpy_actor, read_acting_file
-    from shared.params import ParamFollower, StateArrays
+    from shared.params import ParamFollower, ParamStream, StateArrays
 
     seed = acting_seed(exp.run.seed, "sampler", sampler.instance)
     segment, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
+
+    def follow(target):
+        if not exp.placement.crosses("sampler", "learner"):
+            return ParamFollower(target, segment, owner)
+        sub = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"sampler{sampler.instance}",
+                       on_bad=metrics_mod.bad_message_counter(sampler.metrics), subscribe=wire.topic("params_data"))
+        return ParamStream(target, sub)
+
     published = wait_for("the learner's acting.json", lambda: read_acting_file(run_dir))
     if published["plan"] is not None:
         state = StateArrays(published["spec"])
         act = numpy_actor(published["plan"], state.arrays, exp.agent, np.random.default_rng(seed))
-        params = ParamFollower(state, segment, owner)
+        params = follow(state)
         wait_for("the learner's first parameter version", params.poll)  # it follows acting.json at once
     else:
         from shared.agents.actor import Actor, seed_torch
@@ -43,7 +53,7 @@ def local_actions(exp, sampler: Sampler, run_dir, run_id: str):
         agent = make_agent(exp, env_probe(exp)).eval()
         seed_torch(seed)  # make_agent seeded it with run.seed
         act = Actor(agent, seed)
-        params = ParamFollower(agent, segment, owner)
+        params = follow(agent)
     return LocalActions(act, sampler, params, most_count(exp.sampler) * exp.sampler.envs)
 
 
@@ -68,14 +78,15 @@ def run(exp, run_dir, instance: int) -> None:
     actions = sink = None
     try:
         if exp.sampler.inference == "local":
-            actions = local_actions(exp, sampler, run_dir, run_id)
+            actions = local_actions(exp, sampler, run_dir, run_id, ctx)
         else:
             server = instance % exp.action_server.count
             actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,
                                     sampler.slot_descriptors, socket_dir(run_dir), exp.sampler.timeout_ms, m,
                                     incarnation, secret)
         sink = RemoteSink(ctx, endpoint(exp, run_dir, "replay"), name, instance, sampler.ring_descriptor,
-                          incarnation, exp.sampler.ring, exp.sampler.timeout_ms, m, secret)
+                          incarnation, exp.sampler.ring, exp.sampler.timeout_ms, m, secret,
+                          frames=sampler.ring if exp.placement.crosses("sampler", "replay") else None)
         m.healthy.set(1)
         log.info("sampler %d: %d envs of %s in %d group(s), T=%d, %s inference", instance, exp.sampler.envs,
                  exp.env.id, len(sampler.groups), exp.sampler.horizon, exp.sampler.inference)

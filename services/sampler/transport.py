@@ -15,6 +15,7 @@ import zmq
 
 from shared.doorbell import STEP_MOD, PeerGone, SamplerBell
 from shared.metrics import bad_message_counter
+from shared.namedarraytuple import leaves
 from shared.sockets import Endpoint
 
 log = logging.getLogger(__name__)
@@ -111,11 +112,14 @@ class RemoteActions:
 
 
 class RemoteSink:
-    """SegmentSink over a DEALER socket to replay."""
+    """SegmentSink over a DEALER socket to replay. With ``frames`` (the sampler's segment ring;
+    replay runs on another node) each announcement carries the segment's arrays as zero-copy
+    frames; the ring slot stays untouched until replay releases it, as on one node."""
 
     def __init__(self, ctx: zmq.Context, address: str, name: str, instance: int, ring_descriptor: dict,
-                 incarnation: int, ring: int, timeout_ms: int, metrics, secret: str):
+                 incarnation: int, ring: int, timeout_ms: int, metrics, secret: str, frames=None):
         self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=bad_message_counter(metrics))
+        self.frames = frames
         self.hello = {"instance": instance, "ring": ring_descriptor, "incarnation": incarnation, "secret": secret}
         self.timeout_ms, self.metrics = timeout_ms, metrics
         self.in_flight: dict[int, dict] = {}  # ring index -> announcement not yet released
@@ -124,8 +128,12 @@ class RemoteSink:
     def announce(self, index: int, meta: dict) -> None:
         body = {"index": index, **meta}
         self.in_flight[index] = body
-        self.ep.send("segment", body)
+        self._send(body)
         self._take_releases(0)
+
+    def _send(self, body: dict) -> None:
+        arrays = None if self.frames is None else [leaf for _, leaf in leaves(self.frames[body["index"]])]
+        self.ep.send("segment", body, arrays=arrays)
 
     def acquire(self, index: int) -> None:
         t0 = time.perf_counter()
@@ -136,7 +144,7 @@ class RemoteSink:
                 self.ep.reconnect()
                 self.ep.send("hello_writer", self.hello)
                 for body in sorted(self.in_flight.values(), key=lambda b: b["serial"]):
-                    self.ep.send("segment", body)
+                    self._send(body)
         self.metrics.wait.labels(on="replay").inc(time.perf_counter() - t0)
 
     def _take_releases(self, timeout_ms: float) -> bool:

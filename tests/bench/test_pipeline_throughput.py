@@ -8,6 +8,10 @@ All three are measured in the same run, alternating, three times each, and the m
   segments, replay and a learner whose updates are cheap (A2C, T=64), under supervisord;
 - server: the same with 1 action-server batching both samplers' alternating env groups.
 
+And the cross-node data path: the local run over TCP with samplers and learner placed on
+other nodes than replay (segments, batches and parameters as ZeroMQ frames) against the
+same run over TCP on one node (shared-memory descriptors), alternating, three times each.
+
 Pipeline steps/s come from the samplers' Prometheus counter over a window after warm-up.
 Run with `make bench`.
 """
@@ -26,7 +30,7 @@ import torch
 
 from shared.agents.pg import PgAgent
 from shared.models import ModelConfig
-from tests.pipeline import Run
+from tests.pipeline import Run, free_port
 
 pytestmark = pytest.mark.bench
 ENVS = 32
@@ -53,13 +57,14 @@ def _sampler_steps(run: Run) -> float:
     return sum(float(v) for v in re.findall(r"^rlpipe_sampler_env_steps_total\{[^}]*\} (\S+)", page, re.M))
 
 
-def pipeline_steps_per_s(tmp_path, inference: str) -> float:
+def pipeline_steps_per_s(tmp_path, inference: str, *overrides: str) -> float:
     # A2C with long segments: one cheap update per 2048 steps, so sampling is what is measured.
     # A ring of 2 segments lets a sampler fill the next one while replay copies the last
     # (with 1 it waits for that round trip once a segment: measured 26-27k vs 33-37k steps/s).
     run = Run.launch(tmp_path, "cartpole_a2c.toml", "sampler.count=2", "sampler.envs=16", "sampler.horizon=64",
                      "sampler.ring=2", "run.max_env_steps=100000000", "run.target_return=1e9",
-                     "replay.release_on_sample=false", "replay.capacity=8", f"sampler.inference={inference}")
+                     "replay.release_on_sample=false", "replay.capacity=8", f"sampler.inference={inference}",
+                     *overrides)
     try:
         run.wait_steps(20_000)
         s0, t0 = _sampler_steps(run), time.monotonic()
@@ -83,3 +88,18 @@ def test_pipeline_vs_single_process(tmp_path):
         print(f"pipeline, {mode} inference (2 samplers x 16 envs): median {median:,.0f} steps/s  "
               f"runs {[round(x) for x in rates[mode]]}  ratio to one process {median / single:.2f}")
     assert all(r > 0 for r in rates["local"] + rates["server"])
+
+
+def test_cross_node_frames_vs_shared_memory(tmp_path):
+    tcp = ["network.transport='tcp'"]
+    placed = {"shm": [], "frames": ["placement.sampler='b'", "placement.learner='c'"]}
+    rates = {"shm": [], "frames": []}
+    for i in range(3):
+        for path, overrides in placed.items():
+            rates[path].append(pipeline_steps_per_s(tmp_path / f"{path}{i}", "local", *tcp, *overrides,
+                                                    f"network.base_port={free_port()}"))
+    shm, frames = statistics.median(rates["shm"]), statistics.median(rates["frames"])
+    print(f"\nTCP, one node (shared memory): median {shm:,.0f} steps/s  runs {[round(x) for x in rates['shm']]}")
+    print(f"TCP, samplers and learner on other nodes (frames): median {frames:,.0f} steps/s  "
+          f"runs {[round(x) for x in rates['frames']]}  ratio to shared memory {frames / shm:.2f}")
+    assert all(r > 0 for r in rates["shm"] + rates["frames"])
