@@ -24,6 +24,9 @@ def main(argv=None) -> int:
         c.add_argument("--detach", action="store_true", help="start the run and return (follow with `rlpipe status`)")
         c.add_argument("--resume", metavar="RUN", help="start a stopped run again from its checkpoint (and its replay "
                                                        "table's snapshot, with replay.snapshot_interval_s); no CONFIG")
+        c.add_argument("--cluster", metavar="ray[://ADDRESS]",
+                       help="place the services as actors on a Ray cluster (RAY_ADDRESS or this host's, or the Ray "
+                            "Client address) instead of under supervisord; [placement] labels are node resources")
         if name == "train":
             c.add_argument("--serial", action="store_true", help="one process, in-process transport (debugging)")
     c = sub.add_parser("prepare", help="make a run directory and print its path (for honcho/foreman and the Procfile)")
@@ -143,7 +146,18 @@ def _launch(args) -> int:
     if exp is None:
         return 2
     t0 = time.monotonic()
-    launch.start(exp, run_dir)
+    try:
+        if args.cluster:
+            from shared import ray_cluster
+
+            ray_cluster.start(exp, run_dir, args.cluster)
+        else:
+            launch.start(exp, run_dir)
+    except (ValueError, ConnectionError, RuntimeError) as e:  # no such cluster, a placement it cannot satisfy
+        print(f"rlpipe: cannot start the run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        launch.clean(run_dir)
+        return 1
     try:
         # A model that cannot exist stops the run and leaves nothing behind but the error line.
         error = launch.wait_until_built(run_dir)
@@ -195,7 +209,7 @@ def _resumable(args):
     run_dir = _run_dir(argparse.Namespace(run=args.resume))
     if run_dir is None:
         return None
-    if launch.supervisord_pid(run_dir) is not None:
+    if launch.running(run_dir):
         print(f"rlpipe: run {run_dir.name} is running: nothing to resume", file=sys.stderr)
         return None
     launch.reopen_run_dir(run_dir)
@@ -218,9 +232,14 @@ def _status(args) -> int:
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    if launch.supervisord_pid(run_dir) is None:
+    if not launch.running(run_dir):
         result = launch.read_result(run_dir)
         print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
+        return 0
+    if launch.ray_cluster.is_cluster_run(run_dir):
+        for name, info in launch.ray_cluster.status(run_dir).items():
+            code = "" if info["exit_code"] is None else f" exit {info['exit_code']}"
+            print(f"{name:<20} {info['state']:<11} pid {info['pid']}{code}  node {info['node']}")
         return 0
     return launch.supervisorctl(run_dir, "status").returncode
 

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 
 from shared import config as config_mod
-from shared import shm
+from shared import ray_cluster, shm
 from shared.auth import write_curve_keys, write_secret
 from shared.config import Experiment
 from shared.acting import ACTING_FILE
@@ -105,7 +105,9 @@ def make_private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
-def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
+def programs(exp: Experiment) -> list[tuple[str, int, int, str]]:
+    """The run's services: (service, instances, start priority, autorestart: "true", or
+    "unexpected" for the learner, whose exit 0 ends the run), under supervisord or Ray."""
     services = [("replay", 1, 10, "true"), ("learner", exp.learner.count, 20, "unexpected"), ("sampler", exp.sampler.count, 40, "true")]
     if exp.sampler.inference == "server":
         services.insert(2, ("action_server", exp.action_server.count, 30, "true"))
@@ -113,16 +115,20 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
         services.insert(0, ("metrics", 1, 5, "true"))
     if exp.eval.every_s:
         services.append(("evaluator", 1, 50, "true"))
-    programs = []
-    for service, count, priority, autorestart in services:
+    return services
+
+
+def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
+    programs_ = []
+    for service, count, priority, autorestart in programs(exp):
         common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable)
         if service in SCALABLE:
-            programs += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
-                         for i in range(count)]
+            programs_ += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
+                          for i in range(count)]
         else:
-            programs.append(PROGRAM.format(program=service, process=f"{service}%(process_num)d",
-                                           instance="%(process_num)d", count=count, **common))
-    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=config_mod.socket_dir(run_dir)) + "".join(programs)
+            programs_.append(PROGRAM.format(program=service, process=f"{service}%(process_num)d",
+                                            instance="%(process_num)d", count=count, **common))
+    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=config_mod.socket_dir(run_dir)) + "".join(programs_)
 
 
 def start(exp: Experiment, run_dir: Path) -> None:
@@ -153,6 +159,8 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     announced) and removed, new ones are added and started; the others are not touched, but
     for the samplers whose action-server (i mod count) changes with the action-server count,
     which are restarted. Returns (processes added, removed, restarted)."""
+    if ray_cluster.is_cluster_run(run_dir):
+        raise ScaleError("this run's services are Ray actors: live scaling works on supervisord runs only")
     unknown = sorted(set(counts) - set(SCALABLE))
     if unknown:
         raise ScaleError(f"cannot scale {', '.join(unknown)}: scalable services are {', '.join(SCALABLE)}")
@@ -216,8 +224,20 @@ def supervisord_pid(run_dir: Path) -> int | None:
         return None
 
 
+def running(run_dir: Path) -> bool:
+    """Whether the run's supervisord (or, for a run on a cluster, any of its actors) is there."""
+    if ray_cluster.is_cluster_run(run_dir):
+        return ray_cluster.running(run_dir)
+    return supervisord_pid(run_dir) is not None
+
+
 def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
-    """Stop every process of the run (services first, then supervisord); True once all are gone."""
+    """Stop every process of the run (services first, then supervisord, or the cluster's
+    actors); True once all are gone."""
+    if ray_cluster.is_cluster_run(run_dir):
+        stopped = ray_cluster.stop(run_dir, timeout_s)
+        shutil.rmtree(config_mod.socket_dir(run_dir), ignore_errors=True)
+        return stopped and not service_pids(run_dir)
     pid = supervisord_pid(run_dir)
     if pid is not None:
         try:
@@ -467,8 +487,8 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
         result = read_result(run_dir)
         if result is not None:
             return result
-        if supervisord_pid(run_dir) is None:
-            print("supervisord is gone: the run was stopped", file=out, flush=True)
+        if not running(run_dir):
+            print("the run's processes are gone: it was stopped", file=out, flush=True)
             return None
         watch.check()
         time.sleep(0.5)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 from prometheus_client import Counter, Gauge, Histogram
 
-LABELS = ("service", "instance")
+LABELS = ("service", "instance", "node")
 _LAT_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -105,13 +105,15 @@ def _family(kind: str, name: str, doc: str, labels: tuple, buckets=None):
     return _families[name]
 
 
-def for_service(service: str, instance: int) -> SimpleNamespace:
-    """The labelled metrics of one process: ``m.env_steps.inc(n)``, ``m.wait.labels(on="actions")``."""
+def for_service(service: str, instance: int, node: str = "main") -> SimpleNamespace:
+    """The labelled metrics of one process: ``m.env_steps.inc(n)``, ``m.wait.labels(on="actions")``;
+    ``node``: the service's ``[placement]`` label."""
     out = {}
     defs = {**_COMMON, **_DEFS[service]}
+    fixed = {"service": service, "instance": str(instance), "node": node}
     for attr, (kind, suffix, doc, extra, *buckets) in defs.items():
         fam = _family(kind, f"rlpipe_{service}_{suffix}", doc, LABELS + extra, buckets[0] if buckets else None)
-        out[attr] = _Partial(fam, service, str(instance)) if extra else fam.labels(service=service, instance=str(instance))
+        out[attr] = _Partial(fam, fixed) if extra else fam.labels(**fixed)
         if extra and kind == "counter" and all(label in KNOWN_LABEL_VALUES for label in extra):
             for values in itertools.product(*(KNOWN_LABEL_VALUES[label] for label in extra)):
                 out[attr].labels(**dict(zip(extra, values)))
@@ -126,10 +128,10 @@ def bad_message_counter(m: SimpleNamespace):
 
 
 class _Partial:
-    """A family with service/instance fixed; ``.labels(**rest)`` gives the child."""
+    """A family with service/instance/node fixed; ``.labels(**rest)`` gives the child."""
 
-    def __init__(self, fam, service: str, instance: str):
-        self.fam, self.service, self.instance = fam, service, instance
+    def __init__(self, fam, fixed: dict):
+        self.fam, self.fixed = fam, fixed
 
     def labels(self, **rest):
-        return self.fam.labels(service=self.service, instance=self.instance, **rest)
+        return self.fam.labels(**self.fixed, **rest)

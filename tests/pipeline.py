@@ -65,20 +65,22 @@ class Run:
         self.dir, self.id, self.metrics_port = Path(run_dir), Path(run_dir).name, metrics_port
 
     @classmethod
-    def launch(cls, tmp_path: Path, config: str, *overrides: str, command_line: bool = False) -> "Run":
+    def launch(cls, tmp_path: Path, config: str, *overrides: str, command_line: bool = False,
+               cluster: str | None = None) -> "Run":
         """``rlpipe launch CONFIG --detach`` with runs under tmp_path, a free metrics port and a
         progress row every 0.5 s (tests wait on those rows: a 2 s interval adds ~1 s to each wait).
 
-        Unless ``command_line`` (benchmarks of what a user waits for), the launcher runs in this
-        process (rlpipe_here: its agent check would otherwise contend with the services' start on 2
-        cores); supervisord and the services are separate real processes all the same.
+        Unless ``command_line`` (benchmarks of what a user waits for) or ``cluster`` (``--cluster``:
+        a Ray driver of its own), the launcher runs in this process (rlpipe_here: its agent check
+        would otherwise contend with the services' start on 2 cores); supervisord and the services
+        are separate real processes all the same.
         """
         port = free_port()
-        args = ["launch", str(CONFIGS / config), "--detach"]
+        args = ["launch", str(CONFIGS / config), "--detach", *(["--cluster", cluster] if cluster else [])]
         for s in (f"run.runs_dir='{tmp_path / 'runs'}'", f"network.metrics_port={port}", "run.log_interval_s=0.5",
                   *overrides):
             args += ["--set", s]
-        done = rlpipe(*args) if command_line else rlpipe_here(*args)
+        done = rlpipe(*args) if command_line or cluster else rlpipe_here(*args)
         assert done.returncode == 0, done.stdout + done.stderr
         return cls(Path(re.search(r"run directory: (\S+)", done.stdout).group(1)), port)
 

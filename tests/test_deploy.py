@@ -151,13 +151,13 @@ def test_multiprocess_exposes_defined_names_and_forgets_dead_processes(tmp_path)
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(tmp_path))
-    sampler0 = {"service": "sampler", "instance": "0"}
+    sampler0 = {"service": "sampler", "instance": "0", "node": "main"}  # node: the [placement] label
     assert registry.get_sample_value("rlpipe_sampler_env_steps_total", sampler0) == 7
     assert registry.get_sample_value("rlpipe_sampler_up", sampler0) == 1
     assert {s.name for fam in registry.collect() for s in fam.samples} == exposed_names()
 
     mark_process_dead(child.pid, str(tmp_path))
     assert registry.get_sample_value("rlpipe_sampler_up", sampler0) is None
-    assert registry.get_sample_value("rlpipe_learner_up", {"service": "learner", "instance": "0"}) is None
+    assert registry.get_sample_value("rlpipe_learner_up", {"service": "learner", "instance": "0", "node": "main"}) is None
     # Counters outlive the process, so rates stay continuous across a restart.
     assert registry.get_sample_value("rlpipe_sampler_env_steps_total", sampler0) == 7

@@ -21,7 +21,7 @@ log = logging.getLogger("services.action_server")
 
 
 def run(exp, run_dir, instance: int) -> None:
-    m = metrics_mod.for_service("action_server", instance)
+    m = metrics_mod.for_service("action_server", instance, exp.placement.node("action_server"))
     device = torch_device(exp.run.device)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device).eval()

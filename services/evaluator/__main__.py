@@ -24,7 +24,7 @@ IDLE_S = 3600.0  # evaluation off (eval.every_s = 0, e.g. under the Procfile): w
 
 
 def run(exp, run_dir, instance: int) -> None:
-    m = metrics_mod.for_service("evaluator", instance)
+    m = metrics_mod.for_service("evaluator", instance, exp.placement.node("evaluator"))
     cfg = exp.eval
     if cfg.every_s == 0:
         log.warning("eval.every_s = 0: evaluation is off; this evaluator only waits")

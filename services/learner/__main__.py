@@ -23,7 +23,7 @@ JOIN_TIMEOUT_S = 120.0
 
 def run(exp, run_dir, instance: int) -> None:
     lock = lock_run(run_dir, instance)  # noqa: F841 (held until exit): a second learner would unlink our segments
-    m = metrics_mod.for_service("learner", instance)
+    m = metrics_mod.for_service("learner", instance, exp.placement.node("learner"))
     device = torch_device(exp.run.device)
     group = ranks.join(run_dir, instance, exp.learner.count, device, JOIN_TIMEOUT_S) if exp.learner.count > 1 else None
     probe = env_probe(exp)

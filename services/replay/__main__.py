@@ -18,7 +18,7 @@ log = logging.getLogger("services.replay")
 
 
 def run(exp, run_dir, instance: int) -> None:
-    m = metrics_mod.for_service("replay", instance)
+    m = metrics_mod.for_service("replay", instance, exp.placement.node("replay"))
     columns = {i: exp.sampler.envs for i in range(most_count(exp.sampler))}  # room for `rlpipe scale`
     ctx = zmq.Context()
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",

@@ -69,7 +69,7 @@ def wait_for(what: str, ready):
 
 
 def run(exp, run_dir, instance: int) -> None:
-    m = metrics_mod.for_service("sampler", instance)
+    m = metrics_mod.for_service("sampler", instance, exp.placement.node("sampler"))
     ctx = zmq.Context()
     run_id = run_id_of(run_dir)
     sampler = Sampler(exp, instance, run_id, metrics=m)

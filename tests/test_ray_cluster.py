@@ -1,0 +1,96 @@
+"""Ray as the cluster engine (``rlpipe launch --cluster ray``) on a local Ray cluster of two
+nodes, A and B (``ray.cluster_utils.Cluster``: two raylets on this machine, each offering its
+own custom resource)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from shared import launch
+from tests.pipeline import Run, free_port, metric_value, rlpipe
+
+pytestmark = pytest.mark.learning
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    cluster_utils = pytest.importorskip("ray.cluster_utils", reason="the `cluster` extra (ray) is not installed")
+    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"a": 1}, "include_dashboard": False})
+    cluster.add_node(num_cpus=2, resources={"b": 1})
+    old = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = cluster.address  # for the rlpipe commands, and for this process's clean-up
+    try:
+        yield cluster.address
+    finally:
+        import ray
+
+        ray.shutdown()  # this process became a driver if a run was cleaned up from here
+        cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = old
+
+
+def status(run: Run) -> dict[str, tuple[str, int | None, str]]:
+    """`rlpipe status` of a Ray run: name -> (state, service pid, Ray node id)."""
+    out = rlpipe("status", str(run.dir))
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = re.findall(r"^(\S+)\s+(\S+)\s+pid (\S+)(?: exit \S+)?\s+node (\S+)$", out.stdout, re.M)
+    return {name: (state, None if pid == "None" else int(pid), node) for name, state, pid, node in rows}
+
+
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_ppo_learns_on_two_ray_nodes_through_a_killed_sampler_actor(ray_address, tmp_path):
+    """Replay and learner on node A, samplers and their action-server on node B, every array
+    crossing between them as frames over TCP. A sampler actor killed with SIGKILL is restarted
+    by Ray with a new sampler, and the run reaches its target; `rlpipe stop` leaves no actor,
+    no process and no segment."""
+    run = Run.launch(tmp_path, "cartpole_ppo.toml", 'network.transport="tcp"', f"network.base_port={free_port()}",
+                     "sampler.inference='server'", "placement.replay='a'", "placement.learner='a'",
+                     "placement.sampler='b'", "placement.action_server='b'", cluster="ray")
+    try:
+        run.wait_steps(5_000)
+        services = status(run)
+        assert {s for s, (state, _, _) in services.items() if state == "RUNNING"} == \
+            {"metrics0", "replay0", "learner0", "action_server0", "sampler0", "sampler1"}, services
+        node = {name: row[2] for name, row in services.items()}
+        assert node["sampler0"] == node["sampler1"] == node["action_server0"] != node["replay0"] == node["learner0"]
+        assert metric_value(run.metrics(), "rlpipe_sampler_env_steps_total", node="b") > 0
+
+        killed = services["sampler0"][1]
+        os.kill(parent(killed), signal.SIGKILL)  # the actor: its sampler dies with it
+        run.wait_for(lambda: status(run)["sampler0"][0] == "RUNNING" and status(run)["sampler0"][1] != killed, 60,
+                     "Ray to restart the sampler actor")
+        assert not Path(f"/proc/{killed}").exists()
+        result = run.wait_result(240)
+        assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 200_000, result
+        assert run.logs("sampler0").count("services.sampler: sampler 0:") == 2  # the log holds both incarnations
+
+        out = rlpipe("stop", str(run.dir))
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert launch.service_pids(run.dir) == [] and run.segments() == []
+        assert "not running" in rlpipe("status", str(run.dir)).stdout
+    finally:
+        run.close()
+
+
+def test_cluster_targets_are_ray_or_a_ray_client_address(monkeypatch):
+    from shared.ray_cluster import parse_target
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert parse_target("ray") == "10.0.0.5:6379" and parse_target("ray://head:10001") == "ray://head:10001"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert parse_target("ray") == "auto"
+    for bad in ("ray://", "slurm", "k8s://x"):
+        with pytest.raises(ValueError, match="expected ray or ray://HOST:PORT"):
+            parse_target(bad)
