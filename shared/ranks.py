@@ -36,10 +36,11 @@ class RankLost(RuntimeError):
 
 
 class Group:
-    """This process's place in the learner group: its rank, the world size, its peers' pids."""
+    """This process's place in the learner group: its rank, the world size, its peers' pids,
+    and the device its collectives run on (nccl takes CUDA tensors only)."""
 
-    def __init__(self, rank: int, world: int, pids: list[int]):
-        self.rank, self.world, self.pids = rank, world, pids
+    def __init__(self, rank: int, world: int, pids: list[int], device: torch.device):
+        self.rank, self.world, self.pids, self.device = rank, world, pids, device
 
     def check_peers(self) -> None:
         """RankLost when a peer's process is gone (killed, or restarted under another pid)."""
@@ -49,13 +50,13 @@ class Group:
 
     def broadcast(self, value: int) -> int:
         """Rank 0's ``value`` on every rank (a decision that must be the same everywhere)."""
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.broadcast(t, 0)
         return int(t.item())
 
     def checksums(self, module: torch.nn.Module) -> list[int]:
         """The CRC-32 of ``module``'s parameters and buffers on every rank, rank order."""
-        local = torch.tensor([parameter_checksum(module)], dtype=torch.int64)
+        local = torch.tensor([parameter_checksum(module)], dtype=torch.int64, device=self.device)
         gathered = [torch.zeros_like(local) for _ in range(self.world)]
         dist.all_gather(gathered, local)
         return [int(t.item()) for t in gathered]
@@ -79,9 +80,17 @@ def parameter_checksum(module: torch.nn.Module) -> int:
     return crc
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of learner rank ``rank``: on CUDA each rank its own GPU (rank mod the GPUs),
+    as nccl needs; the CPU is shared."""
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 def join(run_dir: Path, rank: int, world: int, device: torch.device, timeout_s: float) -> Group:
-    """Join the run's learner group as ``rank`` of ``world``; RuntimeError after ``timeout_s``
-    without the whole group."""
+    """Join the run's learner group as ``rank`` of ``world`` on ``device`` (``rank_device``);
+    RuntimeError after ``timeout_s`` without the whole group."""
     path = run_dir / RENDEZVOUS
     timeout = datetime.timedelta(seconds=timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -92,13 +101,15 @@ def join(run_dir: Path, rank: int, world: int, device: torch.device, timeout_s: 
         os.replace(tmp, path)
     else:
         store = _connect(path, world, timeout, deadline)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # nccl's communicator binds to the current device
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=timeout)
-    pids = torch.zeros(world, dtype=torch.int64)
+    pids = torch.zeros(world, dtype=torch.int64, device=device)
     pids[rank] = os.getpid()
     dist.all_reduce(pids)
     log.info("learner rank %d of %d joined the group (pids %s)", rank, world, pids.tolist())
-    return Group(rank, world, pids.tolist())
+    return Group(rank, world, pids.tolist(), device)
 
 
 def _connect(path: Path, world: int, timeout: datetime.timedelta, deadline: float) -> dist.TCPStore:

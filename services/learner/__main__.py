@@ -25,7 +25,10 @@ def run(exp, run_dir, instance: int) -> None:
     lock = lock_run(run_dir, instance)  # noqa: F841 (held until exit): a second learner would unlink our segments
     m = metrics_mod.for_service("learner", instance, exp.placement.node("learner"))
     device = torch_device(exp.run.device)
-    group = ranks.join(run_dir, instance, exp.learner.count, device, JOIN_TIMEOUT_S) if exp.learner.count > 1 else None
+    group = None
+    if exp.learner.count > 1:
+        device = ranks.rank_device(device, instance)
+        group = ranks.join(run_dir, instance, exp.learner.count, device, JOIN_TIMEOUT_S)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
     algo = make_algo(exp, agent)
