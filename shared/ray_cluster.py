@@ -38,6 +38,7 @@ from pathlib import Path
 CLUSTER_FILE = "cluster.json"
 MAX_RESTARTS = 20
 STOP_WAIT_S = 5.0  # as supervisord's stopwaitsecs: SIGTERM, then SIGKILL
+START_TIMEOUT_S = 60.0  # every actor placed and its service started
 
 
 def is_cluster_run(run_dir: Path) -> bool:
@@ -133,7 +134,12 @@ def start(exp, run_dir: Path, target: str) -> None:
     info = json.loads((run_dir / CLUSTER_FILE).read_text())
     info["actors"] = names
     (run_dir / CLUSTER_FILE).write_text(json.dumps(info))
-    ray.get([a.info.remote() for a in actors])  # every service started (or the placement error)
+    try:
+        ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)  # every service started
+    except ray.exceptions.GetTimeoutError:
+        labels = sorted({exp.placement.node(s) for s in ("replay", "learner", "sampler", "action_server")} - {"main"})
+        raise RuntimeError(f"the run's actors were not all placed within {START_TIMEOUT_S:.0f} s: does a node of the "
+                           f"cluster offer each of the resources {labels} ([placement] labels)?") from None
 
 
 def _actors(run_dir: Path) -> dict:
