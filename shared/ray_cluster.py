@@ -29,6 +29,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ CLUSTER_FILE = "cluster.json"
 MAX_RESTARTS = 20
 STOP_WAIT_S = 5.0  # as supervisord's stopwaitsecs: SIGTERM, then SIGKILL
 START_TIMEOUT_S = 60.0  # every actor placed and its service started
+CONNECT_TIMEOUT_S = 2.0  # the cluster's GCS must answer within this to count as there
 
 
 def is_cluster_run(run_dir: Path) -> bool:
@@ -142,11 +144,25 @@ def start(exp, run_dir: Path, target: str) -> None:
                            f"cluster offer each of the resources {labels} ([placement] labels)?") from None
 
 
+def _reachable(address: str) -> bool:
+    """Whether the cluster's GCS at ``host:port`` accepts a connection (``ray.init`` waits minutes
+    for one that is gone)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def _actors(run_dir: Path) -> dict:
-    """Name -> actor handle (None where Ray holds no such actor any more)."""
+    """Name -> actor handle (None where Ray holds no such actor any more; all None when the
+    cluster itself is gone, and its actors with it)."""
     import ray
 
     info = json.loads((Path(run_dir) / CLUSTER_FILE).read_text())
+    if not ray.is_initialized() and not _reachable(info["address"]):
+        return dict.fromkeys(info["actors"])
     _connect(info["address"], info["namespace"])
     out = {}
     for name in info["actors"]:

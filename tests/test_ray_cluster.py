@@ -94,3 +94,21 @@ def test_cluster_targets_are_ray_or_a_ray_client_address(monkeypatch):
     for bad in ("ray://", "slurm", "k8s://x"):
         with pytest.raises(ValueError, match="expected ray or ray://HOST:PORT"):
             parse_target(bad)
+
+
+def test_a_run_whose_cluster_is_gone_is_not_running_and_stops_at_once(tmp_path):
+    """`rlpipe status/stop/clean` of a Ray run whose cluster went away answer at once (ray.init
+    would wait minutes for a GCS that is gone)."""
+    import json
+    import time
+
+    from shared import ray_cluster
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / ray_cluster.CLUSTER_FILE).write_text(json.dumps(
+        {"engine": "ray", "address": f"127.0.0.1:{free_port()}", "namespace": "rlpipe-x", "actors": ["replay0"]}))
+    t0 = time.monotonic()
+    assert not launch.running(run_dir) and launch.stop(run_dir)
+    assert ray_cluster.status(run_dir) == {"replay0": {"state": "GONE", "pid": None, "exit_code": None, "node": None}}
+    assert time.monotonic() - t0 < 10
