@@ -161,7 +161,8 @@ class PlacementConfig:
     """The node each service runs on, by label. Services with one label share memory: segments,
     batches and parameters go by shared-memory descriptor. Between labels they travel as
     ZeroMQ frames over TCP (``network.transport = "tcp"``, CURVE-encrypted). Under supervisord
-    every label runs on this workstation (another label exercises the cross-host path here)."""
+    every label runs on this workstation (another label exercises the cross-host path here).
+    A service without a field here (metrics) runs on ``main``."""
     replay: str = "main"
     learner: str = "main"
     sampler: str = "main"
@@ -169,7 +170,11 @@ class PlacementConfig:
     evaluator: str = "main"
 
     def node(self, service: str) -> str:
-        return getattr(self, service)
+        return getattr(self, service, "main")
+
+    def labels(self) -> dict[str, str]:
+        """Service -> label, for every placed service."""
+        return dataclasses.asdict(self)
 
     def crosses(self, a: str, b: str) -> bool:
         """Whether the link between services ``a`` and ``b`` crosses nodes."""
@@ -453,8 +458,7 @@ SAMPLER_SEED_STRIDE = 10_007
 
 def _check_placement(exp: Experiment) -> None:
     place = exp.placement
-    for service in ("replay", "learner", "sampler", "action_server", "evaluator"):
-        label = place.node(service)
+    for service, label in place.labels().items():
         if not (label and len(label) <= 64 and all(c.isalnum() or c in "_.-" for c in label)):
             raise ConfigError(f"placement.{service} = {label!r}: a node label is 1-64 letters, digits, '_', '.' or '-'")
     if len({place.node(s) for s in ("replay", "learner", "sampler")}) > 1 and exp.network.transport != "tcp":

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from shared.runtime import pid_alive
+
 log = logging.getLogger(__name__)
 RENDEZVOUS = "learner.rendezvous"
 HOST = "127.0.0.1"
@@ -45,7 +47,7 @@ class Group:
     def check_peers(self) -> None:
         """RankLost when a peer's process is gone (killed, or restarted under another pid)."""
         for rank, pid in enumerate(self.pids):
-            if rank != self.rank and not _alive(pid):
+            if rank != self.rank and not pid_alive(pid):
                 raise RankLost(f"learner rank {rank} (pid {pid}) is gone; restarting with the group")
 
     def broadcast(self, value: int) -> int:
@@ -117,7 +119,7 @@ def _connect(path: Path, world: int, timeout: datetime.timedelta, deadline: floa
     while True:
         try:
             where = json.loads(path.read_text())
-            if _alive(where["pid"]):
+            if pid_alive(where["pid"]):
                 return dist.TCPStore(HOST, where["port"], world, is_master=False, timeout=timeout)
         except (FileNotFoundError, json.JSONDecodeError, KeyError, RuntimeError):
             pass  # not written yet, half written, or a rank 0 that died since: wait for the next one
@@ -125,12 +127,3 @@ def _connect(path: Path, world: int, timeout: datetime.timedelta, deadline: floa
             raise RuntimeError(f"no learner rank 0 to join within {timeout.total_seconds():.0f} s ({path})")
         time.sleep(0.05)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -58,10 +58,14 @@ def parse_target(target: str) -> str:
 
 
 def _connect(address: str, namespace: str) -> None:
+    """This process a driver of the cluster at ``address`` (once; again for another cluster)."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="WARNING")
+    if ray.is_initialized():
+        if ray.get_runtime_context().gcs_address == address:
+            return
+        ray.shutdown()
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="WARNING")
 
 
 def _die_with_parent() -> None:
@@ -118,28 +122,25 @@ def start(exp, run_dir: Path, target: str) -> None:
     namespace = f"rlpipe-{run_dir.name}"
     _connect(parse_target(target), namespace)
     here = ray.get_runtime_context().get_node_id()
-    (run_dir / CLUSTER_FILE).write_text(json.dumps({"engine": "ray", "address": ray.get_runtime_context().gcs_address,
-                                                    "namespace": namespace, "actors": []}))
+    instances = [(service, i, autorestart) for service, count, _, autorestart in programs(exp) for i in range(count)]
+    # Written before any actor exists: a launch that fails half-way is cleaned up by these names.
+    (run_dir / CLUSTER_FILE).write_text(json.dumps({
+        "engine": "ray", "address": ray.get_runtime_context().gcs_address, "namespace": namespace,
+        "actors": [f"{service}{i}" for service, i, _ in instances]}))
     remote = ray.remote(ServiceActor)
-    actors, names = [], []
-    for service, count, _, autorestart in programs(exp):
-        label = exp.placement.node(service) if service in ("replay", "learner", "sampler", "action_server",
-                                                           "evaluator") else "main"
+    actors = []
+    for service, i, autorestart in instances:
+        label = exp.placement.node(service)
         gpu = 1 if service in ("learner", "action_server") and exp.run.device.startswith("cuda") else 0
         where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)} if label == "main" \
             else {"resources": {label: 0.001}}
-        for i in range(count):
-            names.append(f"{service}{i}")
-            actors.append(remote.options(name=names[-1], lifetime="detached", max_restarts=MAX_RESTARTS,
-                                         num_cpus=0, num_gpus=gpu, **where)
-                          .remote(service, i, str(run_dir), autorestart == "true"))
-    info = json.loads((run_dir / CLUSTER_FILE).read_text())
-    info["actors"] = names
-    (run_dir / CLUSTER_FILE).write_text(json.dumps(info))
+        actors.append(remote.options(name=f"{service}{i}", lifetime="detached", max_restarts=MAX_RESTARTS,
+                                     num_cpus=0, num_gpus=gpu, **where)
+                      .remote(service, i, str(run_dir), autorestart == "true"))
     try:
         ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)  # every service started
     except ray.exceptions.GetTimeoutError:
-        labels = sorted({exp.placement.node(s) for s in ("replay", "learner", "sampler", "action_server")} - {"main"})
+        labels = sorted(set(exp.placement.labels().values()) - {"main"})
         raise RuntimeError(f"the run's actors were not all placed within {START_TIMEOUT_S:.0f} s: does a node of the "
                            f"cluster offer each of the resources {labels} ([placement] labels)?") from None
 
@@ -161,7 +162,7 @@ def _actors(run_dir: Path) -> dict:
     import ray
 
     info = json.loads((Path(run_dir) / CLUSTER_FILE).read_text())
-    if not ray.is_initialized() and not _reachable(info["address"]):
+    if not _reachable(info["address"]):
         return dict.fromkeys(info["actors"])
     _connect(info["address"], info["namespace"])
     out = {}

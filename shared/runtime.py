@@ -116,6 +116,17 @@ def torch_device(name: str, threads: int = 1):
     return torch.device(name)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (ours or another user's)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def run_id_of(run_dir: Path) -> str:
     """The run id is the run directory's name (letters, digits, '_' and '.')."""
     return Path(run_dir).resolve().name

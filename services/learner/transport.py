@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import zmq
 
 from shared.metrics import bad_message_counter
-from shared.namedarraytuple import from_leaves, leaves, spec_of
+from shared.namedarraytuple import from_leaves, spec_of
 from shared.params import ParamWriter
 from shared.sockets import Endpoint
 
@@ -26,6 +25,7 @@ class RemoteBatches:
         self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=f"learner{rank}",
                            on_bad=bad_message_counter(metrics))
         self.batch_items, self.timeout_ms, self.frames = batch_items, timeout_ms, frames
+        self.frame_specs = None if frames is None else [spec_of(slot) for slot in frames]
         self.hello = {"slots": slot_descriptors, "incarnation": time.time_ns(), "secret": secret, "rank": rank}
         self.outstanding: dict[int, int] = {}  # slot -> min_version asked
         self.t_last = time.monotonic()
@@ -58,16 +58,14 @@ class RemoteBatches:
     def _take_frames(self, msg) -> bool:
         """Copy the batch that came as frames into its slot; False (logged, counted, asked
         again) if the arrays do not fit the slot."""
-        slot = self.frames[msg.body["slot"]]
         try:
-            batch = from_leaves(spec_of(slot), msg.arrays)
+            batch = from_leaves(self.frame_specs[msg.body["slot"]], msg.arrays)
         except ValueError as e:
             log.warning("batch for slot %d does not fit it (%s); asking again", msg.body["slot"], e)
             self.ep.on_bad("value")
             self.request(msg.body["slot"], self.outstanding[msg.body["slot"]])
             return False
-        for (_, dest), (_, src) in zip(leaves(slot), leaves(batch)):
-            np.copyto(dest, src)
+        self.frames[msg.body["slot"]][:] = batch
         return True
 
     def update_priorities(self, meta: dict, priorities) -> None:

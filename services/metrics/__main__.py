@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from shared.runtime import serve
+from shared.runtime import pid_alive, serve
 
 log = logging.getLogger("services.metrics")
 _PID = re.compile(r"_(\d+)\.db$")
@@ -27,9 +27,7 @@ def reap_dead(directory: Path) -> None:
         if m is None:
             continue
         pid = int(m.group(1))
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             mark_process_dead(pid, str(directory))
 
 

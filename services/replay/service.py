@@ -308,6 +308,7 @@ class ReplayService:
             self.m.dropped.inc(len(dropped))
             if info is None:
                 return None
+            self._release(info["keys"])  # once for the round, however many ranks share it
             if self.ranks > 1:
                 for reader, slot, _ in heads:
                     reader.slots[slot][:] = column_share(self.staging, reader.rank, self.ranks)
@@ -372,7 +373,6 @@ class ReplayService:
         self.m.insert_steps.inc(body["steps"])
 
     def _reply_sampled(self, reader: Reader, slot: int, body: dict, info: dict, meta: dict) -> None:
-        self._release(info["keys"])
         del reader.pending[slot]
         waited = time.monotonic() - reader.since.pop(slot)
         self.m.blocked.labels(side="learner").inc(waited)

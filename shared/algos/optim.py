@@ -95,7 +95,8 @@ def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, 
     params = list(params)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    average_over_ranks([p.grad for p in params if p.grad is not None])
+    if ranks() > 1:  # a single learner builds no list of gradients per step
+        average_over_ranks([p.grad for p in params if p.grad is not None])
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     optimizer.step()
     return grad_norm
