@@ -38,7 +38,7 @@ def _segment(rng):
     seg.reward[:] = 1.0
     seg.terminated[:] = rng.random((T, B)) < 0.01
     seg.truncated[:] = False
-    seg.agent_info.memory.state.h[:] = rng.standard_normal((T, B, 64))
+    seg.agent_info.memory.state.h[:] = rng.standard_normal(seg.agent_info.memory.state.h.shape)  # [T, B, layers, 64]
     return example, seg
 
 
