@@ -1,12 +1,13 @@
 """Benchmark: env steps/s of the pipeline against one process stepping the same envs and policy.
 
-All three are measured in the same run, alternating, three times each, and the medians compared:
+All of them are measured in the same run, alternating, three times each, and the medians compared:
 
 - baseline: gymnasium SyncVectorEnv of 2 x 16 CartPole-v1 envs with the 64x64 MLP policy
   called inline on all 32 observations every step (one process);
 - local: 2 samplers x 16 envs, each acting with its own copy of the policy and a ring of 2
   segments, replay and a learner whose updates are cheap (A2C, T=64), under supervisord;
-- server: the same with 1 action-server batching both samplers' alternating env groups.
+- server: the same with 1 action-server batching both samplers' alternating env groups;
+  and with one group of 16 envs a sampler (``sampler.alternating = false``).
 
 And the cross-node data path: the local run over TCP with samplers and learner placed on
 other nodes than replay (segments, batches and parameters as ZeroMQ frames) against the
@@ -74,20 +75,23 @@ def pipeline_steps_per_s(tmp_path, inference: str, *overrides: str) -> float:
         run.close()
 
 
+MODES = {"local": ["local"], "server": ["server"], "server, one env group": ["server", "sampler.alternating=false"]}
+
+
 def test_pipeline_vs_single_process(tmp_path):
-    rates = {"single": [], "local": [], "server": []}
+    rates = {"single": [], **{mode: [] for mode in MODES}}
     for i in range(3):
         rates["single"].append(single_process_steps_per_s())
-        for mode in ("local", "server"):
-            rates[mode].append(pipeline_steps_per_s(tmp_path / f"{mode}{i}", mode))
+        for j, (mode, args) in enumerate(MODES.items()):
+            rates[mode].append(pipeline_steps_per_s(tmp_path / f"{j}.{i}", *args))
     single = statistics.median(rates["single"])
     print(f"\nsingle process (SyncVectorEnv x{ENVS} + inline 64x64 MLP): median {single:,.0f} steps/s  "
           f"runs {[round(x) for x in rates['single']]}")
-    for mode in ("local", "server"):
+    for mode in MODES:
         median = statistics.median(rates[mode])
         print(f"pipeline, {mode} inference (2 samplers x 16 envs): median {median:,.0f} steps/s  "
               f"runs {[round(x) for x in rates[mode]]}  ratio to one process {median / single:.2f}")
-    assert all(r > 0 for r in rates["local"] + rates["server"])
+    assert all(r > 0 for mode in MODES for r in rates[mode])
 
 
 def test_cross_node_frames_vs_shared_memory(tmp_path):
