@@ -204,6 +204,18 @@ def test_ppo_reports_kl_and_clipping_of_a_stale_batch_and_stops_at_lr_zero():
     }
 
 
+@pytest.mark.parametrize("anneal_clip, progress, clipped", [(False, 0.5, 0.0), (True, 0.0, 0.0), (True, 0.5, 1.0)])
+def test_ppo_clip_range_anneals_with_progress(anneal_clip, progress, clipped):
+    """Ratios of e^0.15 ~ 1.16 lie inside the clip range 0.2 and outside 0.2 * (1 - 0.5) = 0.1."""
+    torch.manual_seed(0)
+    agent = PgAgent(OBS, gym.spaces.Discrete(2))
+    batch = bandit_batch(agent, 4, 16, match_context, seed=0)
+    info = batch.samples.agent_info
+    stale = batch._replace(samples=batch.samples._replace(agent_info=info._replace(log_prob=info.log_prob - 0.15)))
+    cfg = PPOConfig(clip_eps=0.2, anneal_clip=anneal_clip, epochs=1, minibatches=1)
+    assert PPO(agent, cfg).update(stale, progress=progress)["clip_fraction"] == clipped
+
+
 @pytest.mark.parametrize("name", ["ppo", "a2c"])
 def test_optimizer_state_round_trip_continues_identically(name):
     torch.manual_seed(0)

@@ -31,6 +31,8 @@ class PPOConfig:
     """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
     clip_eps: float = 0.2
     """Clip range of the probability ratio."""
+    anneal_clip: bool = False
+    """Decay the clip range linearly to 0 over the run, as the learning rate (rl-zoo's lin_0.2)."""
     value_clip: float = 0.2
     """Clip range of the value change around the V(s_t) used for GAE; 0 = no value clipping."""
     value_coef: float = 0.5

@@ -33,6 +33,7 @@ class PPO:
         """
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
+        clip = cfg.clip_eps * (1.0 - progress) if cfg.anneal_clip else cfg.clip_eps
         data = pg_targets(
             self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
         )
@@ -53,13 +54,13 @@ class PPO:
                 ratio = log_ratio.exp()
                 with torch.no_grad():
                     approx_kl = ((ratio - 1.0) - log_ratio).mean()
-                    clip_fraction = ((ratio - 1.0).abs() > cfg.clip_eps).float().mean()
+                    clip_fraction = ((ratio - 1.0).abs() > clip).float().mean()
 
                 advantage = mb.advantage
                 if cfg.normalize_advantage and advantage.numel() > 1:
                     advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
                 policy_loss = torch.max(
-                    -advantage * ratio, -advantage * ratio.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps)
+                    -advantage * ratio, -advantage * ratio.clamp(1.0 - clip, 1.0 + clip)
                 ).mean()
 
                 value_error = (value - mb.returns) ** 2
