@@ -42,8 +42,8 @@ def mlp(sizes, act=nn.Tanh) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def plain_ppo(n: int):
-    actor, critic = mlp([4, 64, 64, 2]), mlp([4, 64, 64, 1])
+def plain_ppo(n: int, hidden: tuple):
+    actor, critic = mlp([4, *hidden, 2]), mlp([4, *hidden, 1])
     params = [*actor.parameters(), *critic.parameters()]
     opt = torch.optim.Adam(params, lr=1e-3, eps=1e-5)
     obs, action = torch.randn(n, 4), torch.randint(0, 2, (n,))
@@ -65,9 +65,9 @@ def plain_ppo(n: int):
     return step
 
 
-def plain_dqn(n: int):
-    q = mlp([4, 256, 256, 2], nn.ReLU)
-    target = mlp([4, 256, 256, 2], nn.ReLU).requires_grad_(False)
+def plain_dqn(n: int, hidden: tuple):
+    q = mlp([4, *hidden, 2], nn.ReLU)
+    target = mlp([4, *hidden, 2], nn.ReLU).requires_grad_(False)
     opt = torch.optim.Adam(q.parameters(), lr=1e-3)
     obs, nxt, action = torch.randn(n, 4), torch.randn(n, 4), torch.randint(0, 2, (n,))
     ret, disc = torch.randn(n), torch.full((n,), 0.95)
@@ -87,7 +87,7 @@ def plain_dqn(n: int):
 
 
 def rlpipe_learner(config_file: str):
-    """(train one batch, gradient steps per batch, batch size) for a shipped config."""
+    """(train one batch, gradient steps per batch, batch size, hidden sizes) for a shipped config."""
     exp = config.load(CONFIGS / config_file, ["run.max_env_steps=1000000000"])
     probe = env_probe(exp)
     agent = make_agent(exp, probe)
@@ -109,7 +109,7 @@ def rlpipe_learner(config_file: str):
         slot.bootstrap_discount[...] = 0.95
         steps, n = 1, len(slot.action)
     meta = {"env_steps": 0, "episodes": []}
-    return (lambda: learner.train(slot, meta)), steps, n
+    return (lambda: learner.train(slot, meta)), steps, n, exp.model.hidden_sizes
 
 
 def per_step_ms(fn, steps_per_call: int, calls: int) -> float:
@@ -123,8 +123,8 @@ def per_step_ms(fn, steps_per_call: int, calls: int) -> float:
 @pytest.mark.parametrize("config_file, plain", [("cartpole_ppo.toml", plain_ppo), ("cartpole_dqn.toml", plain_dqn)])
 def test_learner_step_vs_plain_eager_torch(config_file, plain):
     torch.set_num_threads(1)
-    train, steps, n = rlpipe_learner(config_file)
-    base = plain(n)
+    train, steps, n, hidden = rlpipe_learner(config_file)
+    base = plain(n, hidden)
     ours, theirs = [], []
     calls = max(1, 200 // steps)
     for _ in range(ROUNDS):
