@@ -128,10 +128,15 @@ def bad_message_counter(m: SimpleNamespace):
 
 
 class _Partial:
-    """A family with service/instance/node fixed; ``.labels(**rest)`` gives the child."""
+    """A family with service/instance/node fixed; ``.labels(**rest)`` gives the child, kept
+    once made (the family's own lookup takes a lock and builds its key: ~2 µs a sampler step)."""
 
     def __init__(self, fam, fixed: dict):
-        self.fam, self.fixed = fam, fixed
+        self.fam, self.fixed, self.children = fam, fixed, {}
 
     def labels(self, **rest):
-        return self.fam.labels(**self.fixed, **rest)
+        key = tuple(rest.items())
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = self.fam.labels(**self.fixed, **rest)
+        return child
