@@ -7,7 +7,7 @@ version v into copy v % 2 and then announces v; a reader copies copy v % 2 and k
 only if both stamps equal v before and after the copy, so a torn read (the learner already
 overwriting with v + 2) is detected instead of silently used.
 
-Action-servers learn of versions from the learner's announcements (``ParamReader``);
+Action-servers learn of versions from the learner's announcements (``ParamAnnouncements``);
 local-inference samplers look at the stamps themselves before every step
 (``ParamFollower``: two int64 reads, no message, no syscall).
 
@@ -176,6 +176,45 @@ class ParamReader:
         self.segment, self.slots = shm.attach(descriptor, self.owner)
         self.nonce = descriptor.get("nonce")
         self.version = -1  # a restarted learner's segment: take whatever version it holds
+
+
+class ParamAnnouncements:
+    """Follows the learner's announcements (``params`` on ``sub``, a SUB endpoint subscribed
+    to that type: a version and its segment's descriptor): ``poll()`` takes what has come,
+    without blocking, and loads the newest version announced (a ``ParamReader`` on
+    ``target``, ``owner``). A restarted learner (its segment has a new nonce) may number on
+    from below the version held: its announcements count as newer."""
+
+    def __init__(self, target, sub, owner: shm.Owner):
+        self.reader = ParamReader(target, owner)
+        self.sub = sub
+
+    @property
+    def version(self) -> int:
+        return self.reader.version
+
+    @property
+    def env_steps(self) -> int:
+        return self.reader.env_steps
+
+    def poll(self) -> bool:
+        """Load the newest version announced since the last poll; True if one was loaded."""
+        latest = None
+        for _, msg in self.sub.drain():
+            if msg.type == "params" and (msg.body["version"] > self.reader.version
+                                         or msg.body["segment"].get("nonce") != self.reader.nonce):
+                latest = msg
+        if latest is None:
+            return False
+        try:
+            return self.reader.read(latest.body["version"], latest.body["segment"])
+        except (ValueError, FileNotFoundError) as e:
+            log.warning("cannot load parameters version %d: %s", latest.body["version"], e)
+            return False
+
+    def close(self) -> None:
+        self.reader.close()
+        self.sub.close()
 
 
 class ParamFollower:

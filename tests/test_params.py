@@ -244,3 +244,57 @@ def test_a_consumer_on_another_node_follows_the_versions_sent_as_frames(run_id, 
         for ep in (module_stream, numpy_stream, announcements, pub):
             ep.close()
         ctx.destroy(linger=0)
+
+
+def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_skip_bad_segments(run_id, tmp_path):
+    """What an action-server does on one node: PublishedParams announces each version (the
+    segment's descriptor), ParamAnnouncements loads only the newest of those that came, a
+    restarted learner's lower versions (new nonce) too, and a descriptor it cannot attach is
+    logged and skipped."""
+    import zmq
+
+    from services.learner.transport import PublishedParams
+    from shared import wire
+    from shared.sockets import Endpoint
+
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/params"
+    name = shm.segment_name(run_id, "learner", 0, "params")
+    learner, actor = make_net(0), make_net(1)
+    writer = params.ParamWriter(learner, name)
+    pub = PublishedParams(ctx, address, writer)
+    follower = params.ParamAnnouncements(actor, Endpoint(ctx, zmq.SUB, address, False, "a",
+                                                         subscribe=wire.topic("params")), learner_owner(run_id))
+    second = None
+    try:
+        deadline = time.monotonic() + 10
+        while not follower.poll() and time.monotonic() < deadline:  # until the SUB is connected
+            pub.publish(0, 0)
+            time.sleep(0.05)
+        assert follower.version == 0
+        for version in (1, 2, 3):
+            train_a_little(learner, version)
+            pub.publish(version, 100 * version)
+        time.sleep(0.2)
+        assert follower.poll() and (follower.version, follower.env_steps) == (3, 300)
+        assert_same_state(learner, actor)
+        assert not follower.poll()  # nothing new
+
+        writer.segment.close()  # the learner is killed; its successor numbers on from its checkpoint's 2
+        restarted = make_net(7)
+        second = params.ParamWriter(restarted, name)
+        second.write(2, env_steps=200)
+        pub.ep.send("params", {"version": 2, "segment": second.descriptor, "env_steps": 200})
+        time.sleep(0.2)
+        assert follower.poll() and follower.version == 2
+        assert_same_state(restarted, actor)
+
+        pub.ep.send("params", {"version": 9, "segment": {**second.descriptor, "nonce": "x", "spec": {}},
+                               "env_steps": 900})
+        time.sleep(0.2)
+        assert not follower.poll() and follower.version == 2  # another layout: refused, the version held stays
+    finally:
+        follower.close()
+        pub.ep.close()
+        (writer if second is None else second).close()  # the name is the successor's segment by then
+        ctx.destroy(linger=0)

@@ -29,7 +29,7 @@ from shared.auth import check_secret
 from shared.config import ActionServerConfig
 from shared.doorbell import PeerGone, ServerBell
 from shared.namedarraytuple import drop_leading_dims, leading_len, map_leaves, zip_map
-from shared.params import ParamReader, ParamStream
+from shared.params import ParamAnnouncements, ParamStream
 from shared.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class Request:
 
 
 class ActionServer:
-    def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint | None,
+    def __init__(self, cfg: ActionServerConfig, agent: torch.nn.Module, router: Endpoint, params: Endpoint,
                  metrics, bell_dir: Path, run_id: str, secret: str, slot_item_spec, envs_per_sampler: int = 1,
                  envs_total: int = 1, seed: np.random.SeedSequence | None = None, frames: bool = False):
         """``bell_dir`` holds the samplers' doorbells; ``run_id``/``secret`` say who belongs to
@@ -69,14 +69,14 @@ class ActionServer:
         self.act = Actor(agent, seed)
         self.bell_dir, self.envs_per_sampler, self.envs_total = Path(bell_dir), envs_per_sampler, envs_total
         self.run_id, self.secret, self.slot_item_spec = run_id, secret, slot_item_spec
-        self.reader = ParamStream(agent, params) if frames else ParamReader(agent, shm.Owner(run_id, "learner"))
+        self.reader = ParamStream(agent, params) if frames else \
+            ParamAnnouncements(agent, params, shm.Owner(run_id, "learner"))
         self.peers: dict[bytes, Peer] = {}
         self.by_fd: dict[int, bytes] = {}
         self.pending: list[Request] = []
         self.poller = zmq.Poller()
         self.poller.register(router.sock, zmq.POLLIN)
-        if params is not None:
-            self.poller.register(params.sock, zmq.POLLIN)
+        self.poller.register(params.sock, zmq.POLLIN)
 
     # ------------------------------------------------------------ control plane
 
@@ -148,23 +148,9 @@ class ActionServer:
                 self._lost(peer, f"silent for {now - p.last_seen:.1f} s")
 
     def follow_params(self) -> None:
-        """Load the newest parameter version announced (older announcements are skipped)."""
-        if isinstance(self.reader, ParamStream):
-            if self.reader.poll():
-                self.m.policy_version.set(self.reader.version)
-            return
-        latest = None
-        for _, msg in self.params.drain():
-            # A restarted learner (new segment nonce) may number on from below what we hold.
-            restarted = msg.type == "params" and msg.body["segment"].get("nonce") != self.reader.nonce
-            if msg.type == "params" and (msg.body["version"] > self.reader.version or restarted):
-                latest = msg
-        if latest is not None:
-            try:
-                if self.reader.read(latest.body["version"], latest.body["segment"]):
-                    self.m.policy_version.set(self.reader.version)
-            except (ValueError, FileNotFoundError) as e:
-                log.warning("cannot load parameters version %d: %s", latest.body["version"], e)
+        """Load the newest parameter version that came (older ones are skipped)."""
+        if self.reader.poll():
+            self.m.policy_version.set(self.reader.version)
 
     # ------------------------------------------------------------ the step path
 
@@ -191,7 +177,7 @@ class ActionServer:
             if what is self.router.sock:
                 for peer, msg in self.router.drain():
                     self.router.serve(self.handle, peer, msg)
-            elif self.params is not None and what is self.params.sock:
+            elif what is self.params.sock:
                 self.follow_params()
             elif what in self.by_fd:
                 self._ring(self.by_fd[what])
@@ -257,3 +243,4 @@ class ActionServer:
     def close(self) -> None:
         for peer in list(self.peers):
             self._detach(peer)
+        self.reader.close()
