@@ -178,7 +178,22 @@ class ParamReader:
         self.version = -1  # a restarted learner's segment: take whatever version it holds
 
 
-class ParamAnnouncements:
+class _ThroughReader:
+    """A follower that loads versions with a ``ParamReader`` (``self.reader``): the version
+    and env steps held are the reader's."""
+
+    reader: ParamReader
+
+    @property
+    def version(self) -> int:
+        return self.reader.version
+
+    @property
+    def env_steps(self) -> int:
+        return self.reader.env_steps
+
+
+class ParamAnnouncements(_ThroughReader):
     """Follows the learner's announcements (``params`` on ``sub``, a SUB endpoint subscribed
     to that type: a version and its segment's descriptor): ``poll()`` takes what has come,
     without blocking, and loads the newest version announced (a ``ParamReader`` on
@@ -188,14 +203,6 @@ class ParamAnnouncements:
     def __init__(self, target, sub, owner: shm.Owner):
         self.reader = ParamReader(target, owner)
         self.sub = sub
-
-    @property
-    def version(self) -> int:
-        return self.reader.version
-
-    @property
-    def env_steps(self) -> int:
-        return self.reader.env_steps
 
     def poll(self) -> bool:
         """Load the newest version announced since the last poll; True if one was loaded."""
@@ -217,7 +224,7 @@ class ParamAnnouncements:
         self.sub.close()
 
 
-class ParamFollower:
+class ParamFollower(_ThroughReader):
     """Follows the newest version in a learner's parameter segment by name, without messages.
 
     ``poll()`` (every step of a local-inference sampler) compares the segment's stamps with
@@ -232,14 +239,6 @@ class ParamFollower:
         self.descriptor = {"name": segment_name, "nonce": None, "spec": self.reader.state.spec}
         self.recheck_s = recheck_s
         self.t_check = -float("inf")
-
-    @property
-    def version(self) -> int:
-        return self.reader.version
-
-    @property
-    def env_steps(self) -> int:
-        return self.reader.env_steps
 
     def poll(self) -> bool:
         """Load the newest complete version if it is newer than the one held; True if loaded."""
