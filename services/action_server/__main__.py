@@ -45,9 +45,8 @@ def run(exp, run_dir, instance: int) -> None:
     try:
         server.run()
     finally:
-        server.close()
+        server.close()  # and its parameter reader with the params endpoint
         router.close()
-        params.close()
         ctx.term()
 
 

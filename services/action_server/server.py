@@ -188,14 +188,12 @@ class ActionServer:
         peers = [self.peers[r.peer] for r in batch]
         slots = [p.slots[r.slot] for p, r in zip(peers, batch)]
         sizes = [len(s.action) for s in slots]
-        if len(batch) == 1:  # the agent reads the slot in place: its sampler waits for this reply
-            obs, env_index, first, reward = slots[0].observation, peers[0].env_index[batch[0].slot], \
-                slots[0].first, slots[0].reward
-        else:
-            obs = zip_map(lambda *xs: np.concatenate(xs), *[s.observation for s in slots])
-            env_index = np.concatenate([p.env_index[r.slot] for p, r in zip(peers, batch)])
-            first = np.concatenate([s.first for s in slots])
-            reward = np.concatenate([s.reward for s in slots])
+        # One request: the agent reads its slot in place (its sampler waits for this reply).
+        join = (lambda *xs: xs[0]) if len(batch) == 1 else (lambda *xs: np.concatenate(xs))
+        obs = zip_map(join, *[s.observation for s in slots])
+        env_index = join(*[p.env_index[r.slot] for p, r in zip(peers, batch)])
+        first = join(*[s.first for s in slots])
+        reward = join(*[s.reward for s in slots])
         action, info = self.act(obs, env_index, first, reward, self.reader.env_steps, self.envs_total)
         start = 0
         version = max(self.reader.version, 0)

@@ -25,6 +25,8 @@ methods (``evaluate``, ``q``, ``sample``, the target networks...). Decisions tak
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 
@@ -73,11 +75,15 @@ def ranks() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def average_over_ranks(tensors: list[torch.Tensor]) -> None:
+def average_over_ranks(tensors: Iterable[torch.Tensor]) -> None:
     """Average ``tensors`` in place over the learner ranks: one all-reduce of their
-    concatenation (DDP's buckets, as one); nothing on a single learner."""
+    concatenation (DDP's buckets, as one); nothing on a single learner, which does not
+    even walk ``tensors`` (a generator costs nothing there)."""
     n = ranks()
-    if n == 1 or not tensors:
+    if n == 1:
+        return
+    tensors = list(tensors)
+    if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat)
@@ -95,8 +101,7 @@ def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, 
     params = list(params)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if ranks() > 1:  # a single learner builds no list of gradients per step
-        average_over_ranks([p.grad for p in params if p.grad is not None])
+    average_over_ranks(p.grad for p in params if p.grad is not None)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
     optimizer.step()
     return grad_norm
