@@ -7,7 +7,10 @@ All of them are measured in the same run, alternating, three times each, and the
 - local: 2 samplers x 16 envs, each acting with its own copy of the policy and a ring of 2
   segments, replay and a learner whose updates are cheap (A2C, T=64), under supervisord;
 - server: the same with 1 action-server batching both samplers' alternating env groups;
-  and with one group of 16 envs a sampler (``sampler.alternating = false``).
+  with one group of 16 envs a sampler (``sampler.alternating = false``); and with one group
+  and one action-server a sampler (``action_server.count = 2``): on this 2-vCPU machine a
+  wake-up on the other CPU costs ~30 us (a pipe round trip between two processes: 58-61 us
+  across CPUs, 2.6 us on one), so each sampler and its own action-server share a CPU best.
 
 And the cross-node data path: the local run over TCP with samplers and learner placed on
 other nodes than replay (segments, batches and parameters as ZeroMQ frames) against the
@@ -19,6 +22,7 @@ Run with `make bench`.
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -75,7 +79,9 @@ def pipeline_steps_per_s(tmp_path, inference: str, *overrides: str) -> float:
         run.close()
 
 
-MODES = {"local": ["local"], "server": ["server"], "server, one env group": ["server", "sampler.alternating=false"]}
+MODES = {"local": ["local"], "server": ["server"], "server, one env group": ["server", "sampler.alternating=false"],
+         "server, one env group and action-server a sampler": ["server", "sampler.alternating=false",
+                                                               "action_server.count=2"]}
 
 
 def test_pipeline_vs_single_process(tmp_path):
@@ -107,3 +113,43 @@ def test_cross_node_frames_vs_shared_memory(tmp_path):
     print(f"TCP, samplers and learner on other nodes (frames): median {frames:,.0f} steps/s  "
           f"runs {[round(x) for x in rates['frames']]}  ratio to shared memory {frames / shm:.2f}")
     assert all(r > 0 for r in rates["shm"] + rates["frames"])
+
+
+def pipe_round_trip_us(cpus: tuple[int, int], trips: int = 20_000) -> float:
+    """A byte-pair ping-pong over two pipes between this process (on ``cpus[0]``) and a forked
+    child (on ``cpus[1]``): the doorbell's cost per step without the work around it."""
+    ping, pong = os.pipe(), os.pipe()
+    child = os.fork()
+    if child == 0:  # the child only echoes
+        os.sched_setaffinity(0, {cpus[1]})
+        for _ in range(trips):
+            os.read(ping[0], 8)
+            os.write(pong[1], b"r")
+        os._exit(0)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[0]})
+    try:
+        t0 = time.perf_counter()
+        for _ in range(trips):
+            os.write(ping[1], b"q")
+            os.read(pong[0], 8)
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.sched_setaffinity(0, before)
+        os.waitpid(child, 0)
+        for fd in (*ping, *pong):
+            os.close(fd)
+    return elapsed / trips * 1e6
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_wake_up_across_cpus_vs_on_one():
+    """Why one action-server a sampler beats one for both on a small CPU machine: a sampler
+    and its action-server that share a CPU hand over in a context switch; across CPUs each
+    step pays a wake-up of the other CPU (in a VM, often out of halt)."""
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    same = statistics.median(pipe_round_trip_us((a, a)) for _ in range(3))
+    across = statistics.median(pipe_round_trip_us((a, b)) for _ in range(3))
+    print(f"\npipe round trip between two processes: on one CPU {same:.1f} us, across two {across:.1f} us "
+          f"({across / same:.1f}x)")
+    assert same > 0 and across > 0
