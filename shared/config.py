@@ -87,7 +87,7 @@ class ActionServerConfig:
     action-server i mod count when it starts; ``rlpipe scale RUN action_server=M`` changes it).
     On a CPU one per sampler is fastest: a sampler and its own action-server can share a core,
     and a wake-up on another core is dear (tests/bench's sampling run, 2 samplers x 16 envs in
-    one group: 78-80k steps/s with one action-server, 105k with two, 96k in one process)."""
+    one group: 78-80k steps/s with one action-server, 104-106k with two, 91-96k in one process)."""
     max_count: int = 0
     """Most action-servers ``rlpipe scale`` may run (0: count): their TCP ports are reserved."""
     max_batch: int = 64

@@ -116,7 +116,7 @@ def test_cross_node_frames_vs_shared_memory(tmp_path):
 
 
 def pipe_round_trip_us(cpus: tuple[int, int], trips: int = 20_000) -> float:
-    """A byte-pair ping-pong over two pipes between this process (on ``cpus[0]``) and a forked
+    """A one-byte ping-pong over two pipes between this process (on ``cpus[0]``) and a forked
     child (on ``cpus[1]``): the doorbell's cost per step without the work around it."""
     ping, pong = os.pipe(), os.pipe()
     child = os.fork()
