@@ -70,7 +70,7 @@ class SamplerConfig:
     """Server inference: split the envs in two groups so one steps while the other waits for actions.
     It pays where the action-server has a core (or a GPU) of its own; on 2 CPU cores, where the
     samplers and the action-server take turns, one group of all the envs halves the requests
-    (tests/bench's sampling run, 2 rounds: 0.79x a process without, 0.72x with)."""
+    (tests/bench's sampling run, make bench 2026-12-01: 0.85x a process without, 0.77x with)."""
     inference: str = "auto"
     """local: each sampler acts with its own copy of the agent on the CPU and follows the learner's
     parameter segment (rlpyt's parallel-CPU sampler; no action-server runs); server: the
@@ -96,8 +96,8 @@ class ActionServerConfig:
     """Longest a request waits for others to join its batch (0: serve what has arrived at once;
     requests that come in during a forward pass still share the next one). On this 2-core CPU
     machine waiting 0.5 ms cost a quarter of server-mode sampling (tests/bench's sampling run,
-    2 rounds: 0.54x a process at 0.5 ms, 0.72x at 0); a GPU, whose forward pass costs the same for 8 rows or 64, may gain
-    from a wait."""
+    2 rounds: 0.54x a process at 0.5 ms, 0.72x at 0); a GPU, whose forward pass costs the same
+    for 8 rows or 64, may gain from a wait."""
     peer_timeout_s: float = 10.0
     """A sampler silent this long is reported lost and its slots detached."""
 

@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 POLL_MS = 100
 
 
+def _join(*parts: np.ndarray) -> np.ndarray:
+    """The requests' rows as one array; one request's slot is read in place, not copied."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 @dataclass
 class Peer:
     instance: int
@@ -188,12 +193,10 @@ class ActionServer:
         peers = [self.peers[r.peer] for r in batch]
         slots = [p.slots[r.slot] for p, r in zip(peers, batch)]
         sizes = [len(s.action) for s in slots]
-        # One request: the agent reads its slot in place (its sampler waits for this reply).
-        join = (lambda *xs: xs[0]) if len(batch) == 1 else (lambda *xs: np.concatenate(xs))
-        obs = zip_map(join, *[s.observation for s in slots])
-        env_index = join(*[p.env_index[r.slot] for p, r in zip(peers, batch)])
-        first = join(*[s.first for s in slots])
-        reward = join(*[s.reward for s in slots])
+        obs = zip_map(_join, *[s.observation for s in slots])
+        env_index = _join(*[p.env_index[r.slot] for p, r in zip(peers, batch)])
+        first = _join(*[s.first for s in slots])
+        reward = _join(*[s.reward for s in slots])
         action, info = self.act(obs, env_index, first, reward, self.reader.env_steps, self.envs_total)
         start = 0
         version = max(self.reader.version, 0)
