@@ -9,7 +9,8 @@ alone costs ~2 s of CPU, which every local sampler paid at start-up.
 
 A ``NumpyActor`` is built from an *acting plan* and the agent's state as numpy arrays keyed
 by parameter-segment field (``shared.params``). The plan is plain data (JSON): which
-state entries are the weights and biases of which layer, the activations, the action
+state entries (or which member of an ensemble's stacked entries) are the weights and
+biases of which layer, the activations, the action
 space's shape, where the observation statistics are. ``shared.agents.actor.acting_plan``
 makes it from a torch agent, for the agents whose acting is a plain stack of linear layers
 on one vector observation: ``PgAgent`` (categorical: Discrete, MultiDiscrete; diagonal
@@ -47,11 +48,15 @@ def acting_seed(run_seed: int, service: str, instance: int) -> np.random.SeedSeq
 
 
 class _Mlp:
-    """Linear layers [(weight field, bias field, activation or None)] on the state arrays."""
+    """Linear layers [(weight field, bias field, activation or None[, member])] on the state
+    arrays: an ``nn.Linear``'s weight [out, in] and bias [out], or with ``member`` m that
+    member's slice of an ``EnsembleMLP`` layer, weight [n, in, out] and bias [n, 1, out]."""
 
     def __init__(self, layers: list, arrays: Mapping[str, np.ndarray]) -> None:
-        # weight.T views [in, out]: a version loaded into the arrays in place is seen at once.
-        self.layers = [(arrays[w].T, arrays[b], _ACTIVATIONS[fn]) for w, b, fn in layers]
+        # Views [in, out] and [out]: a version loaded into the arrays in place is seen at once.
+        self.layers = [(arrays[w].T, arrays[b], _ACTIVATIONS[fn]) if not member else
+                       (arrays[w][member[0]], arrays[b][member[0], 0], _ACTIVATIONS[fn])
+                       for w, b, fn, *member in layers]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         for w, b, fn in self.layers:
@@ -161,15 +166,18 @@ def check_plan(plan, arrays: Mapping[str, np.ndarray]) -> None:
     try:
         heads = {"pg": ("pi_head", "v_head"), "q": ("advantage", "value")}[plan["family"]]
         layers = [layer for group in [*plan["trunks"], *(plan[h] for h in heads)] if group for layer in group]
-        fields = [f for w, b, _ in layers for f in (w, b)] + [plan.get(k) for k in ("log_std", "support")]
+        fields = [f for w, b, *_ in layers for f in (w, b)] + [plan.get(k) for k in ("log_std", "support")]
         if plan["norm"] is not None:
             fields += [plan["norm"]["mean"], plan["norm"]["var"]]
         missing = [f for f in fields if f is not None and f not in arrays]
-        bad = [fn for *_, fn in layers if fn not in _ACTIVATIONS]
+        bad = [fn for _, _, fn, *_ in layers if fn not in _ACTIVATIONS]
+        members = [(w, m) for w, _, _, *m in layers if m and w in arrays]
+        strays = [f"{w}[{m[0]}]" for w, m in members if not (isinstance(m[0], int) and 0 <= m[0] < len(arrays[w]))]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"acting plan: malformed ({type(e).__name__}: {e}): {str(plan)[:200]}") from None
-    if missing or bad:
-        raise ValueError(f"acting plan: entries {missing} are not in the parameter state, activations {bad} unknown")
+    if missing or bad or strays:
+        raise ValueError(f"acting plan: entries {missing} are not in the parameter state, activations {bad} "
+                         f"unknown, ensemble members {strays} out of range")
 
 
 def write_acting_file(run_dir: Path, spec, plan: dict | None) -> None:

@@ -129,22 +129,29 @@ class EnsembleMLP(nn.Module):
     """``n`` independent MLPs of one shape run as one: each layer is a batched matmul
     (``torch.baddbmm``) over weights [n, in, out], so twin critics cost one critic's kernel
     launches, which is what small networks on a CPU pay for. Each member is initialised
-    like ``MLP`` (orthogonal, gain sqrt(2) for hidden layers, ``output_gain`` for the last).
-    Input [n, N, in_dim] -> output [n, N, out_dim].
+    like ``MLP`` (orthogonal, gain sqrt(2) for hidden layers, ``output_gain`` for the last:
+    one for all members, or one each). Input [n, N, in_dim] -> output [n, N, out_dim].
     """
 
     def __init__(self, n: int, in_dim: int, hidden_sizes: tuple[int, ...], activation: str = "tanh",
-                 output_size: int = 1, output_gain: float = 1.0) -> None:
+                 output_size: int = 1, output_gain: float | tuple[float, ...] = 1.0) -> None:
         super().__init__()
         self.fn = _ACTIVATIONS[activation][1]
         self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
         sizes = [in_dim, *hidden_sizes, output_size]
+        out_gains = output_gain if isinstance(output_gain, tuple) else (output_gain,) * n
+        if len(out_gains) != n:
+            raise ValueError(f"EnsembleMLP: {len(out_gains)} output gains for {n} members")
         for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
-            gain = output_gain if k == len(sizes) - 2 else HIDDEN_GAIN
-            members = [nn.init.orthogonal_(torch.empty(b, a), gain).T for _ in range(n)]  # nn.Linear's [out, in], transposed
+            gains = out_gains if k == len(sizes) - 2 else (HIDDEN_GAIN,) * n
+            members = [nn.init.orthogonal_(torch.empty(b, a), gain).T for gain in gains]  # nn.Linear's [out, in], transposed
             self.weights.append(nn.Parameter(torch.stack(members)))
             self.biases.append(nn.Parameter(torch.zeros(n, 1, b)))
         self.out_dim = output_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights[0].device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.weights) - 1
@@ -253,6 +260,12 @@ def _chw(shape: tuple[int, ...], channels_last: bool) -> tuple[int, int, int]:
 def _channels_last(shape: tuple[int, ...]) -> bool:
     # Gymnasium/ALE RGB frames are [H, W, C] with C in {1, 3, 4}; frame stacks are [C, H, W].
     return shape[-1] <= 4 < shape[0]
+
+
+def has_cnn(obs_example, cfg: ModelConfig) -> bool:
+    """Whether ``make_encoder`` gives observations like ``obs_example`` a Nature CNN (learned
+    parameters before the trunk)."""
+    return any(_is_image(np.asarray(leaf), cfg.encoder) for _, leaf in leaves(obs_example))
 
 
 def make_encoder(obs_example, cfg: ModelConfig) -> tuple[Encoder, int]:

@@ -15,8 +15,8 @@ def test_discrete_sample_frequencies_follow_the_softmax():
     torch.manual_seed(0)
     agent = PgAgent(np.zeros(3, np.float32), gym.spaces.Discrete(4), ModelConfig(hidden_sizes=(8,)))
     with torch.no_grad():
-        agent.pi_head.net[-1].bias.copy_(torch.tensor([2.0, 1.0, 0.0, -1.0]))
-        agent.pi_head.net[-1].weight.zero_()
+        agent.twin.biases[-1][0, 0].copy_(torch.tensor([2.0, 1.0, 0.0, -1.0]))  # the policy member's output layer
+        agent.twin.weights[-1][0].zero_()
     obs = torch.zeros(20_000, 3)
     action, info = agent.step(obs)
     freq = np.bincount(action.numpy(), minlength=4) / len(action)

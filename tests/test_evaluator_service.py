@@ -128,10 +128,11 @@ def test_evaluator_reports_rising_returns_and_survives_kill9(runs):
                         "an evaluation of the final version")[0]
     final = float(last["mean_return"])
     # CartPole's returns stop at 500, and greedy play of an early version may reach it already:
-    # the rise is measured against the untrained agent (version 0) on the same seeds.
+    # the rise is measured against the untrained agent (version 0) on the same seeds, whose
+    # greedy play lasts 10-120 steps depending on its initial weights.
     exp = config_mod.load(run.dir / RUN_CONFIG)
     untrained = play(exp, untrained_agent(exp), exp.eval.episodes, exp.eval.envs).mean()
-    assert untrained < 100 and final > 300 and final >= first, (untrained, first, final)
+    assert final > 300 and final - untrained > 200 and final >= first, (untrained, first, final)
     assert int(last["env_steps"]) == result["env_steps"] and int(last["episodes"]) == 8
     cost = (cpu_seconds(pid) - cpu_restart) / (time.monotonic() - t_restart)
 

@@ -78,7 +78,7 @@ def test_categorical_samples_follow_the_softmax():
     torch.manual_seed(1)
     agent = PgAgent(OBS, gym.spaces.Discrete(3), ModelConfig(hidden_sizes=(8,)))
     with torch.no_grad():
-        agent.pi_head.net[0].bias.copy_(torch.tensor([1.0, 0.0, -1.0]))  # a policy far from uniform
+        agent.twin.biases[-1][0, 0].copy_(torch.tensor([1.0, 0.0, -1.0]))  # a policy far from uniform
         obs = np.repeat(_obs(1), 30_000, axis=0)
         probs = torch.softmax(agent._forward(torch.from_numpy(obs[:1]))[0], -1)[0].numpy()
     action, _ = _numpy_actor(agent).step(obs, StepContext())

@@ -50,7 +50,7 @@ def test_greedy_discrete_is_the_most_likely_action():
     agent = PgAgent(OBS, gym.spaces.Discrete(4))
     obs = obs_batch(64)
     greedy, _ = agent.step(obs, EVALUATE)
-    logits = agent.pi_head(agent.pi_encoder(obs))
+    logits = agent._forward(obs)[0]
     assert torch.equal(greedy, logits.argmax(-1))
 
 
@@ -61,7 +61,7 @@ def test_multidiscrete_sums_independent_log_probs_and_entropies():
     action, info = agent.step(obs)
     assert action.shape == (128, 2) and action.dtype == torch.int64
     assert action[:, 0].max() <= 2 and action[:, 1].max() <= 3
-    logits = agent.pi_head(agent.pi_encoder(obs))
+    logits = agent._forward(obs)[0]
     lp0 = torch.log_softmax(logits[:, :3], -1).gather(1, action[:, :1]).squeeze(1)
     lp1 = torch.log_softmax(logits[:, 3:], -1).gather(1, action[:, 1:]).squeeze(1)
     torch.testing.assert_close(info.log_prob, lp0 + lp1)
@@ -94,6 +94,28 @@ def test_step_leaves_the_state_dict_unchanged_and_accepts_numpy():
     agent.step(np.ones((5, 3), np.float32))
     after = agent.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("space", [gym.spaces.Discrete(3), gym.spaces.Box(-1, 1, (2,))])
+def test_policy_and_value_run_as_one_ensemble_but_learn_apart(space):
+    torch.manual_seed(0)
+    agent = PgAgent(OBS, space)
+    assert agent.twin is not None and agent.pi_head is None and agent.v_encoder is None
+    obs = obs_batch(32)
+    out, value = agent._forward(obs)
+    out[:, 0].sum().backward()  # a policy loss: the value member gets no gradient
+    assert all(w.grad[0].abs().sum() > 0 and not w.grad[1].any() for w in agent.twin.weights)
+    agent.zero_grad(set_to_none=True)
+    agent.value(obs).sum().backward()  # a value loss: only the value member's first output moves
+    assert all(not w.grad[0].any() for w in agent.twin.weights)
+    last = agent.twin.weights[-1].grad[1]
+    assert last[:, 0].abs().sum() > 0 and not last[:, 1:].any()
+    # Leading dims [T, B] (a segment batch's values) are run as rows.
+    with torch.no_grad():
+        torch.testing.assert_close(agent.value(obs.reshape(4, 8, -1)), agent.value(obs).reshape(4, 8))
+    # Separate networks from a CNN encoder or an LSTM keep their own modules.
+    recurrent = PgAgent(OBS, space, ModelConfig(lstm_size=8))
+    assert recurrent.twin is None and recurrent.v_encoder is not None
 
 
 def test_dict_observation_with_image_and_shared_encoder():

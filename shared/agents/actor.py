@@ -11,7 +11,7 @@ from shared.acting import numpy_actor
 from shared.agents import StepContext
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
-from shared.models import MLP, Encoder
+from shared.models import MLP, Encoder, EnsembleMLP
 from shared.namedarraytuple import numpify, torchify
 from shared.params import field_name
 
@@ -35,6 +35,13 @@ def acting_plan(agent) -> dict | None:
             return None
         return [(fields[id(linear.weight)], fields[id(linear.bias)], _ACTIVATION_NAMES[fn]) for linear, fn in mlp.plan]
 
+    def member(twin: EnsembleMLP, m: int) -> list | None:
+        if twin.fn not in _ACTIVATION_NAMES:
+            return None
+        last = len(twin.weights) - 1
+        return [(fields[id(w)], fields[id(b)], None if k == last else _ACTIVATION_NAMES[twin.fn], m)
+                for k, (w, b) in enumerate(zip(twin.weights, twin.biases))]
+
     def trunk(encoder: Encoder | None) -> list | None:
         return None if encoder is None or not encoder.vector_only else layers(encoder.trunk)
 
@@ -43,8 +50,11 @@ def acting_plan(agent) -> dict | None:
             {"mean": fields[id(norm.mean)], "var": fields[id(norm.var)], "clip": float(norm.clip)}}
     if isinstance(agent, PgAgent):
         plan.update(family="pg", trunks=[trunk(agent.pi_encoder)] + ([] if agent.v_encoder is None else
-                                                                     [trunk(agent.v_encoder)]),
-                    pi_head=layers(agent.pi_head), v_head=layers(agent.v_head), kind=agent.kind)
+                                                                     [trunk(agent.v_encoder)]), kind=agent.kind)
+        if agent.twin is None:
+            plan.update(pi_head=layers(agent.pi_head), v_head=layers(agent.v_head))
+        else:
+            plan.update(pi_head=member(agent.twin, 0), v_head=member(agent.twin, 1))
         box = agent.kind == "box"
         plan.update(nvec=[] if box else agent.nvec, action_shape=list(agent.action_shape) if box else [],
                     log_std=fields[id(agent.log_std)] if box else None)

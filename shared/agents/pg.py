@@ -7,6 +7,9 @@ is everything the learner publishes; ``step`` never changes it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import operator
 
 import gymnasium as gym
 import numpy as np
@@ -17,7 +20,7 @@ from torch.distributions import Normal
 from shared.agent_config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
-from shared.models import MLP, make_encoder, make_obs_norm, obs_to
+from shared.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len, map_leaves
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
@@ -31,6 +34,9 @@ class PgAgent(nn.Module):
     Box: state-independent learned log-std; sampled actions are returned raw (unclipped),
     so their stored log-prob is exact; the env adapter clips them to the bounds.
     All inputs are moved to the device the module is on; outputs live there too.
+
+    Separate policy and value networks on an observation without learned encoders (vectors,
+    flattened maps: no CNN, no LSTM) are one two-member ``EnsembleMLP``, ``twin``.
 
     Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
     policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each
@@ -69,25 +75,46 @@ class PgAgent(nn.Module):
         # space's ``start`` when it hands them to the env.
 
         self.obs_norm = make_obs_norm(obs_example, cfg)
-        self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
-        self.core = make_core(feat_dim, cfg, action_space)
-        self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
-        self.v_core = None if agent_cfg.shared_encoder else make_core(feat_dim, cfg, action_space)
-        if self.core is not None:
-            feat_dim = self.core.out_dim
-            example = np.zeros_like(action_space.sample(), dtype=np.int64 if self.kind != "box" else np.float32)
-            self.acting = ActingMemory(len(self._cores()), cfg.lstm_size, torch.as_tensor(example))
-        self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
-        self.v_head = MLP(feat_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
+        self.twin = None
+        if not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg):
+            # Two MLPs on the flattened observation, policy and value, run as one EnsembleMLP:
+            # half the kernel launches of a gradient step, which is what small networks on a
+            # CPU pay for. The value member's output layer is as wide as the policy's (one
+            # ensemble shape); V is its first output, the others are never read, get zero
+            # gradients and stay as initialised.
+            self.pi_encoder, flat_dim = make_encoder(obs_example, dataclasses.replace(cfg, hidden_sizes=()))
+            self.v_encoder, self.core, self.v_core = None, None, None
+            self.twin = EnsembleMLP(2, flat_dim, tuple(cfg.hidden_sizes), cfg.activation, output_size=n_out,
+                                    output_gain=(POLICY_HEAD_GAIN, VALUE_HEAD_GAIN))
+            self.pi_head = self.v_head = None
+        else:
+            self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
+            self.core = make_core(feat_dim, cfg, action_space)
+            self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
+            self.v_core = None if agent_cfg.shared_encoder else make_core(feat_dim, cfg, action_space)
+            if self.core is not None:
+                feat_dim = self.core.out_dim
+                example = np.zeros_like(action_space.sample(), dtype=np.int64 if self.kind != "box" else np.float32)
+                self.acting = ActingMemory(len(self._cores()), cfg.lstm_size, torch.as_tensor(example))
+            self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
+            self.v_head = MLP(feat_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
         if self.kind == "box":
             self.log_std = nn.Parameter(torch.full((n_out,), float(agent_cfg.init_log_std)))
 
     @property
     def device(self) -> torch.device:
-        return self.v_head.device
+        return (self.v_head if self.twin is None else self.twin).device
 
     def _forward(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""
+        if self.twin is not None:
+            x = self.pi_encoder(obs)
+            lead = x.shape[:-1]  # [N], or [T, B] for a segment batch's values: run those as rows
+            rows = x if len(lead) == 1 else x.reshape(-1, x.shape[-1])
+            out = self.twin(rows.expand(2, *rows.shape))
+            if len(lead) == 1:
+                return out[0], out[1, :, 0]
+            return out[0].reshape(*lead, -1), out[1, :, 0].reshape(lead)
         pi_features = self.pi_encoder(obs)
         v_features = pi_features if self.v_encoder is None else self.v_encoder(obs)
         return self.pi_head(pi_features), self.v_head(v_features).squeeze(-1)
@@ -95,6 +122,8 @@ class PgAgent(nn.Module):
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
         obs = obs_to(obs, self.device, self.obs_norm)
+        if self.twin is not None:
+            return self._forward(obs)[1]
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
 
     @torch.no_grad()
@@ -172,12 +201,13 @@ class PgAgent(nn.Module):
         else:
             # Closed forms, not Categorical objects: their construction and argument checks
             # cost more than the small networks' backward pass.
+            # One Discrete space (the usual case) takes no splitting, slicing or summing.
             idx = action.long().reshape(action.shape[0], len(self.nvec))
-            log_prob, entropy = 0.0, 0.0
-            for j, chunk in enumerate(torch.split(out, self.nvec, dim=-1)):
-                logp = torch.log_softmax(chunk, -1)
-                log_prob = log_prob + logp.gather(-1, idx[:, j:j + 1]).squeeze(-1)
-                entropy = entropy - (logp.exp() * logp).sum(-1)
+            logps = [torch.log_softmax(chunk, -1) for chunk in
+                     ((out,) if len(self.nvec) == 1 else torch.split(out, self.nvec, dim=-1))]
+            log_prob = functools.reduce(operator.add, [logp.gather(-1, idx if len(logps) == 1 else idx[:, j:j + 1])
+                                                       for j, logp in enumerate(logps)]).squeeze(-1)
+            entropy = -functools.reduce(operator.add, [(logp.exp() * logp).sum(-1) for logp in logps])
         return log_prob, entropy
 
     @torch.no_grad()
