@@ -27,9 +27,10 @@ class PPO:
     def update(self, batch: OnPolicyBatch, progress: float) -> dict[str, float]:
         """One PPO update on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
 
-        Returns means over minibatches of policy_loss, value_loss, entropy, approx_kl
-        (the (r - 1) - log r estimator), clip_fraction and grad_norm (before clipping),
-        plus lr and explained_variance (the V(s_t) used for GAE vs the returns).
+        Returns means over the gradient steps of policy_loss, value_loss, entropy and
+        grad_norm (before clipping), over their rows of approx_kl (the (r - 1) - log r
+        estimator) and clip_fraction, plus lr and explained_variance (the V(s_t) used for
+        GAE vs the returns).
         """
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
@@ -41,50 +42,59 @@ class PPO:
         # columns of [T, B]) for a recurrent agent, which replays each from its stored state.
         recurrent = data.memory is not None
         n = data.advantage.shape[1 if recurrent else 0]
-        # Diagnostics stay tensors until the end: one host sync per update, not per step.
-        per_step = []
+        # One minibatch is the whole batch: the mean loss does not depend on the order, and its
+        # normalised advantages are the same in every epoch.
+        whole = -self._normalized(data.advantage) if cfg.minibatches == 1 else None
+        # Diagnostics stay tensors until the end (one host sync per update, not per step), and
+        # the ratios' statistics are taken there at once from the log-ratios of every step.
+        per_step, log_ratios = [], []
         for _ in range(cfg.epochs):
-            # One minibatch is the whole batch: the mean loss does not depend on the order.
-            parts = [None] if cfg.minibatches == 1 else torch.tensor_split(
+            parts = [None] if whole is not None else torch.tensor_split(
                 torch.randperm(n, device=data.advantage.device), cfg.minibatches)
             for idx in parts:
                 mb = data if idx is None else (data[:, idx] if recurrent else data[idx])
                 log_prob, entropy, value = self.agent.evaluate(mb.observation, mb.action, mb.memory, mb.reset)
                 log_ratio = log_prob - mb.old_log_prob
                 ratio = log_ratio.exp()
-                with torch.no_grad():
-                    approx_kl = ((ratio - 1.0) - log_ratio).mean()
-                    clip_fraction = ((ratio - 1.0).abs() > clip).float().mean()
+                neg_advantage = whole if whole is not None else -self._normalized(mb.advantage)
+                policy_loss = torch.max(neg_advantage * ratio, neg_advantage * ratio.clamp(1.0 - clip, 1.0 + clip)).mean()
 
-                advantage = mb.advantage
-                if cfg.normalize_advantage and advantage.numel() > 1:
-                    advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
-                policy_loss = torch.max(
-                    -advantage * ratio, -advantage * ratio.clamp(1.0 - clip, 1.0 + clip)
-                ).mean()
-
-                value_error = (value - mb.returns) ** 2
+                value_error = (value - mb.returns).square()
                 if cfg.value_clip > 0:
                     clipped = mb.old_value + (value - mb.old_value).clamp(-cfg.value_clip, cfg.value_clip)
-                    value_error = torch.max(value_error, (clipped - mb.returns) ** 2)
+                    value_error = torch.max(value_error, (clipped - mb.returns).square())
                 value_loss = 0.5 * value_error.mean()
 
                 entropy = entropy.mean()
-                loss = policy_loss - cfg.entropy_coef * entropy + cfg.value_coef * value_loss
+                loss = policy_loss + cfg.value_coef * value_loss
+                if cfg.entropy_coef:
+                    loss = loss - cfg.entropy_coef * entropy
                 grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
 
-                per_step.append(torch.stack([policy_loss, value_loss, entropy, approx_kl, clip_fraction,
-                                             grad_norm]).detach())
+                per_step.append(torch.stack([policy_loss, value_loss, entropy, grad_norm]).detach())
+                log_ratios.append(log_ratio.detach().flatten())
             if cfg.target_kl > 0:
-                kl = approx_kl.clone()
+                kl = self._approx_kl(log_ratios[-1])
                 average_over_ranks([kl])  # every rank stops after the same epoch
                 if float(kl) > cfg.target_kl:
                     break
-        means = torch.stack(per_step).mean(0).tolist()
-        stats = dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), means))
+        log_ratio = torch.cat(log_ratios)
+        clip_fraction = ((log_ratio.exp() - 1.0).abs() > clip).float().mean()
+        means = torch.cat([torch.stack(per_step).mean(0), torch.stack([self._approx_kl(log_ratio), clip_fraction])])
+        stats = dict(zip(("policy_loss", "value_loss", "entropy", "grad_norm", "approx_kl", "clip_fraction"),
+                         means.tolist()))
         stats["lr"] = lr
         stats["explained_variance"] = explained_variance(data.old_value, data.returns)
         return stats
+
+    def _normalized(self, advantage: torch.Tensor) -> torch.Tensor:
+        if self.cfg.normalize_advantage and advantage.numel() > 1:
+            return (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+        return advantage
+
+    @staticmethod
+    def _approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+        return ((log_ratio.exp() - 1.0) - log_ratio).mean()
 
     def state_dict(self) -> dict:
         """Optimizer state, for checkpoints (the agent's parameters are saved separately)."""
