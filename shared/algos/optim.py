@@ -49,11 +49,51 @@ def _stepping_without_dynamo(cls: type) -> type:
     return type(cls.__name__, (cls,), {"step": unwrapped_step})
 
 
-_Adam = _stepping_without_dynamo(torch.optim.Adam)
+class _Adam(_stepping_without_dynamo(torch.optim.Adam)):
+    """Fused Adam whose steps after the first call the fused kernel straight away.
+
+    ``Adam.step`` spends 30 of its 47 us here (a 2-member 64x64 ensemble's 6 tensors) in
+    Python around the kernel: the profiler range and step hooks of the ``Optimizer`` wrapper,
+    the per-parameter state walk, the grouping by device and dtype. Once every parameter with
+    a gradient has its state (torch's own step made it), a step is the kernel torch's would
+    call, on the same state tensors, so checkpoints and ``load_state_dict`` are torch's.
+    """
+
+    def step(self, closure=None):
+        if closure is not None or not all(self.state[p] for g in self.param_groups for p in g["params"]
+                                          if p.grad is not None):
+            return super().step(closure)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            steps = [state["step"] for state in states]
+            torch._foreach_add_(steps, 1)
+            beta1, beta2 = group["betas"]
+            torch._fused_adam_(params, [p.grad for p in params], [state["exp_avg"] for state in states],
+                               [state["exp_avg_sq"] for state in states], [], steps, amsgrad=False,
+                               lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
+                               eps=group["eps"], maximize=False)
+        return None
+
+    step.hooked = True  # Optimizer.__init__ wraps a step without it in its profiler range and hooks
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's, without its profiler range (12 -> 2 us here) when setting to None."""
+        if not set_to_none:
+            return super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
 _RMSprop = _stepping_without_dynamo(torch.optim.RMSprop)
 
 
 def adam(params, lr: float, eps: float = 1e-8) -> torch.optim.Adam:
+    """torch's Adam, fused (module doc), plain: no amsgrad, maximize, decoupled weight decay
+    or gradient scaler, which the fast step above does not handle."""
     return _Adam(params, lr=lr, eps=eps, fused=True)
 
 
@@ -98,10 +138,14 @@ def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, 
     """One optimizer step on ``loss``, with the gradients averaged over the learner ranks and
     their global norm clipped to ``max_grad_norm`` (0 = no clipping); returns that norm
     before clipping."""
-    params = list(params)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    average_over_ranks(p.grad for p in params if p.grad is not None)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf"))
+    grads = [p.grad for p in params if p.grad is not None]
+    average_over_ranks(grads)
+    # torch.nn.utils.clip_grad_norm_'s arithmetic, without its grouping of the tensors by
+    # device and dtype on every call (half its cost on a small network: 43 -> 21 us here).
+    grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+    if max_grad_norm > 0 and grads:
+        torch._foreach_mul_(grads, (max_grad_norm / (grad_norm + 1e-6)).clamp_(max=1.0))
     optimizer.step()
     return grad_norm
