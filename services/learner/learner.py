@@ -335,8 +335,8 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
             priorities = learner.train(slots[i], meta)
             if priorities is not None and "keys" in meta:
                 source.update_priorities(meta, priorities)
+            source.request(i, learner.min_version())  # first: replay fills the slot while we publish
             params.publish(learner.version, learner.env_steps)
-            source.request(i, learner.min_version())
             learner.maybe_report()
             learner.maybe_checkpoint()
     except SystemExit:  # SIGTERM (rlpipe stop): keep what was learned for `launch --resume`

@@ -293,6 +293,10 @@ class ReplayService:
                     **(NO_MOMENTS if self.moments is None else self.moments.take())}
             for (reader, slot, body), info in zip(heads, infos):
                 self._reply_sampled(reader, slot, body, info, meta)
+            # Ring slots go back to their samplers once the learner has its batch: a sampler
+            # woken first takes the CPU the reply's send needs (the reply took 2.4 ms instead
+            # of 0.2 ms, median, on this 2-core machine).
+            self._release(infos[0]["keys"])  # once for the round, however many ranks share it
             self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
 
     def _sample_round(self, heads: list) -> list | None:
@@ -308,7 +312,6 @@ class ReplayService:
             self.m.dropped.inc(len(dropped))
             if info is None:
                 return None
-            self._release(info["keys"])  # once for the round, however many ranks share it
             if self.ranks > 1:
                 for reader, slot, _ in heads:
                     reader.slots[slot][:] = column_share(self.staging, reader.rank, self.ranks)
