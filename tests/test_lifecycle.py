@@ -202,8 +202,11 @@ def test_concurrent_runs_get_distinct_free_ports():
     assert all(config.port_free("127.0.0.1", p) for p in blocks[0] | blocks[1])
     ports.release(first)
     assert ports.assign(exp).network.metrics_port == first.network.metrics_port
-    # the typical run keeps 4 processes busy: on 2 cores one run at a time
-    assert processes_per_run(config.resolve_inference(config.load(CONFIGS / "cartpole_ppo.toml"))[0]) == 4
+    # the default run keeps 3 processes busy (sampler, replay, learner); 4 with a second sampler:
+    # on 2 cores one run at a time
+    assert processes_per_run(config.resolve_inference(config.load(CONFIGS / "cartpole_ppo.toml"))[0]) == 3
+    assert processes_per_run(config.resolve_inference(config.load(CONFIGS / "cartpole_ppo.toml",
+                                                                  ["sampler.count=2"]))[0]) == 4
 
 
 def test_summary_counts_steps_and_time_to_target_only_for_runs_that_reached_it(tmp_path):

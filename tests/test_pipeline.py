@@ -68,10 +68,9 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
 
 
 def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(runs):
-    # Ring 2: sampler0 alone fills the learner's 2-segment batches. With the default ring of 1
-    # each batch would wait for sampler0's 5 s timeout (~50 env steps/s).
+    # Two samplers, each segment a batch: sampler0 alone keeps the learner going.
     run = runs("cartpole_ppo.toml", "action_server.peer_timeout_s=2.0", "replay.peer_timeout_s=2.0",
-               "run.target_return=1000.0", "sampler.inference=server", "sampler.ring=2")
+               "run.target_return=1000.0", "sampler.inference=server", "sampler.count=2")
     run.wait_steps(5_000)
     # A sampler that goes away is reported by the action-server and replay, which keep serving.
     server, replay = run.pid("action_server0"), run.pid("replay0")
@@ -94,7 +93,7 @@ def test_an_idle_pipeline_waits_without_spinning_and_only_networks_load_torch(ru
     """With the learner stopped nothing can move: every process must sleep in its bounded
     waits (< 5% of a core each), not spin. Replay, metrics and server-mode samplers never
     load torch (it costs seconds of start-up); the action-server does."""
-    run = runs("cartpole_ppo.toml", "sampler.inference=server", "run.target_return=1000.0")
+    run = runs("cartpole_ppo.toml", "sampler.inference=server", "sampler.count=2", "run.target_return=1000.0")
     run.wait_steps(3_000)
     pids = {name: pid for name, (state, pid) in run.status().items() if state == "RUNNING"}
     assert {name for name in pids if not maps_torch(pids[name])} == {"replay0", "metrics0", "sampler0", "sampler1"}

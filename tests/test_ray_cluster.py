@@ -56,7 +56,7 @@ def test_ppo_learns_on_two_ray_nodes_through_a_killed_sampler_actor(ray_address,
     by Ray with a new sampler, and the run reaches its target; `rlpipe stop` leaves no actor,
     no process and no segment."""
     run = Run.launch(tmp_path, "cartpole_ppo.toml", 'network.transport="tcp"', f"network.base_port={free_port()}",
-                     "sampler.inference='server'", "placement.replay='a'", "placement.learner='a'",
+                     "sampler.inference='server'", "sampler.count=2", "placement.replay='a'", "placement.learner='a'",
                      "placement.sampler='b'", "placement.action_server='b'", cluster="ray")
     try:
         run.wait_steps(5_000)

@@ -20,7 +20,7 @@ def test_scale_refuses_a_stopped_run_and_bad_requests_in_one_line(tmp_path):
 
 @pytest.mark.learning
 def test_ppo_scaled_from_2_to_4_samplers_and_back_to_1_loses_nothing_and_reaches_475(runs):
-    run = runs("cartpole_ppo.toml", "sampler.max_count=4", "sampler.ring=2")
+    run = runs("cartpole_ppo.toml", "sampler.count=2", "sampler.max_count=4", "sampler.ring=2")
     run.wait_steps(8_000, timeout=60)
     kept = run.pid("sampler0"), run.pid("sampler1")
     for request, message in (("sampler=5", "sampler=5: this run takes 1 to 4"),
