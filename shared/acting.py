@@ -38,7 +38,7 @@ from shared.agent_config import AgentInfo, QAgentConfig, QAgentInfo
 from shared.agents import HALF_LOG_2PI, StepContext
 
 ACTING_FILE = "acting.json"
-_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0, out=x), None: None}
+_ACTIVATIONS = {"tanh": lambda x: np.tanh(x, out=x), "relu": lambda x: np.maximum(x, 0.0, out=x), None: None}
 
 
 def acting_seed(run_seed: int, service: str, instance: int) -> np.random.SeedSequence:
@@ -50,11 +50,13 @@ def acting_seed(run_seed: int, service: str, instance: int) -> np.random.SeedSeq
 class _Mlp:
     """Linear layers [(weight field, bias field, activation or None[, member])] on the state
     arrays: an ``nn.Linear``'s weight [out, in] and bias [out], or with ``member`` m that
-    member's slice of an ``EnsembleMLP`` layer, weight [n, in, out] and bias [n, 1, out]."""
+    member's slice of an ``EnsembleMLP`` layer, weight [n, in, out] and bias [n, 1, out];
+    ``stacked``: every member of the ensemble at once, [N, in] -> [n, N, out]."""
 
-    def __init__(self, layers: list, arrays: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, layers: list, arrays: Mapping[str, np.ndarray], stacked: bool = False) -> None:
         # Views [in, out] and [out]: a version loaded into the arrays in place is seen at once.
-        self.layers = [(arrays[w].T, arrays[b], _ACTIVATIONS[fn]) if not member else
+        self.layers = [(arrays[w], arrays[b], _ACTIVATIONS[fn]) if stacked else
+                       (arrays[w].T, arrays[b], _ACTIVATIONS[fn]) if not member else
                        (arrays[w][member[0]], arrays[b][member[0], 0], _ACTIVATIONS[fn])
                        for w, b, fn, *member in layers]
 
@@ -97,12 +99,22 @@ class NumpyPgActor(NumpyActor):
     def __init__(self, plan: dict, arrays: Mapping[str, np.ndarray], rng: np.random.Generator) -> None:
         super().__init__(plan, arrays, rng)
         self.pi_head, self.v_head = _Mlp(plan["pi_head"], arrays), _Mlp(plan["v_head"], arrays)
+        # Policy and value as members 0 and 1 of one ensemble (PgAgent's twin): both in one
+        # batched matmul a layer, as in torch (9 instead of 14 us on 16 CartPole rows here).
+        pi, v = plan["pi_head"], plan["v_head"]
+        twin = len(self.trunks) == 1 and len(pi) == len(v) and all(
+            len(a) == len(b) == 4 and a[:3] == b[:3] and (a[3], b[3]) == (0, 1) for a, b in zip(pi, v))
+        self.twin = _Mlp(pi, arrays, stacked=True) if twin else None
         self.kind, self.nvec, self.action_shape = plan["kind"], plan["nvec"], tuple(plan["action_shape"])
         self.log_std = None if plan["log_std"] is None else arrays[plan["log_std"]]
 
     def step(self, obs: np.ndarray, ctx: StepContext) -> tuple[np.ndarray, AgentInfo]:
         features = self._features(obs)
-        out, value = self.pi_head(features[0]), self.v_head(features[-1])[:, 0]
+        if self.twin is None:
+            out, value = self.pi_head(features[0]), self.v_head(features[-1])[:, 0]
+        else:
+            out = self.twin(features[0])
+            out, value = out[0], out[1, :, 0]
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
             log_std = self.log_std.reshape(self.action_shape)
