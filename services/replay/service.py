@@ -296,7 +296,8 @@ class ReplayService:
             # Ring slots go back to their samplers once the learner has its batch: a sampler
             # woken first takes the CPU the reply's send needs (the reply took 2.4 ms instead
             # of 0.2 ms, median, on this 2-core machine).
-            self._release(infos[0]["keys"])  # once for the round, however many ranks share it
+            if self.cfg.table == "queue":
+                self._release(infos[0]["keys"])  # once for the round, however many ranks share it
             self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
 
     def _sample_round(self, heads: list) -> list | None:
