@@ -18,10 +18,12 @@ from datetime import datetime
 
 import pytest
 
-from tests.pipeline import Run, rlpipe
+from shared import config
+from tests.pipeline import CONFIGS, Run, rlpipe
 
 pytestmark = pytest.mark.bench
 REPEATS = 5
+SAMPLERS = config.load(CONFIGS / "cartpole_ppo.toml").sampler.count
 _STARTED = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) sampler\d+ INFO services\.sampler: sampler \d+:", re.M)
 
 
@@ -43,7 +45,7 @@ def test_launch_to_first_env_step_and_stop(tmp_path, inference):
         run = Run.launch(tmp_path / str(i), "cartpole_ppo.toml", f"sampler.inference={inference}",
                          "run.target_return=1e9", command_line=True)
         try:
-            starts.append(max(first_steps(run, 2)) - t0)
+            starts.append(max(first_steps(run, SAMPLERS)) - t0)
             run.wait_steps(2_000)
             t1 = time.monotonic()
             out = rlpipe("stop", str(run.dir))
