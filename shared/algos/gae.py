@@ -51,10 +51,11 @@ def gae(
     not_terminated = 1.0 - terminated.to(value.dtype)
     not_done = 1.0 - done.to(value.dtype)
     delta = reward + gamma * next_value * not_terminated - value
-    advantage = torch.zeros_like(delta)
+    decay = (gamma * lam) * not_done  # one op a step in the loop below, which runs T times in Python
+    advantage = torch.empty_like(delta)
     running = torch.zeros_like(delta[0])
     for t in reversed(range(delta.shape[0])):
-        running = delta[t] + gamma * lam * not_done[t] * running
+        running = torch.addcmul(delta[t], decay[t], running)
         advantage[t] = running
     return advantage, advantage + value
 
