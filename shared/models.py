@@ -153,6 +153,17 @@ class EnsembleMLP(nn.Module):
     def device(self) -> torch.device:
         return self.weights[0].device
 
+    def member(self, m: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``m`` alone on input [*L, in_dim] -> [*L, out_dim] (the others' work skipped)."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        last = len(self.weights) - 1
+        for k, (w, b) in enumerate(zip(self.weights, self.biases)):
+            x = torch.addmm(b[m], x, w[m])
+            if k < last:
+                x = self.fn(x)
+        return x.reshape(*lead, x.shape[-1])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.weights) - 1
         for k, (w, b) in enumerate(zip(self.weights, self.biases)):

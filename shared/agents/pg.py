@@ -122,8 +122,8 @@ class PgAgent(nn.Module):
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
         obs = obs_to(obs, self.device, self.obs_norm)
-        if self.twin is not None:
-            return self._forward(obs)[1]
+        if self.twin is not None:  # the value member alone: a segment batch's values skip the policy's work
+            return self.twin.member(1, self.pi_encoder(obs))[..., 0]
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
 
     @torch.no_grad()
