@@ -184,12 +184,13 @@ def check_plan(plan, arrays: Mapping[str, np.ndarray]) -> None:
         missing = [f for f in fields if f is not None and f not in arrays]
         bad = [fn for _, _, fn, *_ in layers if fn not in _ACTIVATIONS]
         members = [(w, m) for w, _, _, *m in layers if m and w in arrays]
-        strays = [f"{w}[{m[0]}]" for w, m in members if not (isinstance(m[0], int) and 0 <= m[0] < len(arrays[w]))]
+        strays = [f"{w}[{m[0]}]" for w, m in members
+                  if not (isinstance(m[0], int) and arrays[w].ndim == 3 and 0 <= m[0] < len(arrays[w]))]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"acting plan: malformed ({type(e).__name__}: {e}): {str(plan)[:200]}") from None
     if missing or bad or strays:
         raise ValueError(f"acting plan: entries {missing} are not in the parameter state, activations {bad} "
-                         f"unknown, ensemble members {strays} out of range")
+                         f"unknown, ensemble members {strays} not in a stacked [n, in, out] entry")
 
 
 def write_acting_file(run_dir: Path, spec, plan: dict | None) -> None:

@@ -198,5 +198,10 @@ def test_a_bad_acting_plan_or_layout_is_a_clear_error():
         check_plan({**plan, "v_head": [[*plan["v_head"][0][:2], "gelu"]]}, arrays)
     with pytest.raises(ValueError, match="malformed"):
         check_plan({**plan, "trunks": 3}, arrays)
+    w, b, fn, _ = plan["v_head"][0]  # the twin's value member: member 2 of 2, or a member of a 2-D weight
+    with pytest.raises(ValueError, match=r"ensemble members \['p_twin__weights__0\[2\]'\]"):
+        check_plan({**plan, "v_head": [[w, b, fn, 2]]}, arrays)
+    with pytest.raises(ValueError, match=r"ensemble members \['p_flat\[0\]'\]"):
+        check_plan({**plan, "v_head": [["p_flat", b, fn, 0]]}, {**arrays, "p_flat": np.zeros((8, 3), np.float32)})
     with pytest.raises(ValueError, match="not a parameter segment|layout of a parameter segment"):
         StateArrays({"type": "Other", "fields": [["x", {"dtype": "<f4", "shape": [2]}]]})
