@@ -54,11 +54,15 @@ class _Mlp:
     ``stacked``: every member of the ensemble at once, [N, in] -> [n, N, out]."""
 
     def __init__(self, layers: list, arrays: Mapping[str, np.ndarray], stacked: bool = False) -> None:
-        # Views [in, out] and [out]: a version loaded into the arrays in place is seen at once.
-        self.layers = [(arrays[w], arrays[b], _ACTIVATIONS[fn]) if stacked else
-                       (arrays[w].T, arrays[b], _ACTIVATIONS[fn]) if not member else
-                       (arrays[w][member[0]], arrays[b][member[0], 0], _ACTIVATIONS[fn])
-                       for w, b, fn, *member in layers]
+        # Views: a version loaded into the arrays in place is seen at once.
+        def weights(w: str, b: str, member: list) -> tuple[np.ndarray, np.ndarray]:
+            if stacked:
+                return arrays[w], arrays[b]
+            if member:
+                return arrays[w][member[0]], arrays[b][member[0], 0]
+            return arrays[w].T, arrays[b]
+
+        self.layers = [(*weights(w, b, member), _ACTIVATIONS[fn]) for w, b, fn, *member in layers]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         for w, b, fn in self.layers:

@@ -109,12 +109,8 @@ class PgAgent(nn.Module):
         """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""
         if self.twin is not None:
             x = self.pi_encoder(obs)
-            lead = x.shape[:-1]  # [N], or [T, B] for a segment batch's values: run those as rows
-            rows = x if len(lead) == 1 else x.reshape(-1, x.shape[-1])
-            out = self.twin(rows.expand(2, *rows.shape))
-            if len(lead) == 1:
-                return out[0], out[1, :, 0]
-            return out[0].reshape(*lead, -1), out[1, :, 0].reshape(lead)
+            out = self.twin(x.expand(2, *x.shape))
+            return out[0], out[1, :, 0]
         pi_features = self.pi_encoder(obs)
         v_features = pi_features if self.v_encoder is None else self.v_encoder(obs)
         return self.pi_head(pi_features), self.v_head(v_features).squeeze(-1)
@@ -201,11 +197,11 @@ class PgAgent(nn.Module):
         else:
             # Closed forms, not Categorical objects: their construction and argument checks
             # cost more than the small networks' backward pass.
-            # One Discrete space (the usual case) takes no splitting, slicing or summing.
+            # reduce, not sum() from 0: one Discrete space (the usual case) adds nothing, nor splits.
             idx = action.long().reshape(action.shape[0], len(self.nvec))
-            logps = [torch.log_softmax(chunk, -1) for chunk in
-                     ((out,) if len(self.nvec) == 1 else torch.split(out, self.nvec, dim=-1))]
-            log_prob = functools.reduce(operator.add, [logp.gather(-1, idx if len(logps) == 1 else idx[:, j:j + 1])
+            chunks = (out,) if len(self.nvec) == 1 else torch.split(out, self.nvec, dim=-1)
+            logps = [torch.log_softmax(chunk, -1) for chunk in chunks]
+            log_prob = functools.reduce(operator.add, [logp.gather(-1, idx[:, j:j + 1])
                                                        for j, logp in enumerate(logps)]).squeeze(-1)
             entropy = -functools.reduce(operator.add, [(logp.exp() * logp).sum(-1) for logp in logps])
         return log_prob, entropy

@@ -24,7 +24,7 @@ from torch import nn
 
 from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
-from shared.models import MLP, EnsembleMLP, make_encoder, make_obs_norm, obs_to
+from shared.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.namedarraytuple import leading_len
 
 ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
@@ -50,9 +50,8 @@ class Critics(nn.Module):
         super().__init__()
         cfg = dataclasses.replace(model_cfg, hidden_sizes=())
         encoder, feat_dim = make_encoder(obs_example, cfg)
-        learned = any(True for _ in encoder.parameters())
         self.encoders = nn.ModuleList([encoder, *(make_encoder(obs_example, cfg)[0] for _ in range(n - 1))]
-                                      if learned else [encoder])
+                                      if has_cnn(obs_example, cfg) else [encoder])
         self.n = n
         self.mlp = EnsembleMLP(n, feat_dim + action_dim, tuple(model_cfg.hidden_sizes), model_cfg.activation)
 

@@ -45,8 +45,8 @@ class PPO:
         # One minibatch is the whole batch: the mean loss does not depend on the order, and its
         # normalised advantages are the same in every epoch.
         whole = -self._normalized(data.advantage) if cfg.minibatches == 1 else None
-        # Diagnostics stay tensors until the end (one host sync per update, not per step), and
-        # the ratios' statistics are taken there at once from the log-ratios of every step.
+        # Diagnostics are kept as the steps made them and reduced at the end, without grad:
+        # no ops a step for them, one host sync per update.
         per_step, log_ratios = [], []
         for _ in range(cfg.epochs):
             parts = [None] if whole is not None else torch.tensor_split(
@@ -71,16 +71,19 @@ class PPO:
                     loss = loss - cfg.entropy_coef * entropy
                 grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
 
-                per_step.append(torch.stack([policy_loss, value_loss, entropy, grad_norm]).detach())
-                log_ratios.append(log_ratio.detach().flatten())
+                per_step += (policy_loss, value_loss, entropy, grad_norm)
+                log_ratios.append(log_ratio)
             if cfg.target_kl > 0:
-                kl = self._approx_kl(log_ratios[-1])
+                with torch.no_grad():
+                    kl = self._approx_kl(log_ratios[-1])
                 average_over_ranks([kl])  # every rank stops after the same epoch
                 if float(kl) > cfg.target_kl:
                     break
-        log_ratio = torch.cat(log_ratios)
-        clip_fraction = ((log_ratio.exp() - 1.0).abs() > clip).float().mean()
-        means = torch.cat([torch.stack(per_step).mean(0), torch.stack([self._approx_kl(log_ratio), clip_fraction])])
+        with torch.no_grad():
+            log_ratio = torch.cat([r.flatten() for r in log_ratios])
+            clip_fraction = ((log_ratio.exp() - 1.0).abs() > clip).float().mean()
+            means = torch.cat([torch.stack(per_step).view(-1, 4).mean(0),
+                               torch.stack([self._approx_kl(log_ratio), clip_fraction])])
         stats = dict(zip(("policy_loss", "value_loss", "entropy", "grad_norm", "approx_kl", "clip_fraction"),
                          means.tolist()))
         stats["lr"] = lr
