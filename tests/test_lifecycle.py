@@ -142,7 +142,9 @@ def test_plot_of_two_seeds_draws_one_band_for_their_config(grid, tmp_path):
         assert out.returncode == 0, out.stdout + out.stderr
         assert image.imread(png).shape[:2] == (500, 800)
     bands = [band_pixels(one, c, BAND_ALPHA) for c in ("C0", "C1")]
-    assert bands[0] > 2000 and bands[1] == 0, bands
+    # The band's area is the two seeds' spread: 800-2500 pixels in runs of the shipped config
+    # since it learns at 256 env steps an update (over 2000 before, when seeds parted more).
+    assert bands[0] > 300 and bands[1] == 0, bands
     # one curve per seed: two lines and no band
     assert max(band_pixels(per_seed, c, BAND_ALPHA) for c in ("C0", "C1")) < bands[0] / 10
 
