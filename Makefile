@@ -12,7 +12,7 @@ install:
 	$(PIP) install -q -e ".[test,atari,minatar,mujoco,cluster]"
 
 run: install
-	$(PYTHON) -m shared.cli launch $(CONFIG)
+	$(PYTHON) -m shared.launch.cli launch $(CONFIG)
 
 test: install
 	$(PYTHON) -m pytest -q tests --ignore=tests/bench

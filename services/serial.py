@@ -16,14 +16,14 @@ from services.learner.learner import Learner
 from services.replay.tables import make_table, sample_batch
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
-from shared.acting import acting_seed
+from shared.agents.acting import acting_seed
 from shared.agents.actor import Actor
-from shared.config import Experiment
-from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
-from shared.layout import segment_spec
-from shared.namedarraytuple import from_spec
-from shared.obs_stats import NO_MOMENTS, Moments
-from shared.runtime import torch_device
+from shared.config.schema import Experiment
+from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
+from shared.data.layout import segment_spec
+from shared.data.namedarraytuple import from_spec
+from shared.data.obs_stats import NO_MOMENTS, Moments
+from shared.runtime.process import torch_device
 
 log = logging.getLogger(__name__)
 

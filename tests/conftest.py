@@ -4,7 +4,7 @@ import uuid
 
 import pytest
 
-from shared import shm
+from shared.transport import shm
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shared import config as config_mod
-from shared import launch
+from shared.config import loading, schema
+from shared.launch import rundirs, supervisor
 from shared.replay import arena
-from shared.runtime import RUN_CONFIG
+from shared.runtime.process import RUN_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "deploy" / "configs"
@@ -39,7 +39,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.g
 
 def rlpipe_command(*args: str) -> dict:
     """Popen/run keywords for ``rlpipe ARGS`` from this checkout."""
-    return {"args": [sys.executable, "-m", "shared.cli", *args], "cwd": REPO}
+    return {"args": [sys.executable, "-m", "shared.launch.cli", *args], "cwd": REPO}
 
 
 def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -50,7 +50,7 @@ def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def rlpipe_here(*args: str) -> subprocess.CompletedProcess:
     """``rlpipe ARGS`` run in this process: torch is loaded here already, so the commands that build
     the agent (launch, prepare) cost no interpreter start and no torch import (~2.5 s of CPU)."""
-    from shared import cli
+    from shared.launch import cli
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -85,7 +85,7 @@ class Run:
         return cls(Path(re.search(r"run directory: (\S+)", done.stdout).group(1)), port)
 
     def progress(self) -> list[dict]:
-        return launch.read_progress(self.dir)
+        return rundirs.read_progress(self.dir)
 
     def wait_for(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -101,13 +101,13 @@ class Run:
                       f"{steps} env steps")
 
     def wait_result(self, timeout: float) -> dict:
-        return self.wait_for(lambda: launch.read_result(self.dir), timeout, "the run's result")
+        return self.wait_for(lambda: rundirs.read_result(self.dir), timeout, "the run's result")
 
     def status(self) -> dict[str, tuple[str, int | None]]:
         """Process name -> (state, pid: of a RUNNING process, else None), as `rlpipe status` shows
         them; asked over supervisord's XML-RPC socket (tests poll it: no supervisorctl process each time)."""
         return {p["name"]: (p["statename"], p["pid"] if p["statename"] == "RUNNING" else None)
-                for p in launch.rpc(self.dir).supervisor.getAllProcessInfo()}
+                for p in supervisor.rpc(self.dir).supervisor.getAllProcessInfo()}
 
     def pid(self, name: str) -> int:
         return self.wait_for(lambda: self.status().get(name, ("", None))[1], 30, f"{name} to run")
@@ -153,24 +153,24 @@ class Run:
         return time.monotonic() - t0
 
     def config(self):
-        return config_mod.load(self.dir / RUN_CONFIG)
+        return loading.load(self.dir / RUN_CONFIG)
 
     def replay_table(self):
         """The replay's table, attached from shared memory as a restarted replay would (stop the
         replay first: ``stop_replay_between_operations``)."""
         from services.replay.tables import make_table, table_arena
-        from shared.factory import batch_items, env_probe, example_step
-        from shared.layout import segment_spec
+        from services.build import batch_items, env_probe, example_step
+        from shared.data.layout import segment_spec
 
         exp = self.config()
-        columns = {i: exp.sampler.envs for i in range(config_mod.most_count(exp.sampler))}
+        columns = {i: exp.sampler.envs for i in range(schema.most_count(exp.sampler))}
         spec = segment_spec(example_step(exp, env_probe(exp)), exp.sampler.horizon, exp.sampler.envs)
         table = make_table(exp.replay, columns, spec, batch_items(exp), arena=table_arena(exp.replay, columns, spec, self.id))
         assert table.arena.restored, "the table in shared memory has another layout"
         return table
 
     def close(self) -> None:
-        launch.clean(self.dir)
+        supervisor.clean(self.dir)
 
 
 def check_nstep(table, gamma: float, n: int) -> np.ndarray:

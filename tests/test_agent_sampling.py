@@ -8,7 +8,7 @@ import torch
 
 from shared.agents import EVALUATE
 from shared.agents.pg import PgAgent
-from shared.models import ModelConfig
+from shared.agents.models import ModelConfig
 
 
 def test_discrete_sample_frequencies_follow_the_softmax():

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from shared import config
+from shared.config import endpoints, loading, schema
 from tests.pipeline import CONFIGS, rlpipe
 
 DEFAULT = CONFIGS / "cartpole_ppo.toml"
@@ -29,8 +29,8 @@ DEFAULT = CONFIGS / "cartpole_ppo.toml"
     ("learner.batch_segments=3", "learner.batch_segments"),
 ])
 def test_bad_value_is_one_line_naming_the_field(override, names):
-    with pytest.raises(config.ConfigError) as err:
-        config.load(DEFAULT, [override])
+    with pytest.raises(schema.ConfigError) as err:
+        loading.load(DEFAULT, [override])
     message = str(err.value)
     assert names in message and "\n" not in message
 
@@ -44,8 +44,8 @@ def test_bad_value_is_one_line_naming_the_field(override, names):
     (["learner.count=0"], "learner.count"),
 ])
 def test_bad_placements_and_learner_counts_are_one_line_naming_the_field(overrides, names):
-    with pytest.raises(config.ConfigError) as err:
-        config.load(DEFAULT, overrides)
+    with pytest.raises(schema.ConfigError) as err:
+        loading.load(DEFAULT, overrides)
     assert names in str(err.value) and "\n" not in str(err.value)
 
 
@@ -71,22 +71,22 @@ def test_cli_rejects_unknown_key_without_starting_anything(tmp_path):
 
 
 def test_missing_file_and_bad_toml(tmp_path):
-    with pytest.raises(config.ConfigError, match="does not exist"):
-        config.load(tmp_path / "nope.toml")
+    with pytest.raises(schema.ConfigError, match="does not exist"):
+        loading.load(tmp_path / "nope.toml")
     bad = tmp_path / "bad.toml"
     bad.write_text("[sampler\ncount = 2\n")
-    with pytest.raises(config.ConfigError, match="not valid TOML"):
-        config.load(bad)
+    with pytest.raises(schema.ConfigError, match="not valid TOML"):
+        loading.load(bad)
 
 
 def test_overrides_and_resolved_config_round_trip():
-    exp = config.load(DEFAULT, ["sampler.count=3", "algo.lr=3e-4", "model.hidden_sizes=[32, 32]"])
+    exp = loading.load(DEFAULT, ["sampler.count=3", "algo.lr=3e-4", "model.hidden_sizes=[32, 32]"])
     assert exp.sampler.count == 3 and exp.algo.lr == 3e-4 and exp.model.hidden_sizes == (32, 32)
     import tomllib
 
-    assert config.from_dict(tomllib.loads(config.dumps(exp))) == exp
+    assert loading.from_dict(tomllib.loads(loading.dumps(exp))) == exp
 
 
 def test_tcp_endpoints_bind_loopback_by_default(tmp_path):
-    exp = config.load(DEFAULT, ["network.transport=\"tcp\""])
-    assert config.endpoint(exp, tmp_path, "replay").startswith("tcp://127.0.0.1:")
+    exp = loading.load(DEFAULT, ["network.transport=\"tcp\""])
+    assert endpoints.endpoint(exp, tmp_path, "replay").startswith("tcp://127.0.0.1:")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.serial import train_serial
-from shared import config
+from shared.config import loading as config
 from tests.pipeline import CONFIGS
 
 

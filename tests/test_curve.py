@@ -9,8 +9,11 @@ import stat
 import pytest
 import zmq
 
-from shared import auth, config, sockets, wire
-from shared.sockets import Endpoint
+from shared.transport import auth
+from shared.config import endpoints, loading
+from shared.transport import sockets
+from shared.transport import wire
+from shared.transport.sockets import Endpoint
 from tests.pipeline import free_port
 
 
@@ -64,8 +67,8 @@ def test_a_tcp_run_learns_over_curve_and_a_keyless_client_gets_nothing(runs, ctx
     base = free_port()
     run = runs("cartpole_ppo.toml", 'network.transport="tcp"', f"network.base_port={base}")
     run.wait_steps(2_000)
-    exp = config.load(run.dir / "config.toml")
-    replay = config.endpoint(exp, run.dir, "replay")
+    exp = loading.load(run.dir / "config.toml")
+    replay = endpoints.endpoint(exp, run.dir, "replay")
     stranger = plain_dealer(ctx, replay)
     stranger.send_multipart(wire.pack("hello_reader", {"slots": [{}], "incarnation": 1, "secret": "x"}, "x", 1))
     assert not stranger.poll(1000)  # not even an error: the handshake never completed

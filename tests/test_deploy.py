@@ -1,6 +1,6 @@
 """The monitoring files in deploy/ match the metrics the services record.
 
-The Grafana dashboard may only query metric names shared.metrics defines (a renamed metric
+The Grafana dashboard may only query metric names shared.runtime.metrics defines (a renamed metric
 must fail here, not show an empty panel); prometheus.yml scrapes the default metrics port;
 and prometheus_client's multiprocess mode exposes those names and drops a dead process's
 `up` gauge, which services.metrics' reap_dead relies on.
@@ -17,8 +17,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from shared import metrics
-from shared.config import NetworkConfig
+from shared.runtime import metrics
+from shared.config.schema import NetworkConfig
 
 try:
     import yaml
@@ -32,7 +32,7 @@ METRIC_NAME = re.compile(r"\brlpipe_[a-z0-9_]+")
 
 
 def exposed_names() -> set[str]:
-    """Every sample name the services can expose, derived from shared.metrics' definitions."""
+    """Every sample name the services can expose, derived from shared.runtime.metrics' definitions."""
     names = set()
     for service, defs in metrics._DEFS.items():
         for kind, suffix, *_ in {**metrics._COMMON, **defs}.values():
@@ -61,7 +61,7 @@ def test_dashboard_queries_only_defined_metrics():
     exprs = queries(dashboard["panels"]) + queries(dashboard["templating"])
     used = {name for e in exprs for name in METRIC_NAME.findall(e)}
     unknown = sorted(used - exposed_names())
-    assert not unknown, f"dashboard queries metrics shared/metrics.py does not define: {unknown}"
+    assert not unknown, f"dashboard queries metrics shared/runtime/metrics.py does not define: {unknown}"
     # Every service has panels, and the selection above really found the expressions.
     assert {s for s in metrics._DEFS if any(n.startswith(f"rlpipe_{s}_") for n in used)} == set(metrics._DEFS)
     assert len(used) > 30

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.doorbell import STEP_MOD, PeerGone, SamplerBell, ServerBell
+from shared.transport.doorbell import STEP_MOD, PeerGone, SamplerBell, ServerBell
 from tests.pipeline import REPO
 
 SLOTS = 2
@@ -106,7 +106,7 @@ def test_steps_wrap_around_the_record_width(tmp_path):
 
 SAMPLER = """
 import sys, time
-from shared.doorbell import SamplerBell
+from shared.transport.doorbell import SamplerBell
 bell = SamplerBell(sys.argv[1], "sampler0")
 print("ready", flush=True)
 sys.stdin.readline()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from shared.algos.dqn import DQN, DQNConfig
-from shared.models import ModelConfig
+from shared.agents.models import ModelConfig
 from shared.agents.q import QAgent, QAgentConfig
-from shared.replay import Transition
+from shared.data.batches import Transition
 
 torch.set_num_threads(1)
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.envs import EnvConfig, EnvError, EnvGroup, validate_env_config
-from shared.namedarraytuple import buffer_from_example
+from shared.envs.group import EnvConfig, EnvError, EnvGroup, validate_env_config
+from shared.data.namedarraytuple import buffer_from_example
 
 try:
     from tests import envs_for_tests

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from services.evaluator.episodes import play
-from shared import config as config_mod
-from shared import evaluation, launch
-from shared.factory import env_probe, make_agent
-from shared.runtime import RUN_CONFIG, TB_DIR
+from shared.config import loading, schema
+from shared.runtime import evaluation
+from shared.launch import supervisor as launch
+from services.build import env_probe, make_agent
+from shared.runtime.process import RUN_CONFIG, TB_DIR
 from tests.pipeline import cpu_seconds, metric_value, rlpipe, rlpipe_here
 
 
@@ -35,8 +36,8 @@ from tests.pipeline import cpu_seconds, metric_value, rlpipe, rlpipe_here
     ("every", 5.0, "unknown key eval.every (did you mean 'every_s'?)"),
 ])
 def test_bad_eval_values_are_one_line_config_errors(key, value, message):
-    with pytest.raises(config_mod.ConfigError) as e:
-        config_mod.from_dict({"eval": {key: value}})
+    with pytest.raises(schema.ConfigError) as e:
+        loading.from_dict({"eval": {key: value}})
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
@@ -48,8 +49,8 @@ def test_rlpipe_launch_rejects_a_bad_eval_value_before_starting_anything(tmp_pat
 
 
 def test_the_evaluator_runs_under_supervisord_only_when_on(tmp_path):
-    off = config_mod.from_dict({})
-    on = config_mod.from_dict({"eval": {"every_s": 5}})
+    off = loading.from_dict({})
+    on = loading.from_dict({"eval": {"every_s": 5}})
     assert off.eval.every_s == 0 and "[program:evaluator]" not in launch.supervisord_conf(off, tmp_path)
     conf = launch.supervisord_conf(on, tmp_path)
     assert "[program:evaluator]" in conf and "-m services.evaluator --run-dir" in conf
@@ -66,8 +67,8 @@ def checkpointed_run(tmp_path: Path, env_id: str) -> Path:
     """A run directory holding only a config and an (untrained) checkpoint of version 3."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
-    exp = config_mod.from_dict({"env": {"id": env_id}})
-    (run_dir / RUN_CONFIG).write_text(config_mod.dumps(exp))
+    exp = loading.from_dict({"env": {"id": env_id}})
+    (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
     torch.save({"agent": untrained_agent(exp).state_dict(), "version": 3, "env_steps": 1234},
                run_dir / "checkpoints" / "latest.pt")
     return run_dir
@@ -130,7 +131,7 @@ def test_evaluator_reports_rising_returns_and_survives_kill9(runs):
     # CartPole's returns stop at 500, and greedy play of an early version may reach it already:
     # the rise is measured against the untrained agent (version 0) on the same seeds, whose
     # greedy play lasts 10-120 steps depending on its initial weights.
-    exp = config_mod.load(run.dir / RUN_CONFIG)
+    exp = loading.load(run.dir / RUN_CONFIG)
     untrained = play(exp, untrained_agent(exp), exp.eval.episodes, exp.eval.envs).mean()
     assert final > 300 and final - untrained > 200 and final >= first, (untrained, first, final)
     assert int(last["env_steps"]) == result["env_steps"] and int(last["episodes"]) == 8

@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.replay.tables import make_table
-from shared import config, shm
-from shared.agent_config import QAgentInfo
-from shared.envs import EnvConfig, EnvGroup
-from shared.layout import segment_spec, step_example
-from shared.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
+from shared.config import loading, schema
+from shared.transport import shm
+from shared.agents.config import QAgentInfo
+from shared.envs.group import EnvConfig, EnvGroup
+from shared.data.layout import segment_spec, step_example
+from shared.data.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
 from shared.replay.arena import ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
@@ -202,9 +203,9 @@ def test_pong_stacks_come_back_exactly_also_from_a_table_reattached_in_shared_me
 
 def test_frame_store_needs_frame_stack_observations():
     example = step_example(np.zeros(4, np.float32), np.int64(0), QAgentInfo(value=np.float32(0)))
-    exp = config.load(CONFIGS / "cartpole_dqn.toml", ["replay.frame_store=true"])
+    exp = loading.load(CONFIGS / "cartpole_dqn.toml", ["replay.frame_store=true"])
     with pytest.raises(ValueError, match=r"replay.frame_store: needs observations that are one \[K, H, W\] uint8.*"
                                          r"dtype float32 shape \[4\]"):
         make_table(exp.replay, {0: 4}, segment_spec(example, 8, 4), sample_size=32)
-    with pytest.raises(config.ConfigError, match="replay.frame_store = true: only the off-policy tables"):
-        config.load(CONFIGS / "cartpole_ppo.toml", ["replay.frame_store=true"])
+    with pytest.raises(schema.ConfigError, match="replay.frame_store = true: only the off-policy tables"):
+        loading.load(CONFIGS / "cartpole_ppo.toml", ["replay.frame_store=true"])

@@ -15,7 +15,9 @@ import msgpack
 import pytest
 import zmq
 
-from shared import auth, config, wire
+from shared.transport import auth
+from shared.config import endpoints as config
+from shared.transport import wire
 from tests.pipeline import metric_value
 
 pytestmark = pytest.mark.learning

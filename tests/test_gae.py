@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.agent_config import AgentInfo
+from shared.agents.config import AgentInfo
 from shared.agents.pg import PgAgent
-from shared.algos import OnPolicyBatch, Samples
+from shared.data.batches import OnPolicyBatch, Samples
 from shared.algos.gae import batch_advantages, explained_variance, gae
 
 torch.set_num_threads(1)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from shared import auth, config, launch
-from shared.runtime import RUN_CONFIG
+from shared.transport import auth
+from shared.config import endpoints, loading
+from shared.launch import rundirs, supervisor
+from shared.runtime.process import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe
 
 IMAGE_ENV = 'env.id="tests.envs_for_tests:make_image_cartpole"'
@@ -26,7 +28,7 @@ IMAGE_ENV = 'env.id="tests.envs_for_tests:make_image_cartpole"'
 def test_a_dict_observation_with_an_8x8_image_learns_with_encoder_auto():
     from services.serial import train_serial
 
-    exp = config.load(CONFIGS / "cartpole_ppo.toml", [IMAGE_ENV, "run.target_return=200.0", "run.max_env_steps=100000"])
+    exp = loading.load(CONFIGS / "cartpole_ppo.toml", [IMAGE_ENV, "run.target_return=200.0", "run.max_env_steps=100000"])
     assert exp.model.encoder == "auto"
     result = train_serial(exp)
     assert result["reason"] == "target" and result["mean_return"] >= 200, result
@@ -63,7 +65,7 @@ def test_a_service_crashing_at_start_makes_launch_exit_with_its_log_tail(tmp_pat
     assert "RuntimeError: simulated start-up crash of a service" in out.stderr  # the service's own log tail
     assert took < 30, f"launch took {took:.1f} s to give up"
     [run_dir] = tmp_path.iterdir()
-    assert launch.service_pids(run_dir) == [] and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))
+    assert supervisor.service_pids(run_dir) == [] and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))
 
 
 @pytest.fixture
@@ -75,11 +77,11 @@ def private_base(tmp_path, monkeypatch):
 
 
 def test_runs_get_random_ids_private_socket_dirs_and_a_secret_only_we_can_read(tmp_path, private_base):
-    exp = config.load(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{tmp_path / 'runs'}'"])
-    a, b = launch.make_run_dir(exp), launch.make_run_dir(exp)
+    exp = loading.load(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{tmp_path / 'runs'}'"])
+    a, b = rundirs.make_run_dir(exp), rundirs.make_run_dir(exp)
     assert a != b and a.name.startswith("cartpole_ppo_") and len(a.name.rsplit("_", 1)[1]) == 6
     for run_dir in (a, b):
-        sockets = config.socket_dir(run_dir)
+        sockets = endpoints.socket_dir(run_dir)
         assert sockets.parent == private_base and stat.S_IMODE(os.stat(sockets).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(private_base).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(run_dir / auth.SECRET_FILE).st_mode) == 0o600
@@ -90,18 +92,18 @@ def test_runs_get_random_ids_private_socket_dirs_and_a_secret_only_we_can_read(t
 
 
 def test_a_socket_base_that_is_not_our_private_directory_is_refused(tmp_path, private_base):
-    exp = config.load(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{tmp_path / 'runs'}'"])
+    exp = loading.load(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{tmp_path / 'runs'}'"])
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     private_base.symlink_to(elsewhere)  # planted by someone who wants our sockets where they can reach them
     with pytest.raises(PermissionError, match="is not a directory of uid"):
-        launch.make_run_dir(exp)
+        rundirs.make_run_dir(exp)
     private_base.unlink()
     if os.getuid() == 0:  # only root can make a directory another user's
         private_base.mkdir(mode=0o777)
         os.chown(private_base, 12345, 12345)
         with pytest.raises(PermissionError, match="owner uid 12345"):
-            launch.make_run_dir(exp)
+            rundirs.make_run_dir(exp)
 
 
 def test_processes_are_found_by_their_exact_run_directory(tmp_path):
@@ -111,15 +113,15 @@ def test_processes_are_found_by_their_exact_run_directory(tmp_path):
                                cwd=tmp_path)  # argv as a service has it, relative to its cwd
     try:
         deadline = time.monotonic() + 10
-        while sleeper.pid not in launch.service_pids(runs / "x_2"):
+        while sleeper.pid not in supervisor.service_pids(runs / "x_2"):
             assert time.monotonic() < deadline, "the process naming runs/x_2 was not found"
             time.sleep(0.05)
-        assert sleeper.pid not in launch.service_pids(runs / "x")
-        assert sleeper.pid not in launch.service_pids(runs / "x_")
+        assert sleeper.pid not in supervisor.service_pids(runs / "x")
+        assert sleeper.pid not in supervisor.service_pids(runs / "x_")
         (runs / "x").mkdir()
         (runs / "x" / "supervisord.pid").write_text(str(sleeper.pid))  # stale: that pid is not x's supervisord
-        assert launch.supervisord_pid(runs / "x") is None
-        launch.clean(runs / "x")
+        assert supervisor.supervisord_pid(runs / "x") is None
+        supervisor.clean(runs / "x")
         assert sleeper.poll() is None
     finally:
         sleeper.kill()
@@ -128,7 +130,7 @@ def test_processes_are_found_by_their_exact_run_directory(tmp_path):
 
 def test_stop_terminates_a_starting_service_that_lost_supervisords_signal(tmp_path):
     """supervisord's SIGTERM to a child it forked a moment before can go nowhere (see
-    launch._terminate_unguarded): a run's process still without a SIGTERM handler gets one
+    supervisor._terminate_unguarded): a run's process still without a SIGTERM handler gets one
     from stop itself; one that handles SIGTERM (a running service, mid clean exit) is left be."""
     (tmp_path / "runs" / "r").mkdir(parents=True)
     argv = ["--run-dir", "runs/r"]
@@ -139,7 +141,7 @@ def test_stop_terminates_a_starting_service_that_lost_supervisords_signal(tmp_pa
                                cwd=tmp_path, stdout=subprocess.PIPE)
     try:
         starting.stdout.readline(), running.stdout.readline()
-        launch._terminate_unguarded(tmp_path / "runs" / "r")
+        supervisor._terminate_unguarded(tmp_path / "runs" / "r")
         assert starting.wait(timeout=10) == -signal.SIGTERM
         time.sleep(0.2)
         assert running.poll() is None
@@ -169,7 +171,7 @@ def test_every_service_runs_one_blas_thread(tmp_path):
     ~0.1 ms with one: a torch-free local sampler ran DQN's acting at 47% of a core until
     start_service limited BLAS for every service (not only those that set up torch)."""
     shutil.copy(CONFIGS / "cartpole_dqn.toml", tmp_path / RUN_CONFIG)
-    script = ("import sys; from threadpoolctl import threadpool_info; from shared.runtime import start_service; "
+    script = ("import sys; from threadpoolctl import threadpool_info; from services.process import start_service; "
               "start_service('sampler', ['--run-dir', sys.argv[1], '--instance', '0']); "
               "print(sorted({p['num_threads'] for p in threadpool_info() if p['user_api'] == 'blas'}))")
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)

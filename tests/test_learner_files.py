@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from services.learner.learner import CHECKPOINT, PREVIOUS_CHECKPOINT, Learner, lock_run
-from shared import config, shm
-from shared.factory import env_probe, make_agent, make_algo
-from shared.runtime import RUN_CONFIG
+from shared.config import loading as config
+from shared.transport import shm
+from services.build import env_probe, make_agent, make_algo
+from shared.runtime.process import RUN_CONFIG
 from tests.pipeline import CONFIGS, REPO
 
 

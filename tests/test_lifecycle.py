@@ -24,10 +24,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared import config, launch, runs
-from shared.grid import SUMMARY, Ports, parse_vary, processes_per_run
-from shared.plots import flat_config
-from shared.runtime import TB_DIR
+from shared.config import checks, endpoints, loading, schema
+from shared.launch import rundirs, supervisor
+from shared.launch import runs
+from shared.launch.grid import SUMMARY, Ports, parse_vary, processes_per_run
+from shared.launch.plots import flat_config
+from shared.runtime.process import TB_DIR
 from tests.pipeline import CONFIGS, REPO, free_port, rlpipe, rlpipe_command
 
 STEPS = 12_000
@@ -39,8 +41,8 @@ def kill_supervisord_once_learning(root: Path, pattern: str, timeout: float = 30
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for run_dir in root.glob(pattern):
-            pid = launch.supervisord_pid(run_dir)
-            if pid and launch.read_progress(run_dir) and launch.read_result(run_dir) is None:
+            pid = supervisor.supervisord_pid(run_dir)
+            if pid and rundirs.read_progress(run_dir) and rundirs.read_result(run_dir) is None:
                 os.kill(pid, signal.SIGKILL)
                 return run_dir
         time.sleep(0.05)
@@ -65,7 +67,7 @@ def grid(tmp_path_factory):
     run_dirs = {(c["algo.lr"], c["run.seed"]): d for d, c in ((d, flat_config(d)) for d in runs.find_runs(grid_dir))}
     yield grid_dir, out, run_dirs, killed
     for d in run_dirs.values():
-        killed, removed = launch.clean(d)
+        killed, removed = supervisor.clean(d)
         assert not killed and not removed, f"{d.name} left processes {killed} or segments {removed}"
 
 
@@ -87,13 +89,13 @@ def test_grid_runs_every_variant_and_seed_two_at_a_time_and_survives_a_killed_su
             assert row[2] == "killed", row  # supervisord died under its services
         else:
             assert row[2] == "budget" and int(row[6]) >= STEPS and math.isfinite(float(row[5])), row
-    assert launch.read_result(killed) is None
+    assert rundirs.read_result(killed) is None
     assert "lr=0.0005 seed 0: killed" in out.stdout
     starts = [line for line in out.stdout.splitlines() if ": started " in line]
     assert len(starts) == 4 and "2 at a time" in out.stdout
     # the killed run's orphaned services were stopped and its segments removed (the fixture's
     # teardown checks every run the same way)
-    assert launch.service_pids(killed) == [] and not list(Path("/dev/shm").glob(f"*{killed.name}*"))
+    assert supervisor.service_pids(killed) == [] and not list(Path("/dev/shm").glob(f"*{killed.name}*"))
     for png in ("lr_0.001.png", "lr_0.0005.png", "all.png"):
         assert (grid_dir / png).stat().st_size > 10_000, png
 
@@ -110,7 +112,7 @@ def test_tensorboard_files_hold_the_progress_scalars_and_diagnostics_against_env
     expected |= {f"algo/{t}" for t in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
                                        "grad_norm", "explained_variance", "lr")}
     assert expected <= tags, expected - tags
-    rows = launch.read_progress(run_dir)
+    rows = rundirs.read_progress(run_dir)
     returns = {int(r["env_steps"]): float(r["mean_return"]) for r in rows if math.isfinite(float(r["mean_return"]))}
     events = {e.step: e.value for e in acc.Scalars("progress/mean_return")}
     assert len(events) >= 5 and events.keys() == returns.keys()
@@ -133,7 +135,7 @@ def band_pixels(png: Path, color: str, alpha: float) -> int:
 def test_plot_of_two_seeds_draws_one_band_for_their_config(grid, tmp_path):
     from matplotlib import image
 
-    from shared.plots import BAND_ALPHA
+    from shared.launch.plots import BAND_ALPHA
 
     runs_ = [str(d) for d in good_runs(grid)]
     one, per_seed = tmp_path / "one.png", tmp_path / "per_seed.png"
@@ -163,7 +165,7 @@ def test_ls_lists_each_run_with_its_status_and_result(grid):
 
 def test_tensorboard_serves_the_runs_on_loopback(grid):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "shared.cli", "tensorboard", str(grid[0]), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "shared.launch.cli", "tensorboard", str(grid[0]), "--port", str(port)],
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         expected = {f"{d.name}/." for d in good_runs(grid)}  # each name's tb dir itself holds the events
@@ -190,24 +192,24 @@ def test_vary_makes_the_product_of_values_with_short_labels():
                                            "lr=0.0003,count=2"]
     assert variants[3].overrides == ("algo.lr=3e-4", "sampler.count=2")
     assert [v.label for v in parse_vary(["algo.lr=1", "run.lr=2"])] == ["algo.lr=1,run.lr=2"]
-    with pytest.raises(config.ConfigError, match="algo.lr=1e-3,3e-4"):
+    with pytest.raises(schema.ConfigError, match="algo.lr=1e-3,3e-4"):
         parse_vary(["lr=1"])
 
 
 def test_concurrent_runs_get_distinct_free_ports():
-    exp = config.load(CONFIGS / "cartpole_ppo.toml", ["network.transport='tcp'"])
+    exp = loading.load(CONFIGS / "cartpole_ppo.toml", ["network.transport='tcp'"])
     ports = Ports()
     first, second = ports.assign(exp), ports.assign(exp)
-    blocks = [set(range(e.network.base_port, e.network.base_port + len(config.tcp_offsets(e)))) | {e.network.metrics_port}
+    blocks = [set(range(e.network.base_port, e.network.base_port + len(endpoints.tcp_offsets(e)))) | {e.network.metrics_port}
               for e in (first, second)]
     assert not blocks[0] & blocks[1]
-    assert all(config.port_free("127.0.0.1", p) for p in blocks[0] | blocks[1])
+    assert all(endpoints.port_free("127.0.0.1", p) for p in blocks[0] | blocks[1])
     ports.release(first)
     assert ports.assign(exp).network.metrics_port == first.network.metrics_port
     # the default run keeps 3 processes busy (sampler, replay, learner); 4 with a second sampler:
     # on 2 cores one run at a time
-    assert processes_per_run(config.resolve_inference(config.load(CONFIGS / "cartpole_ppo.toml"))[0]) == 3
-    assert processes_per_run(config.resolve_inference(config.load(CONFIGS / "cartpole_ppo.toml",
+    assert processes_per_run(checks.resolve_inference(loading.load(CONFIGS / "cartpole_ppo.toml"))[0]) == 3
+    assert processes_per_run(checks.resolve_inference(loading.load(CONFIGS / "cartpole_ppo.toml",
                                                                   ["sampler.count=2"]))[0]) == 4
 
 

@@ -12,18 +12,17 @@ from hypothesis import strategies as st
 
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
-from shared import config as config_mod
-from shared.acting import acting_seed
-from shared.agent_config import (AgentInfo, Memory, ModelConfig, PgAgentConfig, QAgentConfig, RecurrentAgentInfo,
-                                 RecurrentQAgentInfo, RnnState, info_example)
+from shared.config import loading, schema
+from shared.agents.acting import acting_seed
+from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, QAgentConfig, RecurrentAgentInfo, RecurrentQAgentInfo, RnnState, info_example
 from shared.agents import StepContext
 from shared.agents.actor import Actor
 from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
-from shared.envs import EnvConfig, make_env
-from shared.factory import env_probe, make_agent
-from shared.namedarraytuple import torchify
+from shared.envs.group import EnvConfig, make_env
+from services.build import env_probe, make_agent
+from shared.data.namedarraytuple import torchify
 
 MODEL = ModelConfig(hidden_sizes=(16,), lstm_size=8, lstm_prev_action=True, lstm_prev_reward=True)
 
@@ -107,7 +106,7 @@ def test_the_state_of_one_env_never_reaches_another(data):
 
 def _recurrent_segment(*overrides: str):
     """(experiment, agent, the second of three segments collected by one local sampler)."""
-    exp = config_mod.load("deploy/configs/cartpole_novel_ppo_lstm.toml", [
+    exp = loading.load("deploy/configs/cartpole_novel_ppo_lstm.toml", [
         "sampler.count=1", "sampler.envs=6", "sampler.horizon=40", "sampler.ring=3", "learner.batch_segments=1",
         "model.lstm_prev_reward=true", "algo.minibatches=2", *overrides])
     agent = make_agent(exp, env_probe(exp))
@@ -190,7 +189,7 @@ def test_a_recurrent_pg_agent_has_a_value_core_unless_it_shares_its_encoder(shar
 
 
 def test_recurrent_agents_are_refused_where_no_algorithm_trains_them():
-    with pytest.raises(config_mod.ConfigError, match="model.lstm_size = 8: dqn has no recurrent agent"):
-        config_mod.load("deploy/configs/cartpole_dqn.toml", ["model.lstm_size=8"])
-    with pytest.raises(config_mod.ConfigError, match="algo.minibatches = 64: .*whole env sequences"):
-        config_mod.load("deploy/configs/cartpole_novel_ppo_lstm.toml", ["algo.minibatches=64"])
+    with pytest.raises(schema.ConfigError, match="model.lstm_size = 8: dqn has no recurrent agent"):
+        loading.load("deploy/configs/cartpole_dqn.toml", ["model.lstm_size=8"])
+    with pytest.raises(schema.ConfigError, match="algo.minibatches = 64: .*whole env sequences"):
+        loading.load("deploy/configs/cartpole_novel_ppo_lstm.toml", ["algo.minibatches=64"])

@@ -13,19 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import shm
-from shared.namedarraytuple import (
-    buffer_from_example,
-    from_spec,
-    leaves,
-    map_leaves,
-    namedarraytuple,
-    numpify,
-    spec_of,
-    torchify,
-    validate_spec,
-    with_leading_dims,
-)
+from shared.transport import shm
+from shared.data.namedarraytuple import buffer_from_example, from_spec, leaves, map_leaves, namedarraytuple, numpify, spec_of, torchify, validate_spec, with_leading_dims
 
 torch.set_num_threads(1)
 

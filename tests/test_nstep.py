@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from shared.namedarraytuple import from_spec, namedarraytuple, spec_of
+from shared.data.namedarraytuple import from_spec, namedarraytuple, spec_of
 from shared.replay.nstep import nstep_targets
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from shared import shm
-from shared.acting import acting_seed, check_plan, numpy_actor, read_acting_file, write_acting_file
-from shared.agent_config import ModelConfig, PgAgentConfig, QAgentConfig, QpgAgentConfig
+from shared.transport import shm
+from shared.agents.acting import acting_seed, check_plan, numpy_actor, read_acting_file, write_acting_file
+from shared.agents.config import ModelConfig, PgAgentConfig, QAgentConfig, QpgAgentConfig
 from shared.agents import EVALUATE, StepContext
 from shared.agents.actor import Actor, acting_plan, state_arrays
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.agents.qpg import SacAgent
-from shared.params import ParamFollower, ParamWriter, StateArrays
+from shared.transport.params import ParamFollower, ParamWriter, StateArrays
 
 OBS = np.zeros(4, np.float32)
 ATOL = 2e-5
@@ -119,7 +119,7 @@ def test_q_agents_act_as_in_torch(dueling, distributional):
 
 
 def test_the_actor_follows_parameters_loaded_in_place():
-    """Parameter versions are copied into the agent's tensors (shared.params): the numpy views see them."""
+    """Parameter versions are copied into the agent's tensors (shared.transport.params): the numpy views see them."""
     torch.manual_seed(4)
     agent = PgAgent(OBS, gym.spaces.Discrete(3), ModelConfig(hidden_sizes=(16,), normalize_observations=True))
     other = PgAgent(OBS, gym.spaces.Discrete(3), ModelConfig(hidden_sizes=(16,), normalize_observations=True))

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.agent_config import ModelConfig
+from shared.agents.config import ModelConfig
 from shared.agents.qpg import SacAgent
 from shared.algos.qpg import SAC, SACConfig
-from shared.models import ObsNorm, make_obs_norm
-from shared.obs_stats import Moments, merge
+from shared.agents.models import ObsNorm, make_obs_norm
+from shared.data.obs_stats import Moments, merge
 
 
 def test_moments_merged_chunk_by_chunk_equal_the_mean_and_variance_of_all_data():

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from shared import params, shm
+from shared.transport import params
+from shared.transport import shm
 
 torch.set_num_threads(1)
 
@@ -203,8 +204,8 @@ def test_a_consumer_on_another_node_follows_the_versions_sent_as_frames(run_id, 
     import zmq
 
     from services.learner.transport import PublishedParams
-    from shared import wire
-    from shared.sockets import Endpoint
+    from shared.transport import wire
+    from shared.transport.sockets import Endpoint
 
     ctx = zmq.Context()
     address = f"ipc://{tmp_path}/params"
@@ -254,8 +255,8 @@ def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_sk
     import zmq
 
     from services.learner.transport import PublishedParams
-    from shared import wire
-    from shared.sockets import Endpoint
+    from shared.transport import wire
+    from shared.transport.sockets import Endpoint
 
     ctx = zmq.Context()
     address = f"ipc://{tmp_path}/params"

@@ -11,11 +11,11 @@ import torch
 
 from shared.agents import EVALUATE
 from shared.agents.pg import AgentInfo, PgAgent, PgAgentConfig
-from shared.algos import OnPolicyBatch, Samples
+from shared.data.batches import OnPolicyBatch, Samples
 from shared.algos.a2c import A2C, A2CConfig
 from shared.algos.ppo import PPO, PPOConfig
-from shared.models import ModelConfig, make_encoder
-from shared.namedarraytuple import namedarraytuple, torchify
+from shared.agents.models import ModelConfig, make_encoder
+from shared.data.namedarraytuple import namedarraytuple, torchify
 
 torch.set_num_threads(1)
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from shared import launch
+from shared.launch import supervisor as launch
 from tests.pipeline import CONFIGS, cpu_seconds, instances, maps_torch, metric_value, rlpipe, rlpipe_here
 
 pytestmark = pytest.mark.learning
@@ -148,7 +148,7 @@ def test_pendulum_ppo_gaussian_one_sampler(runs):
 
 def test_serial_mode_learns_the_same_config():
     from services.serial import train_serial
-    from shared import config
+    from shared.config import loading as config
 
     t0 = time.monotonic()
     result = train_serial(config.load(CONFIGS / "cartpole_ppo.toml"))

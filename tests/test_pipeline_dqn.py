@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from shared import launch
+from shared.launch import supervisor as launch
 from tests.pipeline import check_nstep, cpu_seconds, instances, metric_value
 
 pytestmark = pytest.mark.learning

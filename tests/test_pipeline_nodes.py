@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import launch
+from shared.launch import supervisor as launch
 from tests.pipeline import free_port, rlpipe
 
 pytestmark = pytest.mark.learning

@@ -14,7 +14,7 @@ import torch
 
 from services.learner.learner import CHECKPOINT
 from services.serial import train_serial
-from shared import config
+from shared.config import loading as config
 from tests.pipeline import CONFIGS, rlpipe_here
 
 pytestmark = pytest.mark.learning

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from shared import launch
+from shared.launch import supervisor as launch
 from tests.pipeline import rlpipe
 
 pytestmark = pytest.mark.learning

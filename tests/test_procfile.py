@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from shared import evaluation, launch
+from shared.runtime import evaluation
+from shared.launch import rundirs, supervisor
 from tests.pipeline import CONFIGS, REPO, Run, free_port, rlpipe_here
 
 pytestmark = pytest.mark.learning
@@ -31,7 +32,7 @@ def test_honcho_runs_the_procfile_pipeline(tmp_path):
     finally:
         os.killpg(honcho.pid, signal.SIGTERM)
         honcho.communicate(timeout=60)
-        launch.clean(run_dir)
-    rows = launch.read_progress(run_dir)
+        supervisor.clean(run_dir)
+    rows = rundirs.read_progress(run_dir)
     assert int(rows[-1]["updates"]) > 0
     assert list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*")) == []

@@ -11,11 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.agent_config import ModelConfig, QpgAgentConfig
+from shared.agents.config import ModelConfig, QpgAgentConfig
 from shared.agents import EVALUATE, StepContext
 from shared.agents.qpg import DeterministicAgent, SacAgent, tanh_gaussian_log_prob
 from shared.algos.qpg import DDPG, SAC, DDPGConfig, SACConfig, TD3Config
-from shared.replay import Transition
+from shared.data.batches import Transition
 
 OBS = np.zeros(3, np.float32)
 MODEL = ModelConfig((32, 32), "relu")

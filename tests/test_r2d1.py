@@ -9,12 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import config as config_mod
-from shared.agent_config import ModelConfig, QAgentConfig, RnnState
+from shared.config import loading, schema
+from shared.agents.config import ModelConfig, QAgentConfig, RnnState
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
 from shared.algos.r2d1 import R2D1, h, h_inv, sequence_priorities, sequence_targets
-from shared.replay import SequenceBatch
+from shared.data.batches import SequenceBatch
 
 L, N, H, A = 10, 6, 8, 3
 MODEL = ModelConfig(hidden_sizes=(16,), lstm_size=H, lstm_prev_action=True, lstm_prev_reward=True)
@@ -120,11 +120,11 @@ def test_annealed_learning_rate_reaches_zero_at_the_end_of_the_run():
 def test_r2d1_needs_a_recurrent_agent_and_the_sequence_table():
     base = ["algo.name='r2d1'", "env.id='rlpipe/CartPoleNoVel-v1'", "replay.table='sequence'",
             "replay.capacity=100000", "replay.sequence_length=20", "replay.sequence_period=10", "algo.burn_in=4"]
-    with pytest.raises(config_mod.ConfigError, match="lstm_size"):
-        config_mod.from_dict(config_mod.apply_overrides({}, base))
-    with pytest.raises(config_mod.ConfigError, match="sequence"):
-        config_mod.from_dict(config_mod.apply_overrides({}, [*base, "model.lstm_size=8", "replay.table='uniform'"]))
-    with pytest.raises(config_mod.ConfigError, match="burn_in"):
-        config_mod.from_dict(config_mod.apply_overrides({}, [*base, "model.lstm_size=8", "algo.burn_in=19"]))
-    exp = config_mod.from_dict(config_mod.apply_overrides({}, [*base, "model.lstm_size=8"]))
+    with pytest.raises(schema.ConfigError, match="lstm_size"):
+        loading.from_dict(loading.apply_overrides({}, base))
+    with pytest.raises(schema.ConfigError, match="sequence"):
+        loading.from_dict(loading.apply_overrides({}, [*base, "model.lstm_size=8", "replay.table='uniform'"]))
+    with pytest.raises(schema.ConfigError, match="burn_in"):
+        loading.from_dict(loading.apply_overrides({}, [*base, "model.lstm_size=8", "algo.burn_in=19"]))
+    exp = loading.from_dict(loading.apply_overrides({}, [*base, "model.lstm_size=8"]))
     assert exp.algo.priority_eta == 0.9 and exp.algo.double

@@ -1,4 +1,4 @@
-"""Data-parallel learner ranks (shared/ranks.py): two processes, one gloo group, each training
+"""Data-parallel learner ranks (shared/transport/ranks.py): two processes, one gloo group, each training
 on a batch of its own; after every update both hold bit-identical parameters."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared import config
-from shared.factory import batch_spec, env_probe, example_step, make_agent, make_algo
-from shared.namedarraytuple import from_spec, map_leaves, torchify
+from shared.config import loading as config
+from services.build import batch_spec, env_probe, example_step, make_agent, make_algo
+from shared.data.namedarraytuple import from_spec, map_leaves, torchify
 from tests.pipeline import CONFIGS
 
 UPDATES = 3
@@ -37,7 +37,7 @@ def random_batch(exp, example, seed: int):
 def train_rank(rank: int, run_dir: str, config_file: str, averaged: bool, out) -> None:
     import torch
 
-    from shared import ranks
+    from shared.transport import ranks
 
     torch.set_num_threads(1)
     exp = config.load(CONFIGS / config_file, ["learner.count=2"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import launch
+from shared.launch import supervisor as launch
 from tests.pipeline import Run, free_port, metric_value, rlpipe
 
 pytestmark = pytest.mark.learning
@@ -85,7 +85,7 @@ def test_ppo_learns_on_two_ray_nodes_through_a_killed_sampler_actor(ray_address,
 
 
 def test_cluster_targets_are_ray_or_a_ray_client_address(monkeypatch):
-    from shared.ray_cluster import parse_target
+    from shared.launch.ray_backend import parse_target
 
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
     assert parse_target("ray") == "10.0.0.5:6379" and parse_target("ray://head:10001") == "ray://head:10001"
@@ -102,7 +102,7 @@ def test_a_run_whose_cluster_is_gone_is_not_running_and_stops_at_once(tmp_path):
     import json
     import time
 
-    from shared import ray_cluster
+    from shared.launch import ray_backend as ray_cluster
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.namedarraytuple import from_spec, spec_of
+from shared.data.namedarraytuple import from_spec, spec_of
 from shared.replay.arena import HEAP, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized

@@ -16,11 +16,14 @@ import zmq
 
 from services.replay.service import ReplayService
 from services.replay.tables import make_table
-from shared import config, metrics, shm, wire
-from shared.factory import batch_spec, env_probe, example_step, round_items
-from shared.layout import segment_spec
-from shared.namedarraytuple import from_leaves, leaves, with_leading_dims
-from shared.sockets import Endpoint
+from shared.config import loading as config
+from shared.runtime import metrics
+from shared.transport import shm
+from shared.transport import wire
+from services.build import batch_spec, env_probe, example_step, round_items
+from shared.data.layout import segment_spec
+from shared.data.namedarraytuple import from_leaves, leaves, with_leading_dims
+from shared.transport.sockets import Endpoint
 from tests.pipeline import CONFIGS
 
 SECRET = "s3cret"

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.agent_config import ModelConfig, info_example
-from shared.layout import step_example
-from shared.namedarraytuple import buffer_from_example, from_spec, spec_of
+from shared.agents.config import ModelConfig, info_example
+from shared.data.layout import step_example
+from shared.data.namedarraytuple import buffer_from_example, from_spec
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized, Uniform
 from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
 from shared.replay.tables import Table
-from shared.layout import segment_spec
+from shared.data.layout import segment_spec
 
 H, T = 3, 4
 MODEL = ModelConfig(lstm_size=H, lstm_prev_action=True)

@@ -13,8 +13,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from shared import shm
-from shared.namedarraytuple import namedarraytuple, spec_of, with_leading_dims
+from shared.transport import shm
+from shared.data.namedarraytuple import namedarraytuple, spec_of, with_leading_dims
 
 REPO = Path(__file__).resolve().parents[1]
 Obs = namedarraytuple("Obs", ["image", "vector"])
@@ -57,7 +57,7 @@ def test_peer_process_attaches_by_name_and_sees_writes_both_ways(run_id):
     expected = f"{int(obs.image.sum())} 8.0"  # before the child writes
     child = spawn("""
         import sys, msgpack
-        from shared import shm
+        from shared.transport import shm
         seg, obs = shm.attach(msgpack.unpackb(bytes.fromhex(sys.argv[1])), shm.Owner(sys.argv[2], "test", 0))
         print(int(obs.image.sum()), float(obs.vector[1, 0].sum()), flush=True)
         obs.vector[3, 1] = 7.25   # the owner must see this without re-attaching
@@ -80,8 +80,8 @@ def test_owner_process_segment_is_attached_here_and_unlinked_at_its_exit(run_id)
     name = shm.segment_name(run_id, "test", 0, "obs")
     child = spawn("""
         import sys, msgpack
-        from shared import shm
-        from shared.namedarraytuple import spec_of
+        from shared.transport import shm
+        from shared.data.namedarraytuple import spec_of
         seg, obs, desc = shm.allocate(sys.argv[1], msgpack.unpackb(bytes.fromhex(sys.argv[2])))
         obs.vector[...] = 3.0
         print(msgpack.packb(desc).hex(), flush=True)
@@ -109,8 +109,8 @@ def test_sigterm_with_service_handlers_unlinks_at_exit(run_id):
     name = shm.segment_name(run_id, "test", 0, "obs")
     child = spawn("""
         import sys, time, msgpack
-        from shared import shm
-        from shared.runtime import install_signal_handlers
+        from shared.transport import shm
+        from shared.runtime.process import install_signal_handlers
         install_signal_handlers()
         shm.allocate(sys.argv[1], msgpack.unpackb(bytes.fromhex(sys.argv[2])))
         print("ready", flush=True)
@@ -131,7 +131,7 @@ def test_create_replaces_a_stale_segment_left_by_a_killed_owner(run_id, caplog):
     name = shm.segment_name(run_id, "test", 0, "obs")
     child = spawn("""
         import sys, msgpack
-        from shared import shm
+        from shared.transport import shm
         seg, obs, desc = shm.allocate(sys.argv[1], msgpack.unpackb(bytes.fromhex(sys.argv[2])))
         obs.vector[...] = 1.0
         print(desc["nonce"], flush=True)

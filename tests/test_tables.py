@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from shared.namedarraytuple import from_spec, namedarraytuple, spec_of
-from shared.replay import OnPolicyBatch, Transition
-from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
+from shared.data.namedarraytuple import from_spec, namedarraytuple, spec_of
+from shared.data.batches import OnPolicyBatch, Transition
+from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
 from shared.replay.tables import (
     SegmentStorage,

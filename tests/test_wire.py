@@ -10,9 +10,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared import wire
-from shared.obs_stats import NO_MOMENTS
-from shared.sockets import Endpoint, Rejected
+from shared.transport import wire
+from shared.data.obs_stats import NO_MOMENTS
+from shared.transport.sockets import Endpoint, Rejected
 
 JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats(allow_nan=False) | st.text(max_size=8),

@@ -5,17 +5,19 @@ import logging
 import zmq
 
 from services.action_server.server import ActionServer
-from shared import metrics as metrics_mod
-from shared import wire
-from shared.acting import acting_seed
+from shared.runtime import metrics as metrics_mod
+from shared.transport import wire
+from shared.agents.acting import acting_seed
 from shared.agents.actor import seed_torch
-from shared.auth import read_secret
-from shared.config import endpoint, most_count, socket_dir
-from shared.factory import env_probe, example_step, make_agent
-from shared.layout import slot_spec
-from shared.namedarraytuple import drop_leading_dims
-from shared.runtime import run_id_of, serve, torch_device
-from shared.sockets import Endpoint
+from shared.transport.auth import read_secret
+from shared.config.endpoints import endpoint, socket_dir
+from shared.config.schema import most_count
+from services.build import env_probe, example_step, make_agent
+from shared.data.layout import slot_spec
+from shared.data.namedarraytuple import drop_leading_dims
+from shared.runtime.process import run_id_of, torch_device
+from services.process import serve
+from shared.transport.sockets import Endpoint
 
 log = logging.getLogger("services.action_server")
 

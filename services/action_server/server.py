@@ -1,7 +1,7 @@
 """The action-server: batched inference for many samplers' step slots.
 
 Samplers say hello over ZeroMQ with the descriptors of their step slots (shared memory);
-the server attaches them and opens the sampler's doorbell (``shared.doorbell``). From then
+the server attaches them and opens the sampler's doorbell (``shared.transport.doorbell``). From then
 on every step goes through the doorbell: the sampler rings "slot s holds step n"; the
 server gathers the requests that are waiting (up to ``max_batch``, waiting at most
 ``max_wait_ms`` for more), runs the agent once on their concatenated observations,
@@ -23,14 +23,14 @@ import numpy as np
 import torch
 import zmq
 
-from shared import shm
+from shared.transport import shm
 from shared.agents.actor import Actor
-from shared.auth import check_secret
-from shared.config import ActionServerConfig
-from shared.doorbell import PeerGone, ServerBell
-from shared.namedarraytuple import drop_leading_dims, leading_len, map_leaves, zip_map
-from shared.params import ParamAnnouncements, ParamStream
-from shared.sockets import Endpoint, Rejected
+from shared.transport.auth import check_secret
+from shared.config.schema import ActionServerConfig
+from shared.transport.doorbell import PeerGone, ServerBell
+from shared.data.namedarraytuple import drop_leading_dims, leading_len, map_leaves, zip_map
+from shared.transport.params import ParamAnnouncements, ParamStream
+from shared.transport.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
 POLL_MS = 100
@@ -68,7 +68,7 @@ class ActionServer:
         the run; ``slot_item_spec``: one env's StepSlot; ``envs_per_sampler``/``envs_total`` give
         every env a global index, for agents whose exploration depends on it
         (``cfg.epsilon(env_steps, env_index, envs_total)``); ``seed``: of the exploration noise
-        (``shared.acting.acting_seed``; None: fresh entropy); ``frames``: ``params`` brings the
+        (``shared.agents.acting.acting_seed``; None: fresh entropy); ``frames``: ``params`` brings the
         parameters as frames (the learner runs on another node), not shared-memory announcements."""
         self.cfg, self.agent, self.router, self.params, self.m = cfg, agent, router, params, metrics
         self.act = Actor(agent, seed)

@@ -12,11 +12,12 @@ import time
 
 from services.evaluator.episodes import play, summary
 from services.evaluator.reports import Reports
-from shared import metrics as metrics_mod
-from shared import shm
-from shared.factory import env_probe, make_agent
-from shared.params import ParamFollower
-from shared.runtime import run_id_of, serve, torch_device
+from shared.runtime import metrics as metrics_mod
+from shared.transport import shm
+from services.build import env_probe, make_agent
+from shared.transport.params import ParamFollower
+from shared.runtime.process import run_id_of, torch_device
+from services.process import serve
 
 log = logging.getLogger("services.evaluator")
 NICE = 10  # scheduling priority below the run's other processes (which keep the default 0)

@@ -20,11 +20,11 @@ import torch
 
 from services.learner.learner import CHECKPOINT
 from shared.agents import EVALUATE
-from shared.config import Experiment
-from shared.envs import EnvGroup, EpisodeTracker, make_env
-from shared.factory import env_probe, example_step, make_agent
-from shared.layout import slot_spec
-from shared.namedarraytuple import from_spec, numpify, torchify
+from shared.config.schema import Experiment
+from shared.envs.group import EnvGroup, EpisodeTracker, make_env
+from services.build import env_probe, example_step, make_agent
+from shared.data.layout import slot_spec
+from shared.data.namedarraytuple import from_spec, numpify, torchify
 
 MakeEnv = Callable[..., tuple[gym.Env, EpisodeTracker]]
 

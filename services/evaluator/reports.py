@@ -1,4 +1,4 @@
-"""Where an evaluation's result goes: eval.csv and eval.json (shared/evaluation.py), TensorBoard
+"""Where an evaluation's result goes: eval.csv and eval.json (shared/runtime/evaluation.py), TensorBoard
 event files in <run>/tb, and the evaluator's Prometheus gauges."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 from torch.utils.tensorboard import SummaryWriter
 
-from shared import evaluation
-from shared.runtime import TB_DIR
+from shared.runtime import evaluation
+from shared.runtime.process import TB_DIR
 
 
 class Reports:

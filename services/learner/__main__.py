@@ -6,15 +6,17 @@ import zmq
 
 from services.learner.learner import Learner, lock_run, run_loop
 from services.learner.transport import PublishedParams, RemoteBatches, Unpublished
-from shared import metrics as metrics_mod
-from shared import ranks, shm
-from shared.acting import write_acting_file
+from shared.runtime import metrics as metrics_mod
+from shared.transport import ranks
+from shared.transport import shm
+from shared.agents.acting import write_acting_file
 from shared.agents.actor import acting_plan
-from shared.auth import read_secret
-from shared.config import endpoint
-from shared.factory import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
-from shared.params import ParamWriter
-from shared.runtime import run_id_of, serve, torch_device
+from shared.transport.auth import read_secret
+from shared.config.endpoints import endpoint
+from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
+from shared.transport.params import ParamWriter
+from shared.runtime.process import run_id_of, torch_device
+from services.process import serve
 
 log = logging.getLogger("services.learner")
 JOIN_TIMEOUT_S = 120.0

@@ -10,7 +10,7 @@ a full disk, say) is reported and the previous one is used. A lock file in the r
 directory keeps a second learner of the same run and rank from starting (it would take over
 the first one's segments).
 
-Data-parallel ranks (``learner.count`` > 1, ``shared.ranks``): each rank trains on its share
+Data-parallel ranks (``learner.count`` > 1, ``shared.transport.ranks``): each rank trains on its share
 of every batch, and their gradient steps average the gradients, so all hold the same
 parameters; every ``CHECK_EVERY`` updates they compare checksums and stop on a difference.
 Rank 0 alone publishes versions and writes progress, checkpoints and the result; whether
@@ -32,11 +32,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from shared import evaluation
-from shared.config import Experiment
-from shared.namedarraytuple import torchify
-from shared.ranks import Group
-from shared.runtime import TB_DIR, append_csv
+from shared.runtime import evaluation
+from shared.config.schema import Experiment
+from shared.data.namedarraytuple import torchify
+from shared.transport.ranks import Group
+from shared.runtime.process import TB_DIR, append_csv
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "checkpoints/latest.pt"

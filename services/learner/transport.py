@@ -7,10 +7,10 @@ import time
 
 import zmq
 
-from shared.metrics import bad_message_counter
-from shared.namedarraytuple import from_leaves, spec_of
-from shared.params import ParamWriter
-from shared.sockets import Endpoint
+from shared.runtime.metrics import bad_message_counter
+from shared.data.namedarraytuple import from_leaves, spec_of
+from shared.transport.params import ParamWriter
+from shared.transport.sockets import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from shared.runtime import pid_alive, serve
+from shared.runtime.process import pid_alive
+from services.process import serve
 
 log = logging.getLogger("services.metrics")
 _PID = re.compile(r"_(\d+)\.db$")

@@ -6,13 +6,14 @@ import zmq
 
 from services.replay.service import SNAPSHOT_DIR, ReplayService
 from services.replay.tables import make_table, table_arena
-from shared import metrics as metrics_mod
-from shared import runtime
-from shared.auth import read_secret
-from shared.config import endpoint, most_count
-from shared.factory import round_items
-from shared.runtime import serve
-from shared.sockets import Endpoint
+from shared.runtime import metrics as metrics_mod
+from shared.runtime import process as runtime
+from shared.transport.auth import read_secret
+from shared.config.endpoints import endpoint
+from shared.config.schema import most_count
+from services.build import round_items
+from services.process import serve
+from shared.transport.sockets import Endpoint
 
 log = logging.getLogger("services.replay")
 

@@ -40,14 +40,13 @@ from pathlib import Path
 
 
 from services.replay.tables import PRIORITIZED, sample_batch
-from shared import shm
-from shared.auth import check_secret
-from shared.config import ReplayConfig
-from shared.namedarraytuple import (drop_leading_dims, from_leaves, from_spec, leaves, spec_leading_len, spec_of,
-                                    validate_spec)
-from shared.obs_stats import NO_MOMENTS, Moments
-from shared.replay import column_share
-from shared.sockets import Endpoint, Rejected
+from shared.transport import shm
+from shared.transport.auth import check_secret
+from shared.config.schema import ReplayConfig
+from shared.data.namedarraytuple import drop_leading_dims, from_leaves, from_spec, leaves, spec_leading_len, spec_of, validate_spec
+from shared.data.obs_stats import NO_MOMENTS, Moments
+from shared.data.batches import column_share
+from shared.transport.sockets import Endpoint, Rejected
 
 log = logging.getLogger(__name__)
 POLL_MS = 50

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.config import ReplayConfig
+from shared.config.schema import ReplayConfig
 from shared.replay.arena import HEAP, Arena, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform

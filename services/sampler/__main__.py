@@ -8,13 +8,16 @@ import zmq
 
 from services.sampler.sampler import Sampler, run_loop
 from services.sampler.transport import RemoteActions, RemoteSink
-from shared import metrics as metrics_mod
-from shared import shm, wire
-from shared.auth import read_secret
-from shared.config import endpoint, most_count, socket_dir
-from shared.factory import env_probe, make_agent
-from shared.runtime import run_id_of, serve, torch_device
-from shared.sockets import Endpoint
+from shared.runtime import metrics as metrics_mod
+from shared.transport import shm
+from shared.transport import wire
+from shared.transport.auth import read_secret
+from shared.config.endpoints import endpoint, socket_dir
+from shared.config.schema import most_count
+from services.build import env_probe, make_agent
+from shared.runtime.process import run_id_of, torch_device
+from services.process import serve
+from shared.transport.sockets import Endpoint
 
 log = logging.getLogger("services.sampler")
 POLL_S = 0.02  # waiting for the learner's first publication at start-up
@@ -24,11 +27,11 @@ NOTE_S = 10.0  # a note in the log this often while the learner is not there
 def local_actions(exp, sampler: Sampler, run_dir, run_id: str, ctx: zmq.Context):
     """Local inference: the agent's copy that follows the learner's parameter segment (or, on
     another node than the learner, the versions it publishes as frames). Where the learner
-    published a numpy acting plan (``shared.acting``), the sampler acts in numpy on its own
+    published a numpy acting plan (``shared.agents.acting``), the sampler acts in numpy on its own
     copy of the state and never imports torch; else it builds the torch agent."""
     from services.sampler.local import LocalActions
-    from shared.acting import acting_seed, numpy_actor, read_acting_file
-    from shared.params import ParamFollower, ParamStream, StateArrays
+    from shared.agents.acting import acting_seed, numpy_actor, read_acting_file
+    from shared.transport.params import ParamFollower, ParamStream, StateArrays
 
     seed = acting_seed(exp.run.seed, "sampler", sampler.instance)
     segment, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)

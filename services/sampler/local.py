@@ -1,9 +1,9 @@
 """Local inference (rlpyt's parallel-CPU sampler): the sampler runs its own copy of the agent.
 
 No action-server and no per-step message: ``request`` runs the agent on the group's step
-slot at once. Parameters come from ``params``: in the pipeline a ``shared.params.ParamFollower``
+slot at once. Parameters come from ``params``: in the pipeline a ``shared.transport.params.ParamFollower``
 on the learner's segment (checked before every step), in serial mode the learner itself.
-The acting step is a ``shared.acting.NumpyActor`` on the sampler's own copy of the state
+The acting step is a ``shared.agents.acting.NumpyActor`` on the sampler's own copy of the state
 (no torch in the process) where the learner published an acting plan, else a
 ``shared.agents.actor.Actor`` around a torch copy of the agent.
 """

@@ -19,12 +19,12 @@ from typing import Protocol
 
 import numpy as np
 
-from shared import shm
-from shared.agent_config import info_example
-from shared.config import ALGOS, SAMPLER_SEED_STRIDE, Experiment
-from shared.envs import EnvError, EnvGroup
-from shared.layout import segment_spec, slot_spec, step_example
-from shared.namedarraytuple import from_spec, with_leading_dims
+from shared.transport import shm
+from shared.agents.config import info_example
+from shared.config.schema import ALGOS, SAMPLER_SEED_STRIDE, Experiment
+from shared.envs.group import EnvError, EnvGroup
+from shared.data.layout import segment_spec, slot_spec, step_example
+from shared.data.namedarraytuple import from_spec, with_leading_dims
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import time
 
 import zmq
 
-from shared.doorbell import STEP_MOD, PeerGone, SamplerBell
-from shared.metrics import bad_message_counter
-from shared.namedarraytuple import leaves
-from shared.sockets import Endpoint
+from shared.transport.doorbell import STEP_MOD, PeerGone, SamplerBell
+from shared.runtime.metrics import bad_message_counter
+from shared.data.namedarraytuple import leaves
+from shared.transport.sockets import Endpoint
 
 log = logging.getLogger(__name__)
 HELLO_BACKOFF_S = 1.0
@@ -25,7 +25,7 @@ HELLO_BACKOFF_S = 1.0
 class RemoteActions:
     """ActionSource served by one action-server: hello over a DEALER socket, then the doorbell.
 
-    Each step rings the action-server's doorbell (``shared.doorbell``) and waits for its
+    Each step rings the action-server's doorbell (``shared.transport.doorbell``) and waits for its
     answer there: no socket round trip per step. A doorbell that closes (the action-server
     died) or stays silent for ``timeout_ms`` makes the sampler say hello again on a fresh
     socket and ring again for what was outstanding.

@@ -1,19 +1,19 @@
 """One agent step for a batch of observations: the same in the action-server, in
 local-inference samplers that act in torch and in serial mode; and the acting plan of the
-agents that can act in numpy (``shared.acting``)."""
+agents that can act in numpy (``shared.agents.acting``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from shared.acting import numpy_actor
+from shared.agents.acting import numpy_actor
 from shared.agents import StepContext
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
-from shared.models import MLP, Encoder, EnsembleMLP
-from shared.namedarraytuple import numpify, torchify
-from shared.params import field_name
+from shared.agents.models import MLP, Encoder, EnsembleMLP
+from shared.data.namedarraytuple import numpify, torchify
+from shared.transport.params import field_name
 
 _ACTIVATION_NAMES = {torch.tanh: "tanh", torch.relu: "relu", None: None}
 
@@ -24,7 +24,7 @@ def seed_torch(seed: np.random.SeedSequence) -> None:
 
 
 def acting_plan(agent) -> dict | None:
-    """The numpy acting plan of ``agent`` (``shared.acting``), or None where it must act in torch
+    """The numpy acting plan of ``agent`` (``shared.agents.acting``), or None where it must act in torch
     (on the CPU, that is: the plan says nothing of the device ``agent`` is on)."""
     if getattr(agent, "core", None) is not None:
         return None

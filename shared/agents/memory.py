@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.agent_config import Memory, ModelConfig, RnnState
+from shared.agents.config import Memory, ModelConfig, RnnState
 from shared.agents import StepContext
 
 log = logging.getLogger(__name__)

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.distributions import Normal
 
-from shared.agent_config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
+from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
-from shared.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
-from shared.namedarraytuple import leading_len, map_leaves
+from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
+from shared.data.namedarraytuple import leading_len, map_leaves
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
@@ -71,7 +71,7 @@ class PgAgent(nn.Module):
             raise ValueError(
                 f"PgAgent: action space {action_space} not supported; use Discrete, MultiDiscrete or Box"
             )
-        # Discrete actions are indices 0..n-1 (as shared.envs specifies); EnvGroup adds a
+        # Discrete actions are indices 0..n-1 (as shared.envs.group specifies); EnvGroup adds a
         # space's ``start`` when it hands them to the env.
 
         self.obs_norm = make_obs_norm(obs_example, cfg)

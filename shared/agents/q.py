@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.agent_config import Memory, ModelConfig, QAgentConfig, QAgentInfo, RecurrentQAgentInfo
+from shared.agents.config import Memory, ModelConfig, QAgentConfig, QAgentInfo, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
 from shared.agents.memory import ActingMemory, core_memory, make_core
-from shared.models import MLP, make_encoder, make_obs_norm, obs_to
-from shared.namedarraytuple import leading_len, map_leaves
+from shared.agents.models import MLP, make_encoder, make_obs_norm, obs_to
+from shared.data.namedarraytuple import leading_len, map_leaves
 
 
 class QAgent(nn.Module):

@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.agent_config import ModelConfig, QpgAgentConfig, QpgAgentInfo
+from shared.agents.config import ModelConfig, QpgAgentConfig, QpgAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
-from shared.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
-from shared.namedarraytuple import leading_len
+from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
+from shared.data.namedarraytuple import leading_len
 
 ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
 _LOG_2 = math.log(2.0)

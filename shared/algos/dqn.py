@@ -24,7 +24,7 @@ from shared.algos.hparams import DQNConfig
 from shared.algos.optim import set_lr
 from shared.algos.target import TargetNetworkAlgo
 from shared.agents.q import QAgent
-from shared.replay import Transition
+from shared.data.batches import Transition
 
 
 class DQN(TargetNetworkAlgo):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from shared.agents.memory import sequence_reset
-from shared.algos import OnPolicyBatch
-from shared.namedarraytuple import map_leaves, namedarraytuple
+from shared.data.batches import OnPolicyBatch
+from shared.data.namedarraytuple import map_leaves, namedarraytuple
 
 PgTargets = namedarraytuple(
     "PgTargets", ["observation", "action", "old_log_prob", "old_value", "advantage", "returns", "memory", "reset"]

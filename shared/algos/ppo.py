@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.algos import OnPolicyBatch
+from shared.data.batches import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import PPOConfig
 from shared.algos.optim import adam, average_over_ranks, gradient_step, set_lr

@@ -29,7 +29,7 @@ import torch
 from shared.agents.qpg import DeterministicAgent, QpgAgent, SacAgent
 from shared.algos.hparams import DDPGConfig, QpgConfig, SACConfig, TD3Config  # noqa: F401 (re-exported)
 from shared.algos.optim import adam, gradient_step, set_lr
-from shared.replay import Transition
+from shared.data.batches import Transition
 
 
 class _QpgAlgo:

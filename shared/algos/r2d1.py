@@ -30,15 +30,15 @@ from typing import NamedTuple
 
 import torch
 
-from shared.agent_config import Memory, RnnState
+from shared.agents.config import Memory, RnnState
 from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
 from shared.algos.optim import set_lr
 from shared.algos.target import TargetNetworkAlgo
-from shared.models import obs_to
-from shared.namedarraytuple import map_leaves
-from shared.replay import SequenceBatch
+from shared.agents.models import obs_to
+from shared.data.namedarraytuple import map_leaves
+from shared.data.batches import SequenceBatch
 
 __all__ = ["R2D1", "R2D1Config", "h", "h_inv", "sequence_targets", "sequence_priorities"]
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from shared import shm
-from shared.namedarraytuple import from_spec, spec_nbytes
+from shared.transport import shm
+from shared.data.namedarraytuple import from_spec, spec_nbytes
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,10 @@ earlier frames replay never saw do not match and are skipped).
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 
-from shared.namedarraytuple import spec_nbytes
+from shared.data.namedarraytuple import spec_nbytes
 from shared.replay.arena import HEAP, Arena, Cells
 
 _U8 = np.dtype(np.uint8).str

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.namedarraytuple import leaves, map_leaves, spec_of, with_leading_dims
-from shared.replay import SequenceBatch
+from shared.data.namedarraytuple import leaves, map_leaves, spec_of, with_leading_dims
+from shared.data.batches import SequenceBatch
 from shared.replay.arena import HEAP, Arena, Cells
 from shared.replay.tables import ColumnRing, _check_like, _check_segment, _field, _segment_dims, _take_into
 

@@ -18,9 +18,9 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from shared.namedarraytuple import leading_len, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
-from shared import faults
-from shared.replay import Transition
+from shared.data.namedarraytuple import leading_len, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
+from shared.runtime import faults
+from shared.data.batches import Transition
 from shared.replay.arena import HEAP, OP_DROP, OP_INSERT, OP_NAMES, OP_PRIORITIES, OP_SAMPLE, Arena, Cells
 from shared.replay.frames import FrameStacks, frame_stack_shape
 from shared.replay.nstep import nstep_targets

@@ -17,9 +17,9 @@ import time
 import numpy as np
 import pytest
 
-from shared.agent_config import QAgentInfo
-from shared.layout import step_example
-from shared.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
+from shared.agents.config import QAgentInfo
+from shared.data.layout import step_example
+from shared.data.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Uniform
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig

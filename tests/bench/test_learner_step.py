@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.learner.learner import Learner
-from shared import config
-from shared.factory import batch_spec, env_probe, example_step, make_agent, make_algo
-from shared.namedarraytuple import from_spec, leaves
+from shared.config import loading as config
+from services.build import batch_spec, env_probe, example_step, make_agent, make_algo
+from shared.data.namedarraytuple import from_spec, leaves
 from tests.pipeline import CONFIGS
 
 pytestmark = pytest.mark.bench

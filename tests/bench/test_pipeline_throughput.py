@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from shared.agents.pg import PgAgent
-from shared.models import ModelConfig
+from shared.agents.models import ModelConfig
 from tests.pipeline import Run, free_port
 
 pytestmark = pytest.mark.bench

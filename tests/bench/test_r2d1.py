@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared.agent_config import ModelConfig, info_example
-from shared.layout import segment_spec, step_example
-from shared.namedarraytuple import buffer_from_example, from_spec
+from shared.agents.config import ModelConfig, info_example
+from shared.data.layout import segment_spec, step_example
+from shared.data.namedarraytuple import buffer_from_example, from_spec
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized
 from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
@@ -78,9 +78,9 @@ def test_sequence_table_sampling_throughput():
 
 def test_r2d1_pong_updates_per_second():
     from services.serial import train_serial  # noqa: F401  (imports the services the way a run does)
-    from shared import config
-    from shared.factory import batch_spec, env_probe, example_step, make_agent, make_algo
-    from shared.namedarraytuple import torchify
+    from shared.config import loading as config
+    from services.build import batch_spec, env_probe, example_step, make_agent, make_algo
+    from shared.data.namedarraytuple import torchify
     from tests.pipeline import CONFIGS
 
     print(f"\ntorch threads {torch.get_num_threads()}")

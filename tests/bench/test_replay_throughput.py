@@ -16,12 +16,12 @@ import time
 import numpy as np
 import pytest
 
-from shared.layout import step_example
-from shared.namedarraytuple import buffer_from_example, from_spec, leaves, spec_of, with_leading_dims
+from shared.data.layout import step_example
+from shared.data.namedarraytuple import buffer_from_example, from_spec, leaves, spec_of, with_leading_dims
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized, PrioritizedConfig, Uniform
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
-from shared.agent_config import QAgentInfo
+from shared.agents.config import QAgentInfo
 
 pytestmark = pytest.mark.bench
 CAPACITY, T, B, BATCH, REPEAT = 1_000_000, 64, 16, 256, 5

@@ -18,7 +18,7 @@ from datetime import datetime
 
 import pytest
 
-from shared import config
+from shared.config import loading as config
 from tests.pipeline import CONFIGS, Run, rlpipe
 
 pytestmark = pytest.mark.bench

@@ -1,0 +1,104 @@
+"""Builds the agent, the algorithm and the batch layout an experiment names (one place for all services)."""
+
+from __future__ import annotations
+
+from shared.agents.config import info_example
+from shared.config.schema import ALGOS, ConfigError, Experiment
+from shared.envs.group import EnvGroup
+from shared.data.layout import segment_spec, step_example
+
+
+def family(exp: Experiment) -> str:
+    """The agent family of the experiment's algorithm: pg, q or qpg (``agent_config.FAMILIES``)."""
+    return ALGOS[exp.algo_name][2]
+
+
+def on_policy(exp: Experiment) -> bool:
+    return family(exp) == "pg"
+
+
+def env_probe(exp: Experiment) -> EnvGroup:
+    """One env of the experiment, for its spaces and example observation/action."""
+    return EnvGroup(exp.env, 1, exp.run.seed)
+
+
+def make_agent(exp: Experiment, probe: EnvGroup):
+    """The run's agent, initialised from ``run.seed``: every process that builds it (learner,
+    local samplers acting in torch, action-servers) holds the same version-0 parameters, so
+    those can act before the learner has published anything. ConfigError (one line) for an
+    agent that cannot be built for the env."""
+    import torch
+
+    torch.manual_seed(exp.run.seed)
+    obs, space = probe.example_observation(), probe.action_space
+    try:
+        if family(exp) == "pg":
+            from shared.agents.pg import PgAgent
+
+            return PgAgent(obs, space, exp.model, exp.agent)
+        if family(exp) == "q":
+            from shared.agents.q import QAgent
+
+            return QAgent(obs, space, exp.model, exp.agent)
+        from shared.agents.qpg import DeterministicAgent, SacAgent
+
+        cls = SacAgent if exp.algo_name == "sac" else DeterministicAgent
+        return cls(obs, space, exp.model, exp.agent, n_critics=exp.algo.n_critics)
+    except (ValueError, RuntimeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"the {exp.algo_name} agent (encoder = {exp.model.encoder!r}) cannot be built for "
+                          f"{exp.env.id}: {first}") from None
+
+
+def check_buildable(exp: Experiment) -> None:
+    """Build the env and the agent as every service will, so that a model that cannot
+    exist is one ConfigError before anything starts (``rlpipe prepare``, grids)."""
+    probe = env_probe(exp)
+    try:
+        make_agent(exp, probe)
+    finally:
+        probe.close()
+
+
+def make_algo(exp: Experiment, agent):
+    from shared.algos.a2c import A2C
+    from shared.algos.dqn import DQN
+    from shared.algos.ppo import PPO
+    from shared.algos.qpg import DDPG, SAC
+    from shared.algos.r2d1 import R2D1
+
+    return {"ppo": PPO, "a2c": A2C, "dqn": DQN, "r2d1": R2D1, "ddpg": DDPG, "td3": DDPG,
+            "sac": SAC}[exp.algo_name](agent, exp.algo)
+
+
+def example_step(exp: Experiment, probe: EnvGroup):
+    """One step of samples of the experiment (the layout of every buffer that holds steps)."""
+    action = probe.example_action()
+    return step_example(probe.example_observation(), action, info_example(family(exp), exp.model, action, exp.agent))
+
+
+def batch_items(exp: Experiment) -> int:
+    """What the learner asks replay for per batch: segments (on-policy), transitions or sequences (r2d1)."""
+    return exp.learner.batch_segments if on_policy(exp) else exp.algo.batch_size
+
+
+def round_items(exp: Experiment) -> int:
+    """What replay takes from its table for one batch of every learner rank: the batch's
+    segments on-policy (the ranks split their env columns), a sample for each rank off-policy."""
+    return batch_items(exp) * (1 if on_policy(exp) else exp.learner.count)
+
+
+def batch_spec(exp: Experiment, example):
+    """Layout of one learner batch slot: OnPolicyBatch [T, n*B / learner.count] (a rank's share
+    of the env columns), Transition [batch_size] or SequenceBatch [sequence_length, batch_size] (r2d1)."""
+    if on_policy(exp):
+        return segment_spec(example, exp.sampler.horizon,
+                            exp.sampler.envs * exp.learner.batch_segments // exp.learner.count)
+    from shared.data.namedarraytuple import spec_of
+    if exp.replay.table == "sequence":
+        from shared.replay.sequences import sequence_batch_spec
+
+        return sequence_batch_spec(spec_of(example), exp.replay.sequence_length, exp.algo.batch_size)
+    from shared.replay.tables import transition_batch_spec
+
+    return transition_batch_spec(spec_of(example), exp.algo.batch_size)

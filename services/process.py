@@ -1,0 +1,69 @@
+"""What every service process does first: arguments, logging, signals, its config; and how it ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable, NoReturn
+from shared.config import loading, schema
+from shared.transport import shm
+from shared.runtime.process import CONFIG_ERROR, RUN_CONFIG, install_signal_handlers, setup_logging
+
+
+def service_args(service: str, argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m services.{service}", description=f"rlpipe {service} service")
+    p.add_argument("--run-dir", required=True, help="the run directory made by `rlpipe launch`")
+    p.add_argument("--instance", type=int, default=0, help="index of this process among its service's processes")
+    return p.parse_args(argv)
+
+
+def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int]:
+    """Parse args, set up logging and signals, one BLAS thread (``torch_device``), read the
+    run's resolved config."""
+    from threadpoolctl import threadpool_limits
+
+    args = service_args(service, argv)
+    setup_logging(f"{service}{args.instance}")
+    install_signal_handlers()
+    threadpool_limits(1, user_api="blas")  # torch-free services too: a numpy acting step is numpy's BLAS
+    run_dir = Path(args.run_dir)
+    exp = loading.load(run_dir / RUN_CONFIG)
+    if exp.network.transport == "tcp":
+        from shared.transport import auth
+        from shared.transport import sockets
+
+        sockets.use_curve(auth.read_curve_keys(run_dir))  # every tcp socket of this process speaks CURVE
+    return exp, run_dir, args.instance
+
+
+def serve(service: str, run: Callable[[schema.Experiment, Path, int], None]) -> NoReturn:
+    """A service's process: ``run(exp, run_dir, instance)``, then exit at once.
+
+    The exit skips the interpreter's teardown of its modules (torch's alone takes up to a
+    second, which every `rlpipe stop` would wait for): by then ``run``'s finally blocks have
+    closed its sockets, and the segments it still owns are unlinked here. A SIGTERM
+    (SystemExit) exits with its code; a ConfigError is one ``config error: ...`` line and
+    exits 2; any other exception is logged and exits 1.
+    """
+    code = 0
+    try:
+        run(*start_service(service))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except schema.ConfigError as e:  # one line the launcher shows as it is (launch.wait_until_built)
+        print(f"{CONFIG_ERROR}{e}", file=sys.stderr)
+        code = 2
+    except BaseException:  # noqa: BLE001 - reported, then the process ends as it would have
+        traceback.print_exc()
+        code = 1
+    finally:
+        shm.unlink_all_owned()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,308 @@
+"""Observation encoders: any (nested) observation to one feature vector per sample.
+
+``make_encoder(obs_example, cfg)`` builds a module that flattens and concatenates the
+leaves of an observation tree (image leaves go through a Nature CNN first) and runs the
+result through an MLP trunk. Agents put their heads on top of it. Initialisation follows
+CleanRL: orthogonal weights, zero biases, gain sqrt(2) for hidden layers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shared.agents.config import ModelConfig
+from shared.data.namedarraytuple import leaves, map_leaves
+
+_ACTIVATIONS = {"tanh": (nn.Tanh, torch.tanh), "relu": (nn.ReLU, torch.relu)}  # keys: agent_config.ACTIVATIONS
+HIDDEN_GAIN = math.sqrt(2.0)
+
+
+def obs_to(obs, device: torch.device, norm: "ObsNorm | None" = None):
+    """An observation tree (numpy or torch leaves) as torch tensors on ``device``, normalised
+    by ``norm`` when the agent has one."""
+    obs = map_leaves(lambda x: torch.as_tensor(x).to(device, non_blocking=True), obs)
+    return obs if norm is None else norm(obs)
+
+
+class ObsNorm(nn.Module):
+    """(x - mean) / sqrt(var + 1e-8), clipped to +-clip, for one float observation array.
+
+    ``count``, ``mean`` and ``var`` (float64) are buffers: part of the agent's state_dict, so
+    they travel with every parameter version and into checkpoints. ``update`` merges the
+    sums ``shared.data.obs_stats.Moments`` collected from inserted segments.
+    """
+
+    def __init__(self, shape: tuple[int, ...], clip: float) -> None:
+        super().__init__()
+        self.clip = clip
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("mean", torch.zeros(shape, dtype=torch.float64))
+        self.register_buffer("var", torch.ones(shape, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x - self.mean.float()) * torch.rsqrt(self.var.float() + 1e-8)).clamp(-self.clip, self.clip)
+
+    @torch.no_grad()
+    def update(self, obs_count: int, obs_sum, obs_sumsq) -> None:
+        from shared.data.obs_stats import merge
+
+        shape = self.mean.shape
+        count, mean, var = merge(self.count.item(), self.mean.cpu().numpy().reshape(-1),
+                                 self.var.cpu().numpy().reshape(-1), obs_count, np.asarray(obs_sum),
+                                 np.asarray(obs_sumsq))
+        self.count.fill_(count)
+        self.mean.copy_(torch.as_tensor(mean).reshape(shape))
+        self.var.copy_(torch.as_tensor(var).reshape(shape))
+
+
+def make_obs_norm(obs_example, cfg: ModelConfig) -> ObsNorm | None:
+    """The agent's observation normaliser, or None without ``cfg.normalize_observations``.
+    ValueError for observations it cannot normalise (trees, integer arrays)."""
+    if not cfg.normalize_observations:
+        return None
+    arr = obs_example if isinstance(obs_example, np.ndarray) else None
+    if arr is None or not np.issubdtype(arr.dtype, np.floating):
+        raise ValueError("model.normalize_observations needs observations that are one float array, got "
+                         f"{type(obs_example).__name__}" + (f" of {arr.dtype}" if arr is not None else ""))
+    return ObsNorm(tuple(arr.shape), cfg.obs_clip)
+
+
+def init_layer(layer: nn.Module, gain: float = HIDDEN_GAIN) -> nn.Module:
+    """Orthogonal weights with ``gain``, zero bias (CleanRL's ``layer_init``)."""
+    nn.init.orthogonal_(layer.weight, gain)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class MLP(nn.Module):
+    """Fully connected layers ``in_dim -> hidden_sizes...``, each followed by the activation.
+
+    ``output_size`` adds a final linear layer (no activation) initialised with
+    ``output_gain``. Input [N, in_dim] -> output [N, out_dim].
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        hidden_sizes: tuple[int, ...],
+        activation: str = "tanh",
+        output_size: int | None = None,
+        output_gain: float = 1.0,
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        module, fn = _ACTIVATIONS[activation]
+        # plan: (linear, activation or None) in order; forward calls them directly, since the
+        # module-call machinery costs more than a small layer's matmul (the sampler's hot path).
+        self.plan: list[tuple[nn.Linear, object]] = []
+        last = in_dim
+        for width in hidden_sizes:
+            layers += [init_layer(nn.Linear(last, width)), module()]
+            self.plan.append((layers[-2], fn))
+            last = width
+        if output_size is not None:
+            layers.append(init_layer(nn.Linear(last, output_size), output_gain))
+            self.plan.append((layers[-1], None))
+            last = output_size
+        self.net = nn.Sequential(*layers)  # owns the parameters (state_dict keys net.<i>.weight)
+        self.out_dim = last
+
+    @property
+    def device(self) -> torch.device:
+        """Where the first layer's weight lives (cheap: agents ask on every step)."""
+        return self.net[0].weight.device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for linear, fn in self.plan:
+            x = F.linear(x, linear.weight, linear.bias)
+            if fn is not None:
+                x = fn(x)
+        return x
+
+
+class EnsembleMLP(nn.Module):
+    """``n`` independent MLPs of one shape run as one: each layer is a batched matmul
+    (``torch.baddbmm``) over weights [n, in, out], so twin critics cost one critic's kernel
+    launches, which is what small networks on a CPU pay for. Each member is initialised
+    like ``MLP`` (orthogonal, gain sqrt(2) for hidden layers, ``output_gain`` for the last:
+    one for all members, or one each). Input [n, N, in_dim] -> output [n, N, out_dim].
+    """
+
+    def __init__(self, n: int, in_dim: int, hidden_sizes: tuple[int, ...], activation: str = "tanh",
+                 output_size: int = 1, output_gain: float | tuple[float, ...] = 1.0) -> None:
+        super().__init__()
+        self.fn = _ACTIVATIONS[activation][1]
+        self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
+        sizes = [in_dim, *hidden_sizes, output_size]
+        out_gains = output_gain if isinstance(output_gain, tuple) else (output_gain,) * n
+        if len(out_gains) != n:
+            raise ValueError(f"EnsembleMLP: {len(out_gains)} output gains for {n} members")
+        for k, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
+            gains = out_gains if k == len(sizes) - 2 else (HIDDEN_GAIN,) * n
+            members = [nn.init.orthogonal_(torch.empty(b, a), gain).T for gain in gains]  # nn.Linear's [out, in], transposed
+            self.weights.append(nn.Parameter(torch.stack(members)))
+            self.biases.append(nn.Parameter(torch.zeros(n, 1, b)))
+        self.out_dim = output_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights[0].device
+
+    def member(self, m: int, x: torch.Tensor) -> torch.Tensor:
+        """Member ``m`` alone on input [*L, in_dim] -> [*L, out_dim] (the others' work skipped)."""
+        lead = x.shape[:-1]
+        x = x.reshape(-1, x.shape[-1])
+        last = len(self.weights) - 1
+        for k, (w, b) in enumerate(zip(self.weights, self.biases)):
+            x = torch.addmm(b[m], x, w[m])
+            if k < last:
+                x = self.fn(x)
+        return x.reshape(*lead, x.shape[-1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = len(self.weights) - 1
+        for k, (w, b) in enumerate(zip(self.weights, self.biases)):
+            x = torch.baddbmm(b, x, w)
+            if k < last:
+                x = self.fn(x)
+        return x
+
+
+class NatureCNN(nn.Module):
+    """Mnih et al. (2015) torso: 32x8x8/4, 64x4x4/2, 64x3x3/1, fc 512, relu throughout.
+
+    Input [N, C, H, W] (or [N, H, W, C] with ``channels_last``), multiplied by ``scale``.
+    Output [N, 512]. Images need H, W >= ``MIN_SIDE`` for the three kernels to fit.
+    """
+
+    MIN_SIDE = 36  # 36 -> 8 -> 3 -> 1
+
+    def __init__(self, image_shape: tuple[int, ...], channels_last: bool, scale: float = 1.0 / 255.0) -> None:
+        super().__init__()
+        self.channels_last, self.scale = channels_last, scale
+        c, h, w = _chw(image_shape, channels_last)
+        if min(h, w) < self.MIN_SIDE:
+            raise ValueError(f"model.encoder: a {h}x{w} image is smaller than the Nature CNN's "
+                             f"{self.MIN_SIDE}x{self.MIN_SIDE} minimum; use encoder = \"auto\" or \"mlp\"")
+        self.conv = nn.Sequential(
+            init_layer(nn.Conv2d(c, 32, 8, stride=4)),
+            nn.ReLU(),
+            init_layer(nn.Conv2d(32, 64, 4, stride=2)),
+            nn.ReLU(),
+            init_layer(nn.Conv2d(64, 64, 3, stride=1)),
+            nn.ReLU(),
+            nn.Flatten(),
+        )
+        with torch.no_grad():
+            flat = self.conv(torch.zeros(1, c, h, w)).shape[1]
+        self.fc = nn.Sequential(init_layer(nn.Linear(flat, 512)), nn.ReLU())
+        self.out_dim = 512
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            x = x.permute(0, 3, 1, 2)
+        return self.fc(self.conv(x.float() * self.scale))
+
+
+class _Flatten(nn.Module):
+    """One non-image leaf [N, ...] -> float32 [N, prod(shape)], multiplied by ``scale``."""
+
+    def __init__(self, shape: tuple[int, ...], scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+        self.out_dim = int(np.prod(shape, dtype=np.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], self.out_dim).float()
+        return x if self.scale == 1.0 else x * self.scale
+
+
+class Encoder(nn.Module):
+    """Observation tree with any leading dims [*L, ...] -> features [*L, out_dim].
+
+    Built by ``make_encoder``; leaves are read in the tree's field order (depth first),
+    each by its own part (``NatureCNN`` or flatten), concatenated, then the MLP trunk.
+    """
+
+    def __init__(self, leaf_shapes: list[tuple[int, ...]], parts: list[nn.Module], trunk: MLP) -> None:
+        super().__init__()
+        self.leaf_shapes = leaf_shapes
+        self.parts = nn.ModuleList(parts)
+        self.trunk = trunk
+        self.out_dim = trunk.out_dim
+        # One vector leaf taken as is (classic control): a float32 [N, d] batch goes straight
+        # to the trunk, skipping the per-leaf machinery on the acting hot path.
+        self.vector_only = (len(parts) == 1 and isinstance(parts[0], _Flatten) and parts[0].scale == 1.0
+                             and len(leaf_shapes[0]) == 1)
+
+    def forward(self, obs) -> torch.Tensor:
+        if self.vector_only and isinstance(obs, torch.Tensor) and obs.dim() == 2 and obs.dtype == torch.float32:
+            return self.trunk(obs)
+        xs = [x for _, x in leaves(obs)]
+        if len(xs) != len(self.parts):
+            raise ValueError(f"Encoder: observation has {len(xs)} leaves, expected {len(self.parts)}")
+        lead = xs[0].shape[: xs[0].dim() - len(self.leaf_shapes[0])]
+        n = math.prod(lead)
+        feats = [part(x.reshape(n, *shape)) for part, x, shape in zip(self.parts, xs, self.leaf_shapes)]
+        out = self.trunk(torch.cat(feats, dim=-1) if len(feats) > 1 else feats[0])
+        return out.reshape(*lead, self.out_dim)
+
+
+def _is_image(arr: np.ndarray, encoder: str) -> bool:
+    """Whether a leaf goes through the Nature CNN: every 3-D leaf for "nature_cnn"; for
+    "auto" only uint8 images big enough for its kernels (smaller ones are flattened)."""
+    if encoder == "mlp" or arr.ndim != 3:
+        return False
+    if encoder == "nature_cnn":
+        return True
+    _, h, w = _chw(arr.shape, _channels_last(arr.shape))
+    return arr.dtype == np.uint8 and min(h, w) >= NatureCNN.MIN_SIDE
+
+
+def _chw(shape: tuple[int, ...], channels_last: bool) -> tuple[int, int, int]:
+    return (shape[2], shape[0], shape[1]) if channels_last else tuple(shape)
+
+
+def _channels_last(shape: tuple[int, ...]) -> bool:
+    # Gymnasium/ALE RGB frames are [H, W, C] with C in {1, 3, 4}; frame stacks are [C, H, W].
+    return shape[-1] <= 4 < shape[0]
+
+
+def has_cnn(obs_example, cfg: ModelConfig) -> bool:
+    """Whether ``make_encoder`` gives observations like ``obs_example`` a Nature CNN (learned
+    parameters before the trunk)."""
+    return any(_is_image(np.asarray(leaf), cfg.encoder) for _, leaf in leaves(obs_example))
+
+
+def make_encoder(obs_example, cfg: ModelConfig) -> tuple[Encoder, int]:
+    """Encoder for observations shaped like ``obs_example`` and its feature width.
+
+    ``obs_example`` is ONE observation (no leading dims): a numpy array or a nested
+    namedarraytuple of them. The module maps a torch tree with leading dims [*L] to
+    float32 features [*L, out_dim]. Floats (and ints, bools) are flattened as is, uint8
+    leaves scaled by ``cfg.uint8_scale``; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
+    go through a ``NatureCNN`` first. With ``hidden_sizes=()`` out_dim is the width of the
+    concatenation (512 per image leaf), as in CleanRL's Atari agents.
+    """
+    shapes: list[tuple[int, ...]] = []
+    parts: list[nn.Module] = []
+    for _, leaf in leaves(obs_example):
+        arr = np.asarray(leaf)
+        shapes.append(tuple(arr.shape))
+        if _is_image(arr, cfg.encoder):
+            parts.append(NatureCNN(tuple(arr.shape), _channels_last(tuple(arr.shape)), cfg.uint8_scale))
+        else:
+            parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
+    if not parts:
+        raise ValueError("make_encoder: obs_example has no array leaves")
+    if cfg.encoder == "nature_cnn" and not any(isinstance(p, NatureCNN) for p in parts):
+        raise ValueError("ModelConfig.encoder='nature_cnn' needs a 3-D image leaf in the observation")
+    in_dim = sum(p.out_dim for p in parts)
+    trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation)
+    encoder = Encoder(shapes, parts, trunk)
+    return encoder, encoder.out_dim

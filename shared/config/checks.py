@@ -1,0 +1,156 @@
+"""Cross-field and value checks of a built ``Experiment``: one ConfigError line naming the field each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from shared.envs.group import validate_env_config
+from shared.config.endpoints import port_free, tcp_offsets
+from shared.config.schema import ALGOS, ConfigError, Experiment, INFERENCE, RECURRENT_ALGOS, SAMPLER_SEED_STRIDE, most_count
+
+
+def check(exp: Experiment, check_ports: bool) -> None:
+    """Cross-field and value checks; one line naming the field each."""
+    positive = {
+        "sampler.count": exp.sampler.count, "sampler.envs": exp.sampler.envs, "sampler.horizon": exp.sampler.horizon,
+        "sampler.ring": exp.sampler.ring, "sampler.timeout_ms": exp.sampler.timeout_ms,
+        "action_server.count": exp.action_server.count, "action_server.max_batch": exp.action_server.max_batch,
+        "replay.capacity": exp.replay.capacity, "learner.batch_segments": exp.learner.batch_segments,
+        "learner.prefetch": exp.learner.prefetch, "learner.timeout_ms": exp.learner.timeout_ms,
+        "learner.count": exp.learner.count,
+        "run.max_env_steps": exp.run.max_env_steps, "run.return_window": exp.run.return_window,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} = {value}: must be >= 1")
+    for name, section in (("sampler", exp.sampler), ("action_server", exp.action_server)):
+        if section.max_count and section.max_count < section.count:
+            raise ConfigError(f"{name}.count = {section.count}: above {name}.max_count = {section.max_count}")
+    if exp.sampler.inference not in INFERENCE:
+        raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
+    if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
+        raise ConfigError(f"sampler.envs = {exp.sampler.envs}: alternating mode needs >= 2 (or set sampler.alternating = false)")
+    on_policy = ALGOS[exp.algo_name][2] == "pg"
+    tables = ("queue",) if on_policy else ("sequence",) if exp.algo_name == "r2d1" else ("uniform", "prioritized")
+    if exp.replay.table not in tables:
+        raise ConfigError(f"replay.table = {exp.replay.table!r}: {exp.algo_name} needs one of: {', '.join(tables)}")
+    if on_policy and exp.replay.release_on_sample and exp.learner.batch_segments > exp.sampler.count * exp.sampler.ring:
+        raise ConfigError(f"learner.batch_segments = {exp.learner.batch_segments}: at most sampler.count * sampler.ring "
+                          f"= {exp.sampler.count * exp.sampler.ring} while replay.release_on_sample holds the samplers' "
+                          "ring slots until a batch is sampled")
+    if on_policy and exp.replay.capacity < exp.learner.batch_segments:
+        raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
+    columns = exp.sampler.envs * exp.learner.batch_segments
+    if on_policy and columns % exp.learner.count:
+        raise ConfigError(f"learner.count = {exp.learner.count}: each rank trains on an equal share of a batch's "
+                          f"sampler.envs * learner.batch_segments = {columns} env columns; pick a divisor of {columns}")
+    if exp.algo_name == "r2d1":
+        _check_r2d1(exp)
+    elif not on_policy and exp.replay.capacity < most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
+        raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
+                          f"of all {most_count(exp.sampler) * exp.sampler.envs} envs (sampler.max_count)")
+    if exp.replay.snapshot_interval_s and not (exp.replay.persist and exp.replay.snapshot_interval_s >= 1):
+        raise ConfigError(f"replay.snapshot_interval_s = {exp.replay.snapshot_interval_s}: snapshots need "
+                          "replay.persist = true and at least 1 s between them (0 = none)")
+    if exp.replay.frame_store and on_policy:
+        raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
+                          "frames once; the on-policy queue keeps whole segments, set it to false")
+    if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
+        raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
+    if exp.model.lstm_size and exp.algo_name not in RECURRENT_ALGOS:
+        raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: {exp.algo_name} has no recurrent agent; "
+                          f"recurrent algorithms: {', '.join(RECURRENT_ALGOS)}")
+    if exp.model.lstm_size and exp.algo_name == "ppo" and exp.algo.minibatches > columns // exp.learner.count:
+        raise ConfigError(f"algo.minibatches = {exp.algo.minibatches}: a recurrent agent's minibatches are whole env "
+                          f"sequences; at most sampler.envs * learner.batch_segments / learner.count = "
+                          f"{columns // exp.learner.count}")
+    _check_eval(exp)
+    dev = exp.run.device
+    if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
+        raise ConfigError(f"run.device = {dev!r}: allowed: auto, cpu, cuda, cuda:N")
+    net = exp.network
+    if net.transport not in ("ipc", "tcp"):
+        raise ConfigError(f"network.transport = {net.transport!r}: allowed: ipc, tcp")
+    for name, host in (("network.host", net.host), ("network.metrics_host", net.metrics_host)):
+        if not net.bind_any and not host.startswith("127.") and host not in ("localhost", "::1"):
+            raise ConfigError(f"{name} = {host!r}: not a loopback address; set network.bind_any = true to expose it")
+    for name, port in (("network.base_port", net.base_port), ("network.metrics_port", net.metrics_port)):
+        if not 0 <= port <= 65535 or (name == "network.base_port" and port == 0):
+            raise ConfigError(f"{name} = {port}: must be in 1..65535" + (" (0 = off)" if "metrics" in name else ""))
+    _check_placement(exp)
+    try:
+        validate_env_config(exp.env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if check_ports:
+        ports = {"network.metrics_port": net.metrics_port} if net.metrics_port else {}
+        if net.transport == "tcp":
+            ports.update({f"network.base_port (+{i})": net.base_port + i for i in range(len(tcp_offsets(exp)))})
+        for name, port in ports.items():
+            host = net.metrics_host if name == "network.metrics_port" else net.host
+            if not port_free(host, port):
+                raise ConfigError(f"{name} = {port}: port already in use on {host}; pick another")
+
+
+def _check_r2d1(exp: Experiment) -> None:
+    r, a = exp.replay, exp.algo
+    if not exp.model.lstm_size:
+        raise ConfigError("model.lstm_size = 0: r2d1 trains a recurrent Q agent; set model.lstm_size > 0 (e.g. 64)")
+    if r.sequence_length < 2 or not 1 <= r.sequence_period <= r.sequence_length:
+        raise ConfigError(f"replay.sequence_period = {r.sequence_period}: need 1 <= sequence_period <= "
+                          f"sequence_length ({r.sequence_length}) and sequence_length >= 2")
+    if a.burn_in > r.sequence_length - 2:
+        raise ConfigError(f"algo.burn_in = {a.burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
+                          "(a sequence must keep steps to train on)")
+    need = most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
+    if r.capacity < need:
+        raise ConfigError(f"replay.capacity = {r.capacity}: the sequence table needs at least (horizon + "
+                          f"sequence_length) steps of all {most_count(exp.sampler) * exp.sampler.envs} envs = {need}")
+
+
+def _check_placement(exp: Experiment) -> None:
+    place = exp.placement
+    for service, label in place.labels().items():
+        if not (label and len(label) <= 64 and all(c.isalnum() or c in "_.-" for c in label)):
+            raise ConfigError(f"placement.{service} = {label!r}: a node label is 1-64 letters, digits, '_', '.' or '-'")
+    if len({place.node(s) for s in ("replay", "learner", "sampler")}) > 1 and exp.network.transport != "tcp":
+        raise ConfigError("[placement] puts services on several nodes: they talk over TCP; set network.transport = 'tcp'")
+    if exp.sampler.inference == "server" and place.crosses("sampler", "action_server"):
+        raise ConfigError(f"placement.action_server = {place.action_server!r}: server inference shares step slots "
+                          f"with the samplers, so it runs on their node ({place.sampler!r})")
+    if exp.eval.every_s and place.crosses("evaluator", "learner"):
+        raise ConfigError(f"placement.evaluator = {place.evaluator!r}: the evaluator reads the learner's checkpoints "
+                          f"and parameters from its node ({place.learner!r})")
+
+
+def _check_eval(exp: Experiment) -> None:
+    e = exp.eval
+    if not (math.isfinite(e.every_s) and e.every_s >= 0):
+        raise ConfigError(f"eval.every_s = {e.every_s}: must be a finite number of seconds >= 0 (0 = no evaluator)")
+    if 0 < e.every_s < 1:
+        raise ConfigError(f"eval.every_s = {e.every_s}: at least 1 s between evaluations (or 0 = no evaluator)")
+    for name, value in (("eval.episodes", e.episodes), ("eval.envs", e.envs)):
+        if value < 1:
+            raise ConfigError(f"{name} = {value}: must be >= 1")
+    training = SAMPLER_SEED_STRIDE * most_count(exp.sampler)
+    if e.seed_offset < training:
+        raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "
+                          "sampler.max_count) so that evaluation seeds are held out from the samplers' seeds")
+
+
+def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:
+    """``exp`` with ``sampler.inference = "auto"`` made local or server, and why (for the launch line).
+
+    auto is server when the run's device is CUDA: an explicit ``run.device = "cuda..."``, or
+    ``auto`` on a machine with an NVIDIA driver (checked without importing torch).
+    """
+    chosen = exp.sampler.inference
+    if chosen != "auto":
+        return exp, f"inference {chosen}"
+    cuda = exp.run.device.startswith("cuda") or (exp.run.device == "auto" and Path("/proc/driver/nvidia/version").exists())
+    chosen = "server" if cuda else "local"
+    why = "a CUDA device is present" if cuda else "no CUDA device"
+    return dataclasses.replace(exp, sampler=dataclasses.replace(exp.sampler, inference=chosen)), \
+        f"inference {chosen} (auto: {why})"

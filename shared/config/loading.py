@@ -1,0 +1,135 @@
+"""Reading and writing an experiment: one TOML file, ``--set a.b=v`` overrides, every error one
+line naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional
+from shared.config.checks import check
+from shared.config.schema import ALGOS, ConfigError, Experiment, SECTIONS
+
+
+def load(path: str | Path, overrides: list[str] = (), check_ports: bool = False) -> Experiment:
+    """Read, override and validate an experiment file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    return from_dict(apply_overrides(raw, overrides), check_ports=check_ports)
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``section.key=value`` strings; values are TOML literals, else plain strings."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. sampler.count=4")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        section = raw.setdefault(parts[0], {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"--set {item!r}: {parts[0]} is not a section")
+        section[parts[1]] = value
+    return raw
+
+
+def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
+    known = set(SECTIONS) | {"algo", "agent"}
+    for name in raw:
+        if name not in known:
+            raise ConfigError(f"unknown section [{name}]{_suggest(name, known)} (allowed: {', '.join(sorted(known))})")
+    sections = {name: _build(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
+    algo_raw = dict(raw.get("algo", {}))
+    algo_name = algo_raw.pop("name", "ppo")
+    if algo_name not in ALGOS:
+        raise ConfigError(f"algo.name = {algo_name!r}: allowed: {', '.join(sorted(ALGOS))}")
+    algo_cls, agent_cls, _ = ALGOS[algo_name]
+    algo = _build("algo", algo_cls, algo_raw)
+    agent = _build("agent", agent_cls, raw.get("agent", {}))
+    exp = Experiment(algo_name=algo_name, algo=algo, agent=agent, **sections)
+    check(exp, check_ports)
+    return exp
+
+
+def _build(section: str, cls: type, values) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{section}] must be a table, got {type(values).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)} (allowed: {', '.join(names)})")
+        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"[{section}]: {e}") from None
+
+
+def _coerce(where: str, hint, value):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(where, inner[0], value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} = {value!r}: expected a list, got {type(value).__name__}")
+        elem = args[0] if args else Any
+        return tuple(_coerce(f"{where}[{i}]", elem, v) for i, v in enumerate(value))
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"{where} = {value!r}: expected {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def dumps(exp: Experiment) -> str:
+    """The resolved experiment as TOML (what services read back from the run directory)."""
+    out = []
+    for name in [*SECTIONS, "agent"]:
+        out.append(_section_toml(name, getattr(exp, name)))
+    out.append(_section_toml("algo", exp.algo, {"name": exp.algo_name}))
+    return "\n".join(out)
+
+
+def _section_toml(name: str, obj, extra: Optional[dict] = None) -> str:
+    lines = [f"[{name}]"]
+    items = dict(extra or {})
+    items.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+    for key, value in items.items():
+        if value is not None:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")

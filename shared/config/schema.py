@@ -1,0 +1,272 @@
+"""Experiment configuration: one frozen dataclass a section, the ``Experiment`` that holds them.
+
+An experiment is a set of sections, each owned by one component. A service receives its own
+section plus ``run``, ``env`` and ``agent``; nobody reads a global bag. Loading and writing
+TOML: ``shared.config.loading``; cross-section rules: ``shared.config.checks``; socket
+addresses: ``shared.config.endpoints``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+from shared.agents.config import ModelConfig, PgAgentConfig, QAgentConfig, QpgAgentConfig
+from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, R2D1Config, SACConfig, TD3Config
+from shared.envs.group import EnvConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; str() is one line naming the field."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "experiment"
+    """Experiment name; the run directory is <runs_dir>/<name>-<timestamp>."""
+    runs_dir: str = "runs"
+    """Where run directories are made (relative to the working directory)."""
+    seed: int = 0
+    """Base seed; each sampler and env derives its own from it."""
+    device: str = "auto"
+    """Torch device for learner and action-server: auto (cuda if present), cpu, cuda, cuda:N."""
+    target_return: float = 475.0
+    """The run ends when the mean return of the last `return_window` episodes reaches this."""
+    return_window: int = 100
+    """How many recent episodes the mean return is taken over."""
+    max_env_steps: int = 200_000
+    """Step budget: the run ends when this many env steps were sampled."""
+    max_wall_s: float = 1800.0
+    """Wall-clock budget in seconds (a safety net for tests and unattended runs)."""
+    log_interval_s: float = 2.0
+    """Seconds between progress rows (terminal and progress.csv)."""
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    count: int = 2
+    """Number of sampler processes (``rlpipe scale RUN sampler=N`` changes it in a live run)."""
+    max_count: int = 0
+    """Most samplers ``rlpipe scale`` may run (0: count, no room to scale up). Replay's tables
+    and the acting side's per-env state are laid out for this many: an off-policy table's
+    capacity is shared by max_count samplers' columns, so a run that never scales up should
+    leave it at 0."""
+    envs: int = 16
+    """Environments per sampler."""
+    horizon: int = 32
+    """T: steps per segment (per env) before it goes to replay."""
+    ring: int = 1
+    """Segments in each sampler's ring; with all unreleased the sampler waits (back-pressure)."""
+    alternating: bool = True
+    """Server inference: split the envs in two groups so one steps while the other waits for actions.
+    It pays where the action-server has a core (or a GPU) of its own; on 2 CPU cores, where the
+    samplers and the action-server take turns, one group of all the envs halves the requests
+    (tests/bench's sampling run, make bench 2026-12-01: 0.85x a process without, 0.77x with)."""
+    inference: str = "auto"
+    """local: each sampler acts with its own copy of the agent on the CPU and follows the learner's
+    parameter segment (rlpyt's parallel-CPU sampler; no action-server runs); server: the
+    action-server batches every sampler's observations on run.device; auto: server where a CUDA
+    device is present, local otherwise (what tests/bench measures faster on each)."""
+    timeout_ms: int = 5000
+    """How long to wait for an action-server or replay reply before reconnecting."""
+
+
+@dataclass(frozen=True)
+class ActionServerConfig:
+    count: int = 1
+    """Number of action-server processes (samplers are spread over them round-robin, sampler i to
+    action-server i mod count when it starts; ``rlpipe scale RUN action_server=M`` changes it).
+    On a CPU one per sampler is fastest: a sampler and its own action-server can share a core,
+    and a wake-up on another core is dear (tests/bench's sampling run, 2 samplers x 16 envs in
+    one group: 78-80k steps/s with one action-server, 104-106k with two, 91-96k in one process)."""
+    max_count: int = 0
+    """Most action-servers ``rlpipe scale`` may run (0: count): their TCP ports are reserved."""
+    max_batch: int = 64
+    """Most observation requests gathered into one forward pass."""
+    max_wait_ms: float = 0.0
+    """Longest a request waits for others to join its batch (0: serve what has arrived at once;
+    requests that come in during a forward pass still share the next one). On this 2-core CPU
+    machine waiting 0.5 ms cost a quarter of server-mode sampling (tests/bench's sampling run,
+    2 rounds: 0.54x a process at 0.5 ms, 0.72x at 0); a GPU, whose forward pass costs the same
+    for 8 rows or 64, may gain from a wait."""
+    peer_timeout_s: float = 10.0
+    """A sampler silent this long is reported lost and its slots detached."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    table: str = "queue"
+    """queue (on-policy FIFO, each segment sampled once), uniform or prioritized (n-step transitions),
+    sequence (R2D1: prioritized sequences of sequence_length steps)."""
+    capacity: int = 2
+    """Items held: segments for the queue (one per sampler keeps policy lag at 1), else transitions
+    (the sequence table: env steps; it holds about capacity / sequence_period sequences)."""
+    n_step: int = 1
+    """Off-policy: rewards summed per transition before bootstrapping."""
+    gamma: float = 0.99
+    """Off-policy: discount per step used for n-step returns."""
+    frame_store: bool = False
+    """Off-policy: store each frame of [K, H, W] uint8 frame-stack observations once and rebuild
+    the stacks at sample time (Atari: ~8 KB a transition instead of ~56 KB)."""
+    sequence_length: int = 80
+    """Sequence table: L, steps per sequence including the learner's burn-in."""
+    sequence_period: int = 40
+    """Sequence table: a new sequence starts every this many steps of an env (< sequence_length: overlap)."""
+    alpha: float = 0.6
+    """Prioritized: priority exponent (0 = uniform)."""
+    beta0: float = 0.4
+    """Prioritized: initial importance-sampling exponent, annealed to beta_final."""
+    beta_final: float = 1.0
+    """Prioritized: final importance-sampling exponent."""
+    beta_steps: int = 100_000
+    """Prioritized: samples over which beta anneals linearly."""
+    samples_per_insert: float = 0.0
+    """Off-policy replay ratio: items sampled per item inserted, kept in a band (0 = unthrottled)."""
+    min_size_to_sample: int = 1000
+    """Off-policy: items the table must hold before the learner may sample."""
+    error_buffer: float = 0.0
+    """Half-width of the samples-per-insert band in items (0 = the narrowest band that cannot deadlock)."""
+    max_policy_lag: int = 4
+    """On-policy: segments older than this many policy versions are dropped, not trained on."""
+    release_on_sample: bool = True
+    """Queue: hold a sampler's ring slot until its segment is trained on (tightest policy lag)."""
+    peer_timeout_s: float = 10.0
+    """A sampler silent this long is reported lost."""
+    persist: bool = True
+    """Keep the table in named shared memory that outlives the replay process: a replay
+    restarted after ``kill -9`` re-attaches and serves on (docs/architecture.md, "Restarts and what is lost")."""
+    snapshot_interval_s: float = 0.0
+    """Seconds between copies of the table to the run directory (replay/), for a machine restart:
+    ``rlpipe launch --resume RUN`` restores the latest with the learner's checkpoint (0 = none)."""
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    count: int = 1
+    """Learner ranks: N > 1 trains data-parallel, one torch.distributed group (gloo on CPU,
+    nccl on CUDA) whose ranks average their gradients each step; replay hands each rank its
+    share of every batch, and rank 0 publishes parameters and writes checkpoints and progress."""
+    batch_segments: int = 2
+    """Segments in one batch (one per sampler gives a batch of T x sampler.count*envs); with
+    ``count`` ranks each trains on its share of the batch's env columns."""
+    prefetch: int = 1
+    """Batch slots in flight; 2 double-buffers (the next batch fills while this one trains) at one more version of lag."""
+    checkpoint_interval_s: float = 10.0
+    """Seconds between checkpoints (and at the end)."""
+    timeout_ms: int = 5000
+    """How long to wait for a batch before asking replay again."""
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """The node each service runs on, by label. Services with one label share memory: segments,
+    batches and parameters go by shared-memory descriptor. Between labels they travel as
+    ZeroMQ frames over TCP (``network.transport = "tcp"``, CURVE-encrypted). Under supervisord
+    every label runs on this workstation (another label exercises the cross-host path here).
+    A service without a field here (metrics) runs on ``main``."""
+    replay: str = "main"
+    learner: str = "main"
+    sampler: str = "main"
+    action_server: str = "main"
+    evaluator: str = "main"
+
+    def node(self, service: str) -> str:
+        return getattr(self, service, "main")
+
+    def labels(self) -> dict[str, str]:
+        """Service -> label, for every placed service."""
+        return dataclasses.asdict(self)
+
+    def crosses(self, a: str, b: str) -> bool:
+        """Whether the link between services ``a`` and ``b`` crosses nodes."""
+        return self.node(a) != self.node(b)
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    transport: str = "ipc"
+    """ipc (unix sockets in socket_dir(run), one workstation) or tcp."""
+    host: str = "127.0.0.1"
+    """Address tcp endpoints bind to and connect to."""
+    bind_any: bool = False
+    """Allow a tcp host other than loopback (exposes the services to the network)."""
+    base_port: int = 5550
+    """tcp: first port; services take base_port + offsets."""
+    metrics_port: int = 9108
+    """Port of the Prometheus endpoint (0 = off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every_s: float = 0.0
+    """Seconds between the starts of two evaluations of the newest parameter version by the
+    evaluator service (0 = no evaluator). A version already evaluated is not evaluated again."""
+    episodes: int = 10
+    """Greedy episodes per evaluation (also `rlpipe evaluate`'s default)."""
+    envs: int = 8
+    """Envs stepped side by side during an evaluation (at most `episodes` are made)."""
+    seed_offset: int = 1_000_003
+    """The evaluation envs are seeded from run.seed + seed_offset (env i: + i), apart from every
+    sampler's seeds (run.seed + 10007 * instance + env); each evaluation replays the same seeds."""
+
+
+INFERENCE = ("auto", "local", "server")
+
+
+RECURRENT_ALGOS = ("ppo", "a2c", "r2d1")
+"""Algorithms that train recurrent agents (``model.lstm_size > 0``) on whole sequences."""
+
+
+# algo.name -> (algorithm config, agent config, agent family: see agent_config.FAMILIES)
+ALGOS: dict[str, tuple[type, type, str]] = {
+    "ppo": (PPOConfig, PgAgentConfig, "pg"),
+    "a2c": (A2CConfig, PgAgentConfig, "pg"),
+    "dqn": (DQNConfig, QAgentConfig, "q"),
+    "r2d1": (R2D1Config, QAgentConfig, "q"),
+    "ddpg": (DDPGConfig, QpgAgentConfig, "qpg"),
+    "td3": (TD3Config, QpgAgentConfig, "qpg"),
+    "sac": (SACConfig, QpgAgentConfig, "qpg"),
+}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    run: RunConfig = field(default_factory=RunConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    agent: Any = field(default_factory=PgAgentConfig)
+    algo_name: str = "ppo"
+    algo: Any = field(default_factory=PPOConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    action_server: ActionServerConfig = field(default_factory=ActionServerConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "env": EnvConfig,
+    "model": ModelConfig,
+    "sampler": SamplerConfig,
+    "action_server": ActionServerConfig,
+    "replay": ReplayConfig,
+    "learner": LearnerConfig,
+    "network": NetworkConfig,
+    "eval": EvalConfig,
+    "placement": PlacementConfig,
+}
+
+
+def most_count(section) -> int:
+    """The most instances of a scalable service (``sampler``, ``action_server``) the run may have:
+    its ``max_count``, at least its ``count``."""
+    return max(section.count, section.max_count)
+
+
+SAMPLER_SEED_STRIDE = 10_007
+"""Sampler i seeds its envs from run.seed + SAMPLER_SEED_STRIDE * i (services/sampler/sampler.py)."""

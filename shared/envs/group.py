@@ -1,0 +1,578 @@
+"""Gymnasium environments for rlpipe: their config, how one is built, and a group of them
+stepped inside one sampler process straight into preallocated ``[B, ...]`` arrays.
+
+Observation dtypes written by ``EnvGroup`` (stable, whatever the env returns):
+
+=================  ==========================================================
+space              example leaf
+=================  ==========================================================
+Box, float         float32, the space's shape
+Box, bool          uint8 0/1 (MinAtar's ``[10, 10, C]`` channels-last maps)
+Box, other ints    the space's dtype (Atari frames: uint8 ``[4, 84, 84]``)
+Discrete           int64 scalar (the env's value, ``start`` included)
+MultiDiscrete      int64, ``nvec``'s shape
+MultiBinary        int8, the space's shape
+Dict / Tuple       nested namedarraytuple: Dict keys sorted, Tuple fields f0, f1…
+=================  ==========================================================
+
+uint8 is not always pixels: MinAtar's maps hold 0/1, so a model scales inputs by the
+observation space's ``high`` (1 or 255), never by a fixed 255.
+
+Actions are given as ``example_action()`` describes: Discrete/MultiDiscrete as int64
+indices from 0 (the space's ``start`` is added for the env), Box as float32 (clipped to the
+bounds before the env sees them; the caller's array is not changed), MultiBinary as int8.
+
+Wrapper names for ``EnvConfig.wrappers`` (order-free; applied inner to outer as listed in
+``shared.envs.atari``): ``atari`` (DQN preprocessing, fire reset, sign reward, frame stack 4),
+``episodic_life`` (ALE only), ``clip_reward`` (reward -> its sign), ``frame_stack:N``
+(stack the last N observations on a new first axis; with ``atari`` it replaces the 4).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+import keyword
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Optional
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.wrappers import FrameStackObservation, TimeLimit, TransformReward
+
+from shared.envs import atari, tasks
+from shared.data.namedarraytuple import is_nat, leaves, namedarraytuple
+
+tasks.register()
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    id: str = "CartPole-v1"
+    """A registered gymnasium id (ALE/…, MinAtar/… included) or "module:callable" returning a gymnasium.Env."""
+    kwargs: str = ""
+    """Keyword arguments for the env constructor as a JSON object, e.g. '{"repeat_action_probability": 0.0}'."""
+    wrappers: tuple[str, ...] = ()
+    """Wrapper names: "atari", "episodic_life", "clip_reward", "frame_stack:N" (any order)."""
+    max_episode_steps: int = 0
+    """Truncate episodes after this many agent steps (after Atari frame skip); 0 keeps the env's default."""
+    seed: int = 0
+    """Base seed of the run's envs; each EnvGroup seeds its env i with its base_seed + i."""
+
+
+class EnvError(RuntimeError):
+    """An env misbehaved (raised, returned NaN or a wrongly shaped/typed observation).
+
+    ``env_indices``: the failed envs (call ``EnvGroup.recreate(i, obs_out)`` for each);
+    ``finished``: the episodes that ended this step in the other envs, as ``step`` returns.
+    """
+
+    def __init__(self, message: str, env_indices: tuple[int, ...], finished: list[tuple[int, float, int]]):
+        super().__init__(message)
+        self.env_indices = env_indices
+        self.finished = finished
+
+
+# ---------------------------------------------------------------- config
+
+_FLAG_WRAPPERS = ("atari", "episodic_life", "clip_reward")
+_ARG_WRAPPERS = ("frame_stack",)
+_KNOWN_WRAPPERS = "atari, episodic_life, clip_reward, frame_stack:N (N >= 1)"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _parse_wrappers(names: tuple[str, ...]) -> dict[str, int]:
+    """{"atari": 0, "frame_stack": 4, ...} from the config's names; ValueError on a bad one."""
+    parsed: dict[str, int] = {}
+    for item in names:
+        name, sep, arg = str(item).partition(":")
+        if name in _FLAG_WRAPPERS and not sep:
+            value = 0
+        elif name in _ARG_WRAPPERS and sep and arg.isdigit() and int(arg) >= 1:
+            value = int(arg)
+        else:
+            raise ValueError(f"env.wrappers: unknown or malformed wrapper {item!r}; known: {_KNOWN_WRAPPERS}")
+        if name in parsed:
+            raise ValueError(f"env.wrappers: {name!r} is given twice")
+        parsed[name] = value
+    return parsed
+
+
+def _parse_kwargs(text: str) -> dict[str, Any]:
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"env.kwargs: not valid JSON ({e}); write a JSON object like '{{\"frameskip\": 1}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"env.kwargs: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+_plugins_loaded = False
+
+
+def _load_env_plugins() -> None:
+    """Register the optional env families (ALE, MinAtar) with gymnasium, once, if installed."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    try:
+        import ale_py
+
+        gym.register_envs(ale_py)
+    except ImportError:
+        pass
+    # minatar logs root-logger warnings about its optional plotting dependencies on import.
+    logging.disable(logging.WARNING)
+    try:
+        import minatar.gym
+
+        minatar.gym.register_envs()
+    except ImportError:
+        pass
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def _env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
+    if env_id not in gym.registry:
+        _load_env_plugins()
+    spec = gym.registry.get(env_id)
+    if spec is None:
+        close = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.5)
+        hint = f"close registered ids: {', '.join(close)}" if close else "no close registered id"
+        raise ValueError(f"env.id: unknown gymnasium id {env_id!r}; {hint}; or give 'module:callable'")
+    return spec
+
+
+def _env_callable(env_id: str) -> Callable[..., gym.Env]:
+    module_name, _, attr = env_id.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"env.id: {env_id!r} must be a registered id or 'module:callable'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is a config error here
+        raise ValueError(
+            f"env.id: cannot import module {module_name!r} of {env_id!r} ({_first_line(e)})"
+        ) from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"env.id: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def validate_env_config(cfg: EnvConfig) -> None:
+    """Raise ValueError (one line naming the field and what is allowed) if ``cfg`` is bad."""
+    if not isinstance(cfg.id, str) or not cfg.id:
+        raise ValueError("env.id: must be a non-empty string (a gymnasium id or 'module:callable')")
+    kwargs = _parse_kwargs(cfg.kwargs)
+    wrappers = _parse_wrappers(cfg.wrappers)
+    if cfg.max_episode_steps < 0:
+        raise ValueError(f"env.max_episode_steps: must be >= 0 (0 = env default), got {cfg.max_episode_steps}")
+    if cfg.seed < 0:
+        raise ValueError(f"env.seed: must be >= 0, got {cfg.seed}")
+    if ":" in cfg.id:
+        _env_callable(cfg.id)
+        return
+    spec = _env_spec(cfg.id)
+    entry = spec.entry_point if isinstance(spec.entry_point, str) else getattr(spec.entry_point, "__module__", "")
+    ale_only = [w for w in ("atari", "episodic_life") if w in wrappers]
+    if ale_only and not entry.startswith("ale_py"):
+        raise ValueError(
+            f"env.wrappers: {', '.join(ale_only)} only work with an ALE env (e.g. ALE/Pong-v5), not {cfg.id!r}"
+        )
+    if "atari" in wrappers and kwargs.get("frameskip", 1) != 1:
+        raise ValueError("env.kwargs: 'atari' does its own frame skip; leave frameskip out or set it to 1")
+
+
+def _sign(reward: float) -> float:
+    return float((reward > 0) - (reward < 0))
+
+
+class EpisodeTracker(gym.Wrapper):
+    """Sums the true reward and counts agent steps of the current game. It sits under the
+    reward clipping and episodic life wrappers, so it sees game score and game over."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self.episode_return = 0.0
+        self.episode_length = 0
+        # (return, length) of the game that just ended, until the next reset.
+        self.finished: Optional[tuple[float, int]] = None
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        self.episode_return += float(reward)
+        self.episode_length += 1
+        if terminated or truncated:
+            self.finished = (self.episode_return, self.episode_length)
+        return obs, reward, terminated, truncated, info
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self.episode_return, self.episode_length, self.finished = 0.0, 0, None
+        return self.env.reset(seed=seed, options=options)
+
+
+def make_env(cfg: EnvConfig, render_mode: str | None = None) -> tuple[gym.Env, EpisodeTracker]:
+    """Build one env with ``cfg``'s wrappers; returns (the outer env, its EpisodeTracker).
+    ``render_mode`` (e.g. "rgb_array" for videos) goes to the env's constructor."""
+    wrappers = _parse_wrappers(cfg.wrappers)
+    kwargs = _parse_kwargs(cfg.kwargs)
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
+    use_atari = "atari" in wrappers
+    limit = cfg.max_episode_steps
+    # gym.make's own TimeLimit (which replaces the spec's) counts agent steps unless the
+    # atari frame skip sits above it; then, and for callables, ours goes above the skip.
+    limit_in_make = ":" not in cfg.id and not use_atari
+    if ":" in cfg.id:
+        env = _env_callable(cfg.id)(**kwargs)
+        if not isinstance(env, gym.Env):
+            raise ValueError(f"env.id: {cfg.id!r} returned {type(env).__name__}, not a gymnasium.Env")
+    else:
+        if use_atari:
+            kwargs.setdefault("frameskip", 1)
+            # AtariPreprocessing reads the screen from the emulator itself; a grayscale
+            # obs_type spares the copy of an unused RGB frame on every emulator step.
+            kwargs.setdefault("obs_type", "grayscale")
+        elif limit:
+            kwargs["max_episode_steps"] = limit
+        # EnvGroup checks every observation itself; gymnasium's passive checker would only add a layer.
+        env = gym.make(cfg.id, disable_env_checker=True, **kwargs)
+    needs_ale = [w for w in ("atari", "episodic_life") if w in wrappers]
+    if needs_ale and not atari.is_ale(env):
+        raise ValueError(
+            f"env.wrappers: {', '.join(needs_ale)} only work with an ALE env; {cfg.id!r} has no env.unwrapped.ale"
+        )
+    if use_atari:
+        env = atari.preprocess(env)
+    if limit and not limit_in_make:
+        env = TimeLimit(env, limit)
+    env = tracker = EpisodeTracker(env)
+    if "episodic_life" in wrappers:
+        env = atari.EpisodicLife(env)
+    if use_atari and atari.needs_fire_reset(env):
+        env = atari.FireReset(env)
+    if use_atari or "clip_reward" in wrappers:
+        env = TransformReward(env, _sign)
+    stack = wrappers.get("frame_stack", 4 if use_atari else 0)
+    if stack:
+        env = FrameStackObservation(env, stack)
+    return env, tracker
+
+
+# ---------------------------------------------------------------- spaces -> arrays
+
+
+class _Leaf(NamedTuple):
+    """One array of an observation: where it is in the env's value and what we store."""
+
+    name: str
+    path: tuple[Any, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    accepted: set  # source dtypes already checked to cast safely to ``dtype``
+
+
+def _field_name(key: Any, where: str) -> str:
+    if not (isinstance(key, str) and key.isidentifier() and not keyword.iskeyword(key)) or key.startswith("_"):
+        raise ValueError(f"env: {where} Dict key {key!r} must be a Python identifier not starting with '_'")
+    return key
+
+
+def _children(space: spaces.Space, where: str) -> list[tuple[str, Any, spaces.Space]]:
+    """(field name, key in the env's value, subspace) of a Dict (keys sorted) or Tuple."""
+    if isinstance(space, spaces.Dict):
+        return [(_field_name(k, where), k, space.spaces[k]) for k in sorted(space.spaces)]
+    return [(f"f{j}", j, sub) for j, sub in enumerate(space.spaces)]
+
+
+def _leaf_dtype(space: spaces.Space, role: str) -> tuple[tuple[int, ...], np.dtype]:
+    if isinstance(space, spaces.Box):
+        kind = space.dtype.kind
+        if kind == "f":
+            return space.shape, np.dtype(np.float32)
+        if kind == "b":
+            return space.shape, np.dtype(np.uint8 if role == "Observation" else np.int8)
+        return space.shape, space.dtype
+    if isinstance(space, spaces.Discrete):
+        return (), np.dtype(np.int64)
+    if isinstance(space, spaces.MultiDiscrete):
+        return space.nvec.shape, np.dtype(np.int64)
+    if isinstance(space, spaces.MultiBinary):
+        return tuple(space.shape), np.dtype(np.int8)
+    raise ValueError(
+        f"env: {role.lower()} space {space} is not supported "
+        "(Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple)"
+    )
+
+
+def _example(space: spaces.Space, typename: str, role: str):
+    """Zeros shaped and typed as one value of ``space`` (nested namedarraytuple for Dict/Tuple)."""
+    if isinstance(space, (spaces.Dict, spaces.Tuple)):
+        fields = _children(space, role.lower())
+        cls = namedarraytuple(typename, [f for f, _, _ in fields])
+        return cls(*(_example(sub, f"{typename}_{f}", role) for f, _, sub in fields))
+    shape, dtype = _leaf_dtype(space, role)
+    return np.zeros(shape, dtype=dtype)
+
+
+def _obs_leaves(space: spaces.Space, name: str = "observation", path: tuple = ()) -> list[_Leaf]:
+    """The leaves of an observation in namedarraytuple field order (as ``leaves()`` walks)."""
+    if isinstance(space, (spaces.Dict, spaces.Tuple)):
+        return [
+            leaf
+            for f, key, sub in _children(space, "observation")
+            for leaf in _obs_leaves(sub, f"{name}.{f}", path + (key,))
+        ]
+    shape, dtype = _leaf_dtype(space, "Observation")
+    return [_Leaf(name, path, shape, dtype, set())]
+
+
+def _action_converter(space: spaces.Space, B: int, name: str = "action") -> Callable[[Any], list]:
+    """A function from a ``[B, ...]`` action batch to the B values the envs expect."""
+    if isinstance(space, (spaces.Dict, spaces.Tuple)):
+        fields = _children(space, "action")
+        convs = [_action_converter(sub, B, f"{name}.{f}") for f, _, sub in fields]
+        if isinstance(space, spaces.Dict):
+            keys = [key for _, key, _ in fields]
+            return lambda a: [dict(zip(keys, vals)) for vals in zip(*(c(x) for c, x in zip(convs, a)))]
+        return lambda a: [tuple(vals) for vals in zip(*(c(x) for c, x in zip(convs, a)))]
+
+    shape, dtype = _leaf_dtype(space, "Action")
+    batch_shape = (B,) + shape
+
+    def checked(a) -> np.ndarray:
+        a = np.asarray(a)
+        if a.shape != batch_shape or (a.dtype.kind in "fc") != (dtype.kind in "fc"):
+            raise ValueError(f"{name}: got {a.dtype}{list(a.shape)}, expected {dtype}{list(batch_shape)}")
+        return a
+
+    if isinstance(space, (spaces.Discrete, spaces.MultiDiscrete)):
+        # numpy scalars/rows, as gymnasium's vector envs pass them: Discrete.contains checks a
+        # numpy integer in half the time of a Python int (it builds an iinfo for an int).
+        start = np.asarray(space.start, dtype=np.int64)
+        return lambda a: list(checked(a) + start) if start.any() else list(checked(a))
+    if isinstance(space, spaces.Box):
+        low, high = space.low.astype(dtype), space.high.astype(dtype)
+        clipped = np.empty(batch_shape, dtype=dtype)
+        return lambda a: list(np.clip(checked(a), low, high, out=clipped))
+    return lambda a: list(checked(a))
+
+
+def _has_nan(x: np.ndarray) -> bool:
+    if x.size <= 16:  # classic control: a Python loop over a handful of floats beats any numpy call
+        for v in x.flat:
+            if v != v:
+                return True
+        return False
+    # x.x is NaN iff x holds a NaN (squares are >= 0, so infinities cannot cancel into NaN);
+    # one BLAS call costs a third of isnan().any().
+    s = np.vdot(x, x)
+    return s != s
+
+
+def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
+    arrays = [tree] if isinstance(tree, np.ndarray) else [x for _, x in leaves(tree)] if is_nat(tree) else []
+    if len(arrays) != n_leaves or any(x.shape[:1] != (B,) for x in arrays):
+        raise ValueError(f"EnvGroup: {what} must be a [B={B}, ...] buffer shaped like example_observation()")
+    return arrays
+
+
+# ---------------------------------------------------------------- the group
+
+
+class EnvGroup:
+    """B gymnasium envs stepped one after another, auto-reset, writing into [B, ...] arrays."""
+
+    def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int,
+                 make: Callable[[EnvConfig], tuple[gym.Env, EpisodeTracker]] = make_env):
+        """``n_envs`` = B envs, each built by ``make(cfg)``; env i is seeded with ``base_seed + i``
+        on the first reset."""
+        validate_env_config(cfg)
+        if n_envs < 1:
+            raise ValueError(f"EnvGroup: n_envs must be >= 1, got {n_envs}")
+        self.cfg = cfg
+        self._make = make
+        self.n_envs = n_envs
+        self.base_seed = base_seed
+        self._envs: list[gym.Env] = []
+        self._trackers: list[EpisodeTracker] = []
+        for _ in range(n_envs):
+            env, tracker = make(cfg)
+            self._envs.append(env)
+            self._trackers.append(tracker)
+        # The gymnasium spaces of the wrapped env (Atari: the stacked frames, not the screen).
+        self.observation_space: spaces.Space = self._envs[0].observation_space
+        self.action_space: spaces.Space = self._envs[0].action_space
+        self._example_obs = _example(self.observation_space, "Observation", "Observation")
+        self._example_act = _example(self.action_space, "Action", "Action")
+        self._obs_leaves = _obs_leaves(self.observation_space)
+        self._to_env_actions = _action_converter(self.action_space, n_envs)
+        self._generation = [0] * n_envs
+        self._seeded = False
+
+    def example_observation(self):
+        """One observation (no leading dims): ndarray, or namedarraytuple for Dict/Tuple."""
+        return self._example_obs
+
+    def example_action(self):
+        """One action (no leading dims) in the form ``step`` takes."""
+        return self._example_act
+
+    def close(self) -> None:
+        for env in self._envs:
+            env.close()
+
+    # -- internals
+
+    def _describe(self, i: int, problem: str) -> str:
+        return f"env {self.cfg.id!r} #{i}: {problem}"
+
+    def _raise_failures(self, failures: list[tuple[int, str]], finished: list[tuple[int, float, int]]) -> None:
+        if failures:
+            message = "; ".join(self._describe(i, problem) for i, problem in failures)
+            raise EnvError(message, tuple(i for i, _ in failures), finished)
+
+    def _check_obs(self, obs) -> list[np.ndarray] | str:
+        """The leaves of one env observation as arrays, or what is wrong with it."""
+        arrays = []
+        for leaf in self._obs_leaves:
+            x = obs
+            try:
+                for key in leaf.path:
+                    x = x[key]
+            except (KeyError, IndexError, TypeError):
+                return f"{leaf.name} is missing from the observation {type(obs).__name__}"
+            if type(x) is not np.ndarray:
+                x = np.asarray(x)
+            if x.shape != leaf.shape:
+                return f"{leaf.name} has shape {x.shape}, expected {leaf.shape}"
+            if x.dtype not in leaf.accepted:
+                if not np.can_cast(x.dtype, leaf.dtype, "same_kind"):
+                    return f"{leaf.name} has dtype {x.dtype}, expected one that casts to {leaf.dtype}"
+                leaf.accepted.add(x.dtype)
+            if x.dtype.kind == "f" and _has_nan(x):
+                return f"{leaf.name} contains NaN"
+            arrays.append(x)
+        return arrays
+
+    def _reset_env(self, i: int, seed: Optional[int]) -> list[np.ndarray] | str:
+        try:
+            obs, _ = self._envs[i].reset(seed=seed)
+        except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
+            return f"reset raised {_first_line(e)}"
+        return self._check_obs(obs)
+
+    # -- public
+
+    def reset(self, obs_out) -> None:
+        """Reset every env and write the B initial observations into ``obs_out[B, ...]``.
+
+        The first call seeds env i with ``base_seed + i``; later calls continue the envs'
+        random streams. Raises EnvError naming the envs that failed (the others are reset).
+        """
+        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        failures = []
+        for i in range(self.n_envs):
+            got = self._reset_env(i, None if self._seeded else self.base_seed + i)
+            if isinstance(got, str):
+                failures.append((i, got))
+                continue
+            for d, x in zip(dst, got):
+                d[i] = x
+        self._seeded = True
+        self._raise_failures(failures, [])
+
+    def step(
+        self, actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out
+    ) -> list[tuple[int, float, int]]:
+        """Step every env once and reset the ones whose episode ended.
+
+        ``actions``: ``[B, ...]`` as ``example_action()``; Box actions are clipped to the
+        bounds for the env (``actions`` is not changed) and reach it as rows of a buffer
+        reused next step. Writes ``reward_out[B]`` (float,
+        after reward wrappers), ``terminated_out[B]``, ``truncated_out[B]`` (bool),
+        ``obs_out[B, ...]`` (the next observation: the reset one where an episode ended) and,
+        where an episode ended, ``final_obs_out[i]`` (the last observation of the episode).
+
+        Returns ``(env_index, episode_return, episode_length)`` for each game that ended:
+        the true score (before reward clipping) and length in agent steps of the whole game
+        (all lives under episodic life, where a life lost ends the training episode only).
+
+        Raises EnvError after stepping all envs if some failed. For a failed env i:
+        ``reward_out[i] = 0``, ``terminated_out[i] = False``, ``truncated_out[i] = True``,
+        ``final_obs_out[i]`` = what ``obs_out[i]`` held before the step, ``obs_out[i]``
+        unchanged; (if only its auto-reset failed, the step's outputs are real). Call
+        ``recreate(i, obs_out)`` for each index in the error before the next step.
+        """
+        B = self.n_envs
+        n_leaves = len(self._obs_leaves)
+        obs_dst = _leaf_arrays(obs_out, B, n_leaves, "obs_out")
+        final_dst = _leaf_arrays(final_obs_out, B, n_leaves, "final_obs_out")
+        env_actions = self._to_env_actions(actions)
+        finished: list[tuple[int, float, int]] = []
+        failures: list[tuple[int, str]] = []
+        for i, env in enumerate(self._envs):
+            try:
+                obs, reward, terminated, truncated, _ = env.step(env_actions[i])
+                reward = float(reward)
+            except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
+                got = f"step raised {_first_line(e)}"
+            else:
+                got = self._check_obs(obs) if reward == reward else "reward is NaN"
+            if isinstance(got, str):
+                failures.append((i, got))
+                reward_out[i], terminated_out[i], truncated_out[i] = 0.0, False, True
+                for d, f in zip(obs_dst, final_dst):
+                    f[i] = d[i]
+                continue
+            reward_out[i] = reward
+            terminated_out[i] = terminated
+            truncated_out[i] = truncated
+            if terminated or truncated:
+                for d, x in zip(final_dst, got):
+                    d[i] = x
+                game = self._trackers[i].finished
+                if game is not None:
+                    finished.append((i, game[0], game[1]))
+                got = self._reset_env(i, None)
+                if isinstance(got, str):
+                    failures.append((i, got))
+                    continue
+            for d, x in zip(obs_dst, got):
+                d[i] = x
+        self._raise_failures(failures, finished)
+        return finished
+
+    def recreate(self, i: int, obs_out) -> None:
+        """Close env i, build it anew, reset it and write its observation into ``obs_out[i]``.
+
+        The k-th rebuild of env i is seeded with ``base_seed + i + k * B``, so a failure
+        that its old seed led to is not replayed. Raises EnvError if the new env fails too.
+        """
+        try:
+            self._envs[i].close()
+        except Exception:  # noqa: BLE001 - the old env is broken anyway; we only free it
+            pass
+        self._generation[i] += 1
+        env, tracker = self._make(self.cfg)
+        self._envs[i], self._trackers[i] = env, tracker
+        got = self._reset_env(i, self.base_seed + i + self._generation[i] * self.n_envs)
+        if isinstance(got, str):
+            raise EnvError(self._describe(i, f"after recreate: {got}"), (i,), [])
+        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        for d, x in zip(dst, got):
+            d[i] = x

@@ -1,0 +1,411 @@
+"""The `rlpipe` command line: launch, train, grid, status, ls, scale, stop, logs, clean, evaluate, plot, tensorboard."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "cartpole_ppo.toml"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rlpipe", description="Deep RL as a pipeline of processes.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    for name, help_ in (("launch", "start a run under supervisord and follow it"),
+                        ("train", "like launch; with --serial, run every part in this one process")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="experiment TOML file")
+        c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value (repeatable), e.g. --set sampler.count=4")
+        c.add_argument("--detach", action="store_true", help="start the run and return (follow with `rlpipe status`)")
+        c.add_argument("--resume", metavar="RUN", help="start a stopped run again from its checkpoint (and its replay "
+                                                       "table's snapshot, with replay.snapshot_interval_s); no CONFIG")
+        c.add_argument("--cluster", metavar="ray[://ADDRESS]",
+                       help="place the services as actors on a Ray cluster (RAY_ADDRESS or this host's, or the Ray "
+                            "Client address) instead of under supervisord; [placement] labels are node resources")
+        if name == "train":
+            c.add_argument("--serial", action="store_true", help="one process, in-process transport (debugging)")
+    c = sub.add_parser("prepare", help="make a run directory and print its path (for honcho/foreman and the Procfile)")
+    c.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="experiment TOML file")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    for name, help_ in (("status", "supervisorctl status of a run"), ("stop", "stop a run"),
+                        ("clean", "stop what is left of a run and remove its shared memory from /dev/shm")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("run", help="run directory or run id (under runs/)")
+    c = sub.add_parser("scale", help="change how many samplers (action-servers) a live run has, e.g. "
+                                     "`rlpipe scale RUN sampler=4 action_server=2`")
+    c.add_argument("run", help="run directory or run id (under runs/)")
+    c.add_argument("counts", nargs="+", metavar="SERVICE=N",
+                   help="new count: sampler=N (1 to sampler.max_count), action_server=M (1 to action_server.max_count)")
+    c = sub.add_parser("evaluate", help="greedy episodes of a run's latest checkpoint on held-out seeds")
+    c.add_argument("run")
+    c.add_argument("--episodes", type=int, default=None, help="default: the run's eval.episodes (10)")
+    c.add_argument("--video", metavar="DIR", help="play the episodes in one env and record the first to an mp4 in DIR")
+    c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
+    c.add_argument("config", help="experiment TOML file")
+    c.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                   help="values to try for a config field (repeatable: the grid is their product)")
+    c.add_argument("--seeds", default="0", help="run.seed values, comma-separated (default: 0)")
+    c.add_argument("--parallel", type=int, metavar="K", help="runs at a time (default: as many as the cores hold)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value of every run (repeatable)")
+    c = sub.add_parser("ls", help="list runs (also inside grid directories) with status and results")
+    c.add_argument("dir", nargs="?", default="runs", help="directory to search (default: runs)")
+    c = sub.add_parser("plot", help="learning curves of runs (seeds of one config as mean and min-max band)")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run ids, or directories holding runs")
+    c.add_argument("--out", default="learning_curves.png", help="PNG file to write (default: learning_curves.png)")
+    c.add_argument("--x", choices=("steps", "time"), default="steps", help="x axis: env steps or wall time")
+    c.add_argument("--group-by", metavar="SECTION.KEY", help="one curve per value of this config field "
+                                                             "(default: one per config, seeds together)")
+    c = sub.add_parser("tensorboard", help="serve the runs' TensorBoard files on 127.0.0.1")
+    c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run ids, or directories holding runs")
+    c.add_argument("--port", type=int, default=6006)
+    c = sub.add_parser("logs", help="show a run's logs")
+    c.add_argument("run")
+    c.add_argument("service", nargs="?", help="e.g. learner, sampler, sampler1; default: all")
+    c.add_argument("-n", type=int, default=40, help="lines per log")
+
+    args = p.parse_args(argv)
+    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "status": _status, "stop": _stop, "logs": _logs, "scale": _scale,
+            "clean": _clean, "grid": _grid, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
+
+
+def _load(args):
+    """The validated experiment with sampler.inference resolved (None after printing a config error)."""
+    from shared.config import checks, loading, schema
+
+    try:
+        exp = loading.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
+    except schema.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return None
+    exp, args.inference = checks.resolve_inference(exp)
+    return exp
+
+
+def _buildable(exp):
+    """``exp`` if its agent can be built for its env, else None after a one-line config error:
+    the services of a run with a model that cannot exist would only crash in a loop."""
+    from shared.config import schema
+    from services.build import check_buildable
+
+    if exp is None:
+        return None
+    try:
+        check_buildable(exp)
+    except schema.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return None
+    return exp
+
+
+def _train(args) -> int:
+    if not args.serial:
+        return _launch(args)
+    exp = _load(args)
+    if exp is None:
+        return 2
+    if exp.learner.count > 1:
+        print(f"rlpipe: config error: learner.count = {exp.learner.count}: serial mode runs one learner in this "
+              "process; launch the run for data-parallel ranks", file=sys.stderr)
+        return 2
+    from services.serial import train_serial
+
+    result = train_serial(exp)
+    print(f"serial run ended ({result['reason']}): mean return {result['mean_return']:.1f} "
+          f"after {result['env_steps']} env steps in {result['wall_s']:.1f} s")
+    return 0
+
+
+def _prepare(args) -> int:
+    exp = _buildable(_load(args))
+    if exp is None:
+        return 2
+    from shared.launch import rundirs
+
+    print(rundirs.make_run_dir(exp))
+    return 0
+
+
+def _launch(args) -> int:
+    from shared.launch import follow, rundirs, supervisor
+    from shared.runtime.process import RUN_CONFIG
+
+    if args.resume:
+        run_dir = _resumable(args)
+        if run_dir is None:
+            return 2
+        args.config = str(run_dir / RUN_CONFIG)
+        exp = _load(args)
+    else:
+        exp = _load(args)
+        run_dir = None if exp is None else rundirs.make_run_dir(exp)
+    if exp is None:
+        return 2
+    t0 = time.monotonic()
+    try:
+        if args.cluster:
+            from shared.launch import ray_backend
+
+            ray_backend.start(exp, run_dir, args.cluster)
+        else:
+            supervisor.start(exp, run_dir)
+    except (ValueError, ConnectionError, RuntimeError) as e:  # no such cluster, a placement it cannot satisfy
+        print(f"rlpipe: cannot start the run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        supervisor.clean(run_dir)
+        return 1
+    try:
+        # A model that cannot exist stops the run and leaves nothing behind but the error line.
+        error = follow.wait_until_built(run_dir)
+        if error is not None:
+            print(f"rlpipe: config error: {error}", file=sys.stderr)
+            supervisor.clean(run_dir)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return 2
+        _announce(exp, run_dir, args)
+        if args.detach:
+            return 0
+        result = follow.follow(run_dir, exp.run.max_wall_s)
+    except KeyboardInterrupt:
+        result = None
+        print("\ninterrupted: stopping the run")
+    except follow.ServiceCrashLoop as e:
+        supervisor.stop(run_dir)
+        print(f"rlpipe: {e}: run stopped. Last lines of {e.log_path}:\n{e.log_tail()}", file=sys.stderr)
+        return 1
+    supervisor.stop(run_dir)
+    took = time.monotonic() - t0
+    if result is None:
+        print(f"run {run_dir} stopped after {took:.1f} s without a result")
+        return 1
+    print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
+          f"{result['env_steps']} env steps, {result['updates']} updates, in {took:.1f} s")
+    print(f"run directory: {run_dir}")
+    return 0 if result["reason"] == "target" else 1
+
+
+def _announce(exp, run_dir, args) -> None:
+    servers = f", {exp.action_server.count} action-server(s)" if exp.sampler.inference == "server" else ""
+    print(f"run {run_dir.name}: {exp.algo_name} on {exp.env.id}, {exp.sampler.count} sampler(s) x "
+          f"{exp.sampler.envs} envs{servers}, {args.inference}")
+    print(f"run directory: {run_dir}")
+    if exp.network.metrics_port:
+        print(f"metrics: http://{exp.network.metrics_host}:{exp.network.metrics_port}/metrics")
+    if args.detach:
+        print(f"detached; follow with `rlpipe status {run_dir}`, end with `rlpipe stop {run_dir}`")
+
+
+def _resumable(args):
+    """The stopped run ``--resume`` names, made ready to start again (None after printing why not)."""
+    from shared.launch import rundirs, supervisor
+
+    if args.overrides or args.config != str(DEFAULT_CONFIG):
+        print("rlpipe: launch --resume RUN takes the run's own config: no CONFIG or --set", file=sys.stderr)
+        return None
+    run_dir = _run_dir(argparse.Namespace(run=args.resume))
+    if run_dir is None:
+        return None
+    if supervisor.running(run_dir):
+        print(f"rlpipe: run {run_dir.name} is running: nothing to resume", file=sys.stderr)
+        return None
+    rundirs.reopen_run_dir(run_dir)
+    return run_dir
+
+
+def _run_dir(args):
+    from shared.launch import rundirs
+
+    try:
+        return rundirs.resolve_run(args.run)
+    except FileNotFoundError as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return None
+
+
+def _status(args) -> int:
+    from shared.launch import ray_backend, rundirs, supervisor
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    if not supervisor.running(run_dir):
+        result = rundirs.read_result(run_dir)
+        print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
+        return 0
+    if ray_backend.is_cluster_run(run_dir):
+        for name, info in ray_backend.status(run_dir).items():
+            code = "" if info["exit_code"] is None else f" exit {info['exit_code']}"
+            print(f"{name:<20} {info['state']:<11} pid {info['pid']}{code}  node {info['node']}")
+        return 0
+    return supervisor.supervisorctl(run_dir, "status").returncode
+
+
+def _stop(args) -> int:
+    from shared.launch import supervisor
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    ok = supervisor.stop(run_dir)
+    print(f"{run_dir.name}: " + ("stopped" if ok else "some processes did not stop; try `rlpipe clean`"))
+    return 0 if ok else 1
+
+
+def _scale(args) -> int:
+    from shared.launch import supervisor
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    counts = {}
+    for item in args.counts:
+        service, _, value = item.partition("=")
+        if not value.lstrip("-").isdigit():
+            print(f"rlpipe: scale: {item!r}: expected SERVICE=N, e.g. sampler=4", file=sys.stderr)
+            return 2
+        counts[service] = int(value)
+    try:
+        added, removed, moved = supervisor.scale(run_dir, counts)
+    except supervisor.ScaleError as e:
+        print(f"rlpipe: scale: {e}", file=sys.stderr)
+        return 2
+    print(f"{run_dir.name}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
+          + (f"; started {' '.join(added)}" if added else "") + (f"; stopped {' '.join(removed)}" if removed else "")
+          + (f"; restarted {' '.join(moved)} for their new action-server" if moved else ""))
+    return 0
+
+
+def _clean(args) -> int:
+    from shared.launch import supervisor
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    killed, removed = supervisor.clean(run_dir)
+    print(f"{run_dir.name}: killed {len(killed)} process(es), removed {len(removed)} shared-memory segment(s)")
+    return 0
+
+
+def _evaluate(args) -> int:
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    from services.evaluator.episodes import CannotRender, evaluate
+    from shared.config import loading
+    from shared.runtime.process import RUN_CONFIG
+
+    exp = loading.load(run_dir / RUN_CONFIG)
+    episodes = exp.eval.episodes if args.episodes is None else args.episodes
+    if episodes < 1:
+        print(f"rlpipe: --episodes {episodes}: must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None)
+    except (FileNotFoundError, CannotRender) as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 1
+    print(f"{run_dir.name}: {result['episodes']} greedy episodes of policy version {result['policy_version']} "
+          f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "
+          f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
+    if args.video:
+        print(f"video of the first episode: {', '.join(str(p) for p in sorted(Path(args.video).glob('*.mp4')))}")
+    return 0
+
+
+def _run_dirs(names: list[str]) -> list[Path] | None:
+    """Run directories from run paths, run ids or directories holding runs (a grid's); None
+    after printing what was not found."""
+    from shared.launch import rundirs
+    from shared.launch import runs
+
+    found = []
+    for name in names:
+        try:
+            found.append(rundirs.resolve_run(name))
+        except FileNotFoundError as e:
+            inside = runs.find_runs(Path(name))
+            if not inside:
+                print(f"rlpipe: {e}", file=sys.stderr)
+                return None
+            found += inside
+    return found
+
+
+def _grid(args) -> int:
+    from shared.config import schema
+    from shared.launch.grid import Grid, parse_seeds, parse_vary
+
+    try:
+        grid = Grid(args.config, args.overrides, parse_vary(args.vary), parse_seeds(args.seeds), args.parallel)
+    except schema.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return 2
+    rows = grid.run()
+    return 0 if all(r["reason"] in ("target", "budget", "wall") for r in rows) else 1
+
+
+def _ls(args) -> int:
+    from shared.launch import runs
+
+    root = Path(args.dir)
+    found = runs.find_runs(root)
+    if not found:
+        print(f"no runs under {root}", file=sys.stderr)
+        return 1
+    rows = [{**runs.summary(d), "run": str(d.relative_to(root))} for d in found]
+    print(runs.markdown_table(rows, runs.COLUMNS))
+    return 0
+
+
+def _plot(args) -> int:
+    from shared.launch.plots import plot_runs
+
+    dirs = _run_dirs(args.runs)
+    if dirs is None:
+        return 2
+    try:
+        out = plot_runs(dirs, args.out, x=args.x, group_by=args.group_by)
+    except ValueError as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def _tensorboard(args) -> int:
+    import os
+
+    from shared.runtime.process import TB_DIR
+
+    dirs = _run_dirs(args.runs)
+    if dirs is None:
+        return 2
+    spec = ",".join(f"{d.name}:{d / TB_DIR}" for d in dirs)
+    print(f"TensorBoard on http://127.0.0.1:{args.port}/ for {len(dirs)} run(s)", flush=True)
+    os.execv(sys.executable, [sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec,
+                              "--host", "127.0.0.1", "--port", str(args.port)])
+
+
+def _logs(args) -> int:
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    pattern = f"{args.service}*.log" if args.service else "*.log"
+    paths = sorted((run_dir / "logs").glob(pattern))
+    if not paths:
+        print(f"no logs matching {pattern} in {run_dir / 'logs'}", file=sys.stderr)
+        return 1
+    for path in paths:
+        lines = path.read_text(errors="replace").splitlines()[-args.n:]
+        print(f"==> {path.name} <==")
+        print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

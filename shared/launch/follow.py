@@ -1,0 +1,154 @@
+"""Following a started run: its build, its crash loops, its progress rows, its result.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from shared.agents.acting import ACTING_FILE
+from shared.runtime.process import CONFIG_ERROR
+from shared.launch.rundirs import read_progress, read_result
+from shared.launch.supervisor import running
+
+
+BUILD_TIMEOUT_S = 120.0  # a learner this slow to build its agent is left to `follow` and `status`
+
+
+def wait_until_built(run_dir: Path, timeout_s: float = BUILD_TIMEOUT_S) -> str | None:
+    """Wait for the learner to have built the agent (its ``acting.json``): None; or the one
+    line of a service's config error (a model that cannot exist for the env: the learner,
+    and action-servers, exit 2 with it). Raises ServiceCrashLoop when services keep dying at
+    start-up for another reason (the caller stops the run).
+
+    The launcher used to build the agent itself, which imported torch while the learner did
+    the same on two cores: the first env step waited for both.
+    """
+    deadline, watch = time.monotonic() + timeout_s, CrashWatch(run_dir)
+    while time.monotonic() < deadline and not (run_dir / ACTING_FILE).exists():
+        error = _config_error(run_dir)
+        if error is not None:
+            return error
+        try:
+            watch.check()
+        except ServiceCrashLoop:
+            error = _config_error(run_dir)  # its line may have reached the log after the exit
+            if error is None:
+                raise
+            return error
+        time.sleep(0.05)
+    return None
+
+
+def _config_error(run_dir: Path) -> str | None:
+    """The config error a service of the run logged before it exited (``runtime.serve``), if any."""
+    for log in sorted((run_dir / "logs").glob("*.log")):
+        try:
+            lines = log.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            if line.startswith(CONFIG_ERROR):
+                return line[len(CONFIG_ERROR):]
+    return None
+
+
+class ServiceCrashLoop(RuntimeError):
+    """Services of the run die again and again right after they start."""
+
+    def __init__(self, process: str, log_path: str, crashes: int):
+        super().__init__(f"{process} exited with an error within {CRASH_WINDOW_S:.0f} s of starting "
+                         f"({crashes} such exits in this run)")
+        self.process, self.log_path = process, log_path
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(cannot read {self.log_path}: {e.strerror})"
+
+
+CRASH_WINDOW_S = 20.0  # a process that dies this soon after it started has crashed at start-up
+
+
+CRASHES_TO_FAIL = 2  # quick crashes, of any processes of the run: a one-off may be a transient
+
+
+class CrashWatch:
+    """Counts quick deaths of the run's processes from supervisord's own log, which records
+    every spawn and every exit with its status (a process restarted at once leaves no trace of
+    its exit status in the process table). ``check()`` raises ServiceCrashLoop at the
+    CRASHES_TO_FAIL-th exit with an error status within CRASH_WINDOW_S of that process's
+    spawn, or when supervisord gave up on a process (FATAL). A process killed by a signal
+    (``kill -9``) is restarted by supervisord and does not count."""
+
+    _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:spawned: '(?P<spawned>[^']+)' with pid"
+                       r"|exited: (?P<exited>\S+) \(exit status (?P<status>\d+);|gave up: (?P<fatal>\S+) entered FATAL)")
+
+    def __init__(self, run_dir: Path):
+        self.log, self.logs = run_dir / "logs" / "supervisord.log", run_dir / "logs"
+        self.offset = 0
+        self.spawned: dict[str, datetime] = {}
+        self.crashes = 0
+
+    def check(self) -> None:
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self.offset)
+                text = f.read()
+        except FileNotFoundError:
+            return
+        text = text[:text.rfind(b"\n") + 1]  # whole lines only; the rest is read next time
+        self.offset += len(text)
+        for line in text.decode(errors="replace").splitlines():
+            m = self._LINE.match(line)
+            if m is None:
+                continue
+            at = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            if m.group("spawned"):
+                self.spawned[m.group("spawned")] = at
+            elif m.group("fatal"):
+                raise ServiceCrashLoop(m.group("fatal"), str(self.logs / f"{m.group('fatal')}.log"), self.crashes)
+            elif int(m.group("status")) != 0:
+                name = m.group("exited")
+                self.crashes += (at - self.spawned.get(name, at)).total_seconds() < CRASH_WINDOW_S
+                if self.crashes >= CRASHES_TO_FAIL:
+                    raise ServiceCrashLoop(name, str(self.logs / f"{name}.log"), self.crashes)
+
+
+def _eval_column(row: dict) -> str:
+    """The evaluator's latest return in a progress row, once there is one."""
+    if not row.get("eval_return"):
+        return ""
+    return f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
+
+
+def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
+    """Print progress rows as the learner writes them; return the result when the run ends.
+
+    Raises ServiceCrashLoop when a service keeps dying at start-up (the caller stops the run).
+    """
+    shown = 0
+    deadline = time.monotonic() + max_wall_s + 60
+    watch = CrashWatch(run_dir)
+    while time.monotonic() < deadline:
+        rows = read_progress(run_dir)
+        for row in rows[shown:]:
+            print(f"[{float(row['wall_s']):7.1f}s] steps {int(row['env_steps']):>8} "
+                  f"({float(row['env_steps_per_s']):>7.0f}/s)  updates {int(row['updates']):>5}  "
+                  f"return {float(row['mean_return']):8.1f}  episodes {int(row['episodes']):>5}  "
+                  f"lag {float(row['policy_lag']):.2f}" + _eval_column(row), file=out, flush=True)
+        shown = len(rows)
+        result = read_result(run_dir)
+        if result is not None:
+            return result
+        if not running(run_dir):
+            print("the run's processes are gone: it was stopped", file=out, flush=True)
+            return None
+        watch.check()
+        time.sleep(0.5)
+    print(f"the run did not end within {max_wall_s + 60:.0f} s", file=out, flush=True)
+    return None

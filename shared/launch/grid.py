@@ -1,0 +1,242 @@
+"""An experiment queue: every combination of config variants and seeds, run K at a time,
+each under its own supervisord, then a summary table and a learning-curve plot per variant.
+
+A grid directory ``<runs_dir>/grid_<name>_<stamp>`` holds the runs (each named by its
+variant and seed, plus the stamp and random suffix every run id has), ``summary.md`` and
+one PNG per variant (its seeds) plus ``all.png`` (every variant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import signal
+import sys
+import threading
+import tomllib
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime
+from pathlib import Path
+
+from shared.config import checks, endpoints, loading
+from shared.launch import follow, rundirs, supervisor
+from shared.launch import runs
+from shared.config.schema import ConfigError, Experiment
+
+SUMMARY = "summary.md"
+SUMMARY_COLUMNS = ("variant", "seed", "reason", "steps_to_target", "wall_s_to_target", "final_return", "env_steps",
+                   "wall_s", "run")
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    label: str
+    """What sets it apart, e.g. ``lr=0.001,count=2`` (empty without --vary)."""
+    overrides: tuple[str, ...]
+    """``section.key=value`` strings applied over the base config."""
+
+
+def parse_vary(items: list[str]) -> list[Variant]:
+    """The product of ``section.key=v1,v2,...`` items (values are TOML literals, no commas
+    inside one). Labels name a field by its key, or by section.key where two keys clash."""
+    axes = []
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or key.count(".") != 1 or not values:
+            raise ConfigError(f"--vary {item!r}: expected section.key=value1,value2,... e.g. algo.lr=1e-3,3e-4")
+        axes.append((key.strip(), [v.strip() for v in values.split(",")]))
+    short = [key.split(".")[1] for key, _ in axes]
+    names = [s if short.count(s) == 1 else key for s, (key, _) in zip(short, axes)]
+    return [Variant(",".join(f"{n}={_literal(v)}" for n, v in zip(names, combo)),
+                    tuple(f"{key}={v}" for (key, _), v in zip(axes, combo)))
+            for combo in itertools.product(*(values for _, values in axes))]
+
+
+def _literal(text: str):
+    """How a value reads in a label: 1e-3 -> 0.001, "'a'" -> a."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def processes_per_run(exp: Experiment) -> int:
+    """The busy processes of a run, each one torch thread: its samplers, replay, the learner and
+    (server inference) the action-servers; the metrics service mostly sleeps."""
+    return exp.sampler.count + 2 + (exp.action_server.count if exp.sampler.inference == "server" else 0)
+
+
+def default_parallel(exp: Experiment) -> int:
+    """Runs of ``exp`` that fit this machine's cores side by side (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // processes_per_run(exp))
+
+
+class Ports:
+    """Ports handed to the grid's live runs: each run gets its own metrics port and tcp block."""
+
+    def __init__(self):
+        self.taken: set[int] = set()
+        self.lock = threading.Lock()
+
+    def assign(self, exp: Experiment) -> Experiment:
+        """``exp`` with network ports that are free now and not held by another run of the grid."""
+        net = exp.network
+        with self.lock:
+            metrics = self._block(net.metrics_host, net.metrics_port, 1) if net.metrics_port else 0
+            base = (self._block(net.host, net.base_port, len(endpoints.tcp_offsets(exp)))
+                    if net.transport == "tcp" else net.base_port)
+        return dataclasses.replace(exp, network=dataclasses.replace(net, metrics_port=metrics, base_port=base))
+
+    def release(self, exp: Experiment) -> None:
+        net = exp.network
+        with self.lock:
+            self.taken.discard(net.metrics_port)
+            if net.transport == "tcp":
+                self.taken.difference_update(range(net.base_port, net.base_port + len(endpoints.tcp_offsets(exp))))
+
+    def _block(self, host: str, start: int, count: int) -> int:
+        for first in range(start, 65536 - count):
+            block = range(first, first + count)
+            if all(p not in self.taken and endpoints.port_free(host, p) for p in block):
+                self.taken.update(block)
+                return first
+        raise ConfigError(f"no {count} free port(s) from {start} up on {host}")
+
+
+class Grid:
+    """Runs ``(variant, seed)`` pairs of one base config K at a time; see ``run``."""
+
+    def __init__(self, config: str, overrides: list[str], variants: list[Variant], seeds: list[int],
+                 parallel: int | None = None, out=sys.stdout):
+        base = loading.load(config, overrides)
+        for variant in variants:  # a typo in --vary fails here, before any run starts
+            loading.load(config, [*overrides, *variant.overrides])
+        stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
+        self.dir = Path(base.run.runs_dir).resolve() / f"grid_{rundirs.safe_name(base.run.name)}_{stamp}"
+        self.config, self.overrides, self.variants, self.seeds = config, overrides, variants, seeds
+        self.parallel = parallel or default_parallel(checks.resolve_inference(base)[0])
+        self.out = out
+        self.ports = Ports()
+        self.live: set[Path] = set()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+
+    def run(self) -> list[dict]:
+        """Every run, K at a time; a run that fails is reported and the others go on. Writes
+        and returns the summary rows (SUMMARY_COLUMNS) and draws the plots. Ctrl-C stops the
+        runs that are live and starts no more."""
+        self.dir.mkdir(parents=True)
+        jobs = [(v, s) for v in self.variants for s in self.seeds]
+        self._say(f"grid {self.dir}: {len(self.variants)} variant(s) x {len(self.seeds)} seed(s), "
+                  f"{self.parallel} at a time")
+        rows = []
+        with ThreadPoolExecutor(self.parallel) as pool:
+            futures = [pool.submit(self._run_one, v, s) for v, s in jobs]
+            try:
+                for future in as_completed(futures):
+                    rows.append(future.result())
+            except KeyboardInterrupt:
+                self._say("interrupted: stopping the live runs")
+                self.stopping.set()
+                for future in futures:
+                    future.cancel()
+                with self.lock:
+                    live = list(self.live)
+                for run_dir in live:
+                    supervisor.stop(run_dir)
+                rows += [f.result() for f in futures if not f.cancelled()]
+        order = {job: i for i, job in enumerate((v.label, s) for v, s in jobs)}
+        rows.sort(key=lambda r: order[(r["variant"], r["seed"])])
+        table = runs.markdown_table(rows, SUMMARY_COLUMNS)
+        (self.dir / SUMMARY).write_text(table + "\n")
+        self._say(table)
+        self._plot(rows)
+        return rows
+
+    def _run_one(self, variant: Variant, seed: int) -> dict:
+        row = {"variant": variant.label, "seed": seed}
+        if self.stopping.is_set():
+            return {**row, "reason": "not started"}
+        try:
+            exp = self._experiment(variant, seed)
+        except ConfigError as e:
+            self._say(f"{variant.label} seed {seed}: config error: {e}")
+            return {**row, "reason": "config error"}
+        exp = self.ports.assign(exp)
+        try:
+            run_dir = rundirs.make_run_dir(exp, f"{exp.run.name},seed={seed}")
+            with self.lock:
+                self.live.add(run_dir)
+            self._say(f"{variant.label} seed {seed}: started {run_dir.name}")
+            reason = self._follow(exp, run_dir)
+        finally:
+            self.ports.release(exp)
+        with self.lock:
+            self.live.discard(run_dir)
+        row = {**row, **runs.summary(run_dir), "reason": reason, "run": run_dir.name}
+        self._say(f"{variant.label} seed {seed}: {reason}, return {row['final_return']} after {row['env_steps']} env "
+                  f"steps in {row['wall_s']} s")
+        return row
+
+    def _experiment(self, variant: Variant, seed: int) -> Experiment:
+        """The variant's validated, buildable config for ``seed``, its run under the grid directory
+        and named by the variant (plots label it so)."""
+        from services.build import check_buildable
+
+        exp = loading.load(self.config, [*self.overrides, *variant.overrides])
+        run = dataclasses.replace(exp.run, seed=seed, name=variant.label or exp.run.name, runs_dir=str(self.dir))
+        exp = dataclasses.replace(exp, run=run)
+        exp, _ = checks.resolve_inference(exp)
+        check_buildable(exp)
+        return exp
+
+    def _follow(self, exp: Experiment, run_dir: Path) -> str:
+        """Start the run, wait for its end and stop it; why it ended (the learner's reason,
+        crashed, killed: supervisord died under its services, or stopped: it ended without a result)."""
+        try:
+            supervisor.start(exp, run_dir)
+            with (run_dir / "logs" / "follow.log").open("w") as log:
+                result = follow.follow(run_dir, exp.run.max_wall_s, out=log)
+            if result:
+                return result["reason"]
+            orphans = supervisor.service_pids(run_dir)  # supervisord was killed: its services would run on
+            for pid in orphans:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            return "killed" if orphans else "stopped"
+        except follow.ServiceCrashLoop as e:
+            self._say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
+            return "crashed"
+        except RuntimeError as e:  # supervisord did not come up
+            self._say(f"{run_dir.name}: {e}")
+            return "not started"
+        finally:
+            if not supervisor.stop(run_dir):
+                supervisor.clean(run_dir)
+
+    def _plot(self, rows: list[dict]) -> None:
+        from shared.launch.plots import plot_runs
+
+        dirs = {label: [self.dir / r["run"] for r in rows if r["variant"] == label and r.get("run")]
+                for label in dict.fromkeys(r["variant"] for r in rows)}
+        plots = [(self.dir / f"{rundirs.safe_name(label) or 'runs'}.png", group) for label, group in dirs.items()]
+        if len(dirs) > 1:
+            plots.append((self.dir / "all.png", [d for group in dirs.values() for d in group]))
+        for path, group in plots:
+            try:
+                self._say(f"plot: {plot_runs(group, path)}")
+            except ValueError as e:  # no run of the group got as far as a mean return
+                self._say(f"no plot {path.name}: {e}")
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--seeds {text!r}: expected integers separated by commas, e.g. 0,1,2") from None
+

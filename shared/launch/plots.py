@@ -1,0 +1,132 @@
+"""Learning curves from run directories: mean return against env steps or wall time, one
+curve per config, seeds drawn as their mean with a min–max band.
+
+matplotlib is imported only when a plot is drawn (Agg backend: no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from shared.config import loading, schema
+from shared.launch.rundirs import read_progress
+from shared.runtime.process import RUN_CONFIG
+
+X_AXES = {"steps": ("env_steps", "env steps"), "time": ("wall_s", "wall time (s)")}
+GRID_POINTS = 200
+BAND_ALPHA = 0.25
+FIGSIZE_IN, DPI = (8.0, 5.0), 100  # 800 x 500 pixels
+SEED_FIELDS = {"run.seed", "run.name", "run.runs_dir", "network.base_port", "network.metrics_port"}
+"""Config fields that tell runs of one config apart without changing what is learned."""
+
+
+def flat_config(run_dir: Path) -> dict[str, object]:
+    """The run's resolved config as ``{"section.key": value}`` (algo.name included)."""
+    exp = loading.load(Path(run_dir) / RUN_CONFIG)
+    flat = {"algo.name": exp.algo_name}
+    for section in (*schema.SECTIONS, "agent", "algo"):
+        obj = getattr(exp, section)
+        flat.update({f"{section}.{name}": value for name, value in vars(obj).items()})
+    return flat
+
+
+def curve(run_dir: Path, x: str = "steps") -> tuple[np.ndarray, np.ndarray]:
+    """(x [n], mean return [n]) of the run's progress rows that have a mean return."""
+    field = X_AXES[x][0]
+    rows = [(float(r[field]), float(r["mean_return"])) for r in read_progress(Path(run_dir))]
+    rows = [(a, b) for a, b in rows if math.isfinite(b)]
+    return np.array([a for a, _ in rows]), np.array([b for _, b in rows])
+
+
+def group_runs(configs: dict[Path, dict], group_by: str | None = None) -> dict[str, list[Path]]:
+    """Runs grouped by config: label -> run dirs, from ``{run dir: flat_config(run dir)}``.
+
+    With ``group_by`` ("section.key") runs are grouped by that field's value, labelled
+    ``key=value``; otherwise by their whole config but the fields in SEED_FIELDS, labelled by
+    the fields in which the groups differ; one group is labelled by its runs' ``run.name``
+    (a grid names its runs by their variant), or by algorithm and env where the names differ.
+    """
+    if group_by is not None:
+        missing = [d for d, c in configs.items() if group_by not in c]
+        if missing:
+            raise ValueError(f"--group-by {group_by}: no such config field (e.g. algo.lr, sampler.count, run.seed)")
+        groups: dict[str, list[Path]] = {}
+        for d, c in configs.items():
+            groups.setdefault(f"{group_by.split('.')[-1]}={c[group_by]}", []).append(d)
+        return groups
+    keyed: dict[tuple, list[Path]] = {}
+    for d, c in configs.items():
+        keyed.setdefault(tuple(sorted((k, repr(v)) for k, v in c.items() if k not in SEED_FIELDS)), []).append(d)
+    if len(keyed) == 1:
+        (dirs,) = keyed.values()
+        names = {configs[d]["run.name"] for d in dirs}
+        first = configs[dirs[0]]
+        return {names.pop() if len(names) == 1 else f"{first['algo.name']} on {first['env.id']}": dirs}
+    keys = [dict(k) for k in keyed]
+    differing = [f for f in keys[0] if len({k.get(f) for k in keys}) > 1]
+    return {",".join(f"{f.split('.')[-1]}={configs[dirs[0]][f]}" for f in differing): dirs
+            for dirs in keyed.values()}
+
+
+def plot_runs(run_dirs, out, x: str = "steps", group_by: str | None = None) -> Path:
+    """Draw the runs' learning curves into the PNG ``out`` (800 x 500 px); returns its path.
+
+    Each group (``group_runs``) is one colour: its runs are interpolated linearly on a common
+    grid of GRID_POINTS x values from 0 to the group's longest run and drawn as their mean with
+    a min–max band (a lone run as its line). A run counts from its first mean return on; one
+    that ended earlier (at its target, mostly) holds its last value to the end of the grid, so
+    the mean does not jump where a seed stops. A dashed line marks each ``run.target_return``.
+    ``x`` is "steps" (env steps) or "time" (wall seconds).
+    Raises ValueError when no run has a mean return yet.
+    """
+    if x not in X_AXES:
+        raise ValueError(f"x = {x!r}: allowed: {', '.join(X_AXES)}")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = {Path(d): flat_config(d) for d in run_dirs}
+    groups = group_runs(configs, group_by)
+    curves = {label: [c for c in (curve(d, x) for d in dirs) if len(c[0])] for label, dirs in groups.items()}
+    if not any(curves.values()):
+        raise ValueError("no run has a mean return yet (progress.csv has no finished episodes)")
+    fig, ax = plt.subplots(figsize=FIGSIZE_IN, dpi=DPI)
+    try:
+        for i, (label, runs) in enumerate(curves.items()):
+            if runs:
+                _draw_group(ax, f"C{i}", label, runs)
+        targets = {c["run.target_return"] for c in configs.values()}
+        for target in sorted(targets):
+            ax.axhline(target, color="0.3", linestyle="--", linewidth=1, label=f"target {target:g}")
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, max(high, max(targets) + 0.05 * (high - low)))  # the target line clear of the frame
+        names = sorted({c["env.id"] for c in configs.values()})
+        ax.set_title(f"mean return of the last episodes on {', '.join(names)}")
+        ax.set_xlabel(X_AXES[x][1])
+        ax.set_ylabel("mean episode return")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+        fig.tight_layout()
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=DPI)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _draw_group(ax, color: str, label: str, runs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    if len(runs) == 1:
+        ax.plot(*runs[0], color=color, label=f"{label} (1 run)")
+        return
+    grid = np.linspace(0.0, max(xs[-1] for xs, _ in runs), GRID_POINTS)
+    ys = np.array([np.where(grid >= xs[0], np.interp(grid, xs, vs), np.nan) for xs, vs in runs])
+    covered = ~np.isnan(ys).all(axis=0)
+    grid, ys = grid[covered], ys[:, covered]
+    ax.plot(grid, np.nanmean(ys, axis=0), color=color, label=f"{label} (mean of {len(runs)} runs)")
+    ax.fill_between(grid, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), color=color, alpha=BAND_ALPHA,
+                    linewidth=0, label=f"{label}: min–max band")

@@ -1,0 +1,213 @@
+"""Ray as the cluster engine: ``rlpipe launch CONFIG --cluster ray[://ADDRESS]``.
+
+Every service instance of the run is a detached Ray actor, named ``<service><i>`` in the
+run's namespace (``rlpipe-<run id>``). The actor starts the entry point supervisord would
+(``python -m services.<service> --run-dir RUN --instance I``) as its child, with the child's
+output appended to ``<run>/logs/<service><i>.log``, and it supervises the child as
+supervisord does: a child that fails (or, but for the learner, ends at all) ends the
+actor, and Ray restarts the actor (``MAX_RESTARTS``) with a new child. The child is killed
+with its actor (SIGKILL on the parent's death), so ``ray.kill`` of an actor, or a node
+that dies, leaves no orphan; a restarted service removes what its predecessor left in
+/dev/shm, as under supervisord.
+
+Placement (``[placement]``): services labelled ``main`` go to the node of the Ray driver
+that launched the run (node affinity); a service labelled ``L`` to any node that offers the
+custom resource ``L`` (``ray start --resources='{"L": 1}'``). Actors ask for no CPU (a
+service is not one Ray task; the OS shares the cores, as under supervisord), and learners
+and action-servers for a GPU when ``run.device`` names CUDA. Links between labels carry
+their arrays as frames over TCP (docs/architecture.md, "Data across nodes").
+
+The run directory records the cluster's address and namespace (``cluster.json``), so
+``rlpipe status/stop/clean`` reach the actors from any process; ``logs`` reads the files.
+The run directory must be reachable at the same path from every node (one host, or a
+shared filesystem).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+CLUSTER_FILE = "cluster.json"
+MAX_RESTARTS = 20
+STOP_WAIT_S = 5.0  # as supervisord's stopwaitsecs: SIGTERM, then SIGKILL
+START_TIMEOUT_S = 60.0  # every actor placed and its service started
+CONNECT_TIMEOUT_S = 2.0  # the cluster's GCS must answer within this to count as there
+
+
+def is_cluster_run(run_dir: Path) -> bool:
+    return (Path(run_dir) / CLUSTER_FILE).exists()
+
+
+def parse_target(target: str) -> str:
+    """The address ``ray.init`` takes for ``--cluster`` TARGET: ``ray`` (RAY_ADDRESS, else the
+    cluster this host runs) or ``ray://HOST:PORT`` (Ray Client); ValueError otherwise."""
+    if target == "ray":
+        return os.environ.get("RAY_ADDRESS") or "auto"
+    if target.startswith("ray://") and len(target) > len("ray://"):
+        return target
+    raise ValueError(f"--cluster {target!r}: expected ray or ray://HOST:PORT")
+
+
+def _connect(address: str, namespace: str) -> None:
+    """This process a driver of the cluster at ``address`` (once; again for another cluster)."""
+    import ray
+
+    if ray.is_initialized():
+        if ray.get_runtime_context().gcs_address == address:
+            return
+        ray.shutdown()
+    ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level="WARNING")
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the actor that started it dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class ServiceActor:
+    """One service instance: its process as this actor's child (module doc)."""
+
+    def __init__(self, service: str, instance: int, run_dir: str, restart_on_success: bool):
+        self.name, self.restart_on_success, self.stopping = f"{service}{instance}", restart_on_success, False
+        logs = Path(run_dir) / "logs"
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(Path(run_dir) / "metrics"), "PYTHONUNBUFFERED": "1"}
+        with open(logs / f"{self.name}.log", "ab") as out:
+            self.child = subprocess.Popen(
+                [sys.executable, "-m", f"services.{service}", "--run-dir", run_dir, "--instance", str(instance)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=run_dir,
+                preexec_fn=_die_with_parent)
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        code = self.child.wait()
+        if not self.stopping and (code != 0 or self.restart_on_success):
+            os._exit(1)  # Ray restarts the actor, and with it the service
+
+    def info(self) -> dict:
+        import ray
+
+        code = self.child.poll()
+        return {"state": "RUNNING" if code is None else "EXITED", "pid": self.child.pid, "exit_code": code,
+                "node": ray.get_runtime_context().get_node_id()}
+
+    def stop(self) -> int | None:
+        """SIGTERM the service, SIGKILL it after STOP_WAIT_S; its exit code."""
+        self.stopping = True
+        if self.child.poll() is None:
+            self.child.send_signal(signal.SIGTERM)
+            try:
+                self.child.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.child.kill()
+                self.child.wait()
+        return self.child.returncode
+
+
+def start(exp, run_dir: Path, target: str) -> None:
+    """Place every service instance of the run as an actor on the cluster ``target`` names."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from shared.launch.rundirs import programs
+
+    namespace = f"rlpipe-{run_dir.name}"
+    _connect(parse_target(target), namespace)
+    here = ray.get_runtime_context().get_node_id()
+    instances = [(service, i, autorestart) for service, count, _, autorestart in programs(exp) for i in range(count)]
+    # Written before any actor exists: a launch that fails half-way is cleaned up by these names.
+    (run_dir / CLUSTER_FILE).write_text(json.dumps({
+        "engine": "ray", "address": ray.get_runtime_context().gcs_address, "namespace": namespace,
+        "actors": [f"{service}{i}" for service, i, _ in instances]}))
+    remote = ray.remote(ServiceActor)
+    actors = []
+    for service, i, autorestart in instances:
+        label = exp.placement.node(service)
+        gpu = 1 if service in ("learner", "action_server") and exp.run.device.startswith("cuda") else 0
+        where = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)} if label == "main" \
+            else {"resources": {label: 0.001}}
+        actors.append(remote.options(name=f"{service}{i}", lifetime="detached", max_restarts=MAX_RESTARTS,
+                                     num_cpus=0, num_gpus=gpu, **where)
+                      .remote(service, i, str(run_dir), autorestart == "true"))
+    try:
+        ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)  # every service started
+    except ray.exceptions.GetTimeoutError:
+        labels = sorted(set(exp.placement.labels().values()) - {"main"})
+        raise RuntimeError(f"the run's actors were not all placed within {START_TIMEOUT_S:.0f} s: does a node of the "
+                           f"cluster offer each of the resources {labels} ([placement] labels)?") from None
+
+
+def _reachable(address: str) -> bool:
+    """Whether the cluster's GCS at ``host:port`` accepts a connection (``ray.init`` waits minutes
+    for one that is gone)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _actors(run_dir: Path) -> dict:
+    """Name -> actor handle (None where Ray holds no such actor any more; all None when the
+    cluster itself is gone, and its actors with it)."""
+    import ray
+
+    info = json.loads((Path(run_dir) / CLUSTER_FILE).read_text())
+    if not _reachable(info["address"]):
+        return dict.fromkeys(info["actors"])
+    _connect(info["address"], info["namespace"])
+    out = {}
+    for name in info["actors"]:
+        try:
+            out[name] = ray.get_actor(name, namespace=info["namespace"])
+        except ValueError:
+            out[name] = None
+    return out
+
+
+def status(run_dir: Path) -> dict[str, dict]:
+    """Name -> {state, pid, exit_code, node} of every service actor (state GONE, RESTARTING)."""
+    import ray
+
+    out = {}
+    for name, actor in _actors(run_dir).items():
+        if actor is None:
+            out[name] = {"state": "GONE", "pid": None, "exit_code": None, "node": None}
+            continue
+        try:
+            out[name] = ray.get(actor.info.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            out[name] = {"state": "RESTARTING", "pid": None, "exit_code": None, "node": None}
+    return out
+
+
+def running(run_dir: Path) -> bool:
+    """Whether any service actor of the run is still held by Ray."""
+    return any(actor is not None for actor in _actors(run_dir).values())
+
+
+def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
+    """Stop every service (SIGTERM, as supervisord would) and end its actor; True when all are gone."""
+    import ray
+
+    actors = {name: a for name, a in _actors(run_dir).items() if a is not None}
+    pending = [a.stop.remote() for a in actors.values()]
+    try:
+        ray.get(pending, timeout=timeout_s)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        pass  # an actor restarting or gone: killed below all the same
+    for actor in actors.values():
+        ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    while running(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not running(run_dir)

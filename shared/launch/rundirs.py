@@ -1,0 +1,110 @@
+"""Run directories: make one for a run, find one by name, read its progress and result.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import secrets
+import stat
+from datetime import datetime
+from pathlib import Path
+from shared.config import endpoints, loading
+from shared.transport.auth import write_curve_keys, write_secret
+from shared.config.schema import Experiment
+from shared.agents.acting import ACTING_FILE
+from shared.runtime.process import RUN_CONFIG
+
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
+    """A fresh run directory ``<runs_dir>/<name>_<stamp>_<random>`` (name: ``run.name`` unless
+    given) with the run's config and secret, and its private socket directory. The random
+    suffix makes run ids unguessable and keeps two runs started in the same second apart."""
+    stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
+    base = safe_name(name or exp.run.name)
+    root = Path(exp.run.runs_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        run_dir = root / f"{base}_{stamp}_{secrets.token_hex(3)}"
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            continue
+    for sub in ("logs", "metrics", "checkpoints"):
+        (run_dir / sub).mkdir()
+    make_private_dir(endpoints.socket_base())
+    endpoints.socket_dir(run_dir).mkdir(mode=0o700)
+    write_secret(run_dir)
+    if exp.network.transport == "tcp":
+        write_curve_keys(run_dir)
+    (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+    return run_dir.resolve()
+
+
+def reopen_run_dir(run_dir: Path) -> None:
+    """Make a stopped run's directory ready to start again (``launch --resume``): its socket
+    directory back, the previous result set aside (the run goes on to a new one), the
+    previous learner's acting.json gone."""
+    make_private_dir(endpoints.socket_base())
+    endpoints.socket_dir(run_dir).mkdir(mode=0o700, exist_ok=True)
+    result = run_dir / "result.json"
+    if result.exists():
+        result.replace(run_dir / "result.previous.json")
+    (run_dir / ACTING_FILE).unlink(missing_ok=True)  # the restarted learner writes it when its agent is built
+
+
+def safe_name(name: str) -> str:
+    """``name`` with each character a run id may not hold (letters, digits, '_' and '.') made '_'."""
+    return "".join(c if c.isalnum() or c in "_." else "_" for c in name)
+
+
+def make_private_dir(path: Path) -> None:
+    """Make ``path`` a directory only we can enter (0700), or refuse one another user owns."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory of uid {os.getuid()} (owner uid {st.st_uid}): another user "
+                              "could reach this run's sockets; remove it, or set XDG_RUNTIME_DIR to a private directory")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def programs(exp: Experiment) -> list[tuple[str, int, int, str]]:
+    """The run's services: (service, instances, start priority, autorestart: "true", or
+    "unexpected" for the learner, whose exit 0 ends the run), under supervisord or Ray."""
+    services = [("replay", 1, 10, "true"), ("learner", exp.learner.count, 20, "unexpected"), ("sampler", exp.sampler.count, 40, "true")]
+    if exp.sampler.inference == "server":
+        services.insert(2, ("action_server", exp.action_server.count, 30, "true"))
+    if exp.network.metrics_port:
+        services.insert(0, ("metrics", 1, 5, "true"))
+    if exp.eval.every_s:
+        services.append(("evaluator", 1, 50, "true"))
+    return services
+
+
+def resolve_run(name: str, runs_dir: str = "runs") -> Path:
+    """A run directory from a path or a run id under ``runs_dir``."""
+    for candidate in (Path(name), Path(runs_dir) / name):
+        if (candidate / RUN_CONFIG).exists():
+            return candidate.resolve()
+    raise FileNotFoundError(f"no run directory {name!r} (give its path, or its id under {runs_dir}/)")
+
+
+def read_progress(run_dir: Path) -> list[dict]:
+    path = run_dir / "progress.csv"
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def read_result(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "result.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

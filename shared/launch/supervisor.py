@@ -1,0 +1,267 @@
+"""supervisord: start a run's services, scale them, stop them, clean up after them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import xmlrpc.client
+from pathlib import Path
+from shared.config import endpoints, loading, schema
+from shared.launch import ray_backend as ray_cluster
+from shared.transport import shm
+from shared.config.schema import Experiment
+from shared.runtime.process import RUN_CONFIG
+from shared.launch.rundirs import DEPLOY, programs
+
+
+TEMPLATE = DEPLOY / "supervisord.conf.tmpl"
+
+
+PROGRAM = """
+[program:{program}]
+command={python} -m services.{service} --run-dir {run_dir} --instance {instance}
+process_name={process}
+numprocs={count}
+priority={priority}
+autorestart={autorestart}
+exitcodes=0
+startsecs=1
+startretries=10
+stopsignal=TERM
+stopwaitsecs=5
+stopasgroup=true
+killasgroup=true
+redirect_stderr=true
+stdout_logfile={run_dir}/logs/{process}.log
+stdout_logfile_maxbytes=20MB
+stdout_logfile_backups=1
+environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1"
+"""
+
+
+SCALABLE = ("sampler", "action_server")
+"""Services ``rlpipe scale`` changes the count of: one supervisord program (and group) per
+instance, so that adding or removing one leaves the others running."""
+
+
+def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
+    programs_ = []
+    for service, count, priority, autorestart in programs(exp):
+        common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable)
+        if service in SCALABLE:
+            programs_ += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
+                          for i in range(count)]
+        else:
+            programs_.append(PROGRAM.format(program=service, process=f"{service}%(process_num)d",
+                                            instance="%(process_num)d", count=count, **common))
+    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=endpoints.socket_dir(run_dir)) + "".join(programs_)
+
+
+def start(exp: Experiment, run_dir: Path) -> None:
+    conf = run_dir / "supervisord.conf"
+    conf.write_text(supervisord_conf(exp, run_dir))
+    subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True)
+    deadline = time.monotonic() + 30  # supervisord daemonizes: wait until it answers
+    while True:
+        try:
+            rpc(run_dir).supervisor.getState()
+            return
+        except (OSError, xmlrpc.client.Error):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"supervisord for {run_dir} did not come up; see {run_dir}/logs/supervisord.log") \
+                    from None
+            time.sleep(0.02)
+
+
+class ScaleError(ValueError):
+    """A scale request that cannot be applied (one line, naming why)."""
+
+
+def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+    """Change service counts of a live run, e.g. ``{"sampler": 4, "action_server": 2}``. Writes
+    the new counts to the run's config (services started from now on read it), regenerates
+    supervisord.conf and applies it over XML-RPC: instances beyond a new count are stopped
+    (SIGTERM: a sampler drops the segment it is collecting; replay still inserts what it
+    announced) and removed, new ones are added and started; the others are not touched, but
+    for the samplers whose action-server (i mod count) changes with the action-server count,
+    which are restarted. Returns (processes added, removed, restarted)."""
+    if ray_cluster.is_cluster_run(run_dir):
+        raise ScaleError("this run's services are Ray actors: live scaling works on supervisord runs only")
+    unknown = sorted(set(counts) - set(SCALABLE))
+    if unknown:
+        raise ScaleError(f"cannot scale {', '.join(unknown)}: scalable services are {', '.join(SCALABLE)}")
+    if supervisord_pid(run_dir) is None:
+        raise ScaleError(f"run {run_dir.name} is not running: scale applies to a live run")
+    path = run_dir / RUN_CONFIG
+    exp = loading.load(path)
+    if "action_server" in counts and exp.sampler.inference != "server":
+        raise ScaleError(f"action_server={counts['action_server']}: this run's samplers act locally "
+                         f"(sampler.inference = {exp.sampler.inference}): it runs no action-servers")
+    for service, n in counts.items():
+        most = schema.most_count(getattr(exp, service))
+        if not 1 <= n <= most:
+            raise ScaleError(f"{service}={n}: this run takes 1 to {most} (its {service}.max_count, set at launch)")
+    try:  # ConfigError names a conflict (e.g. learner.batch_segments with fewer samplers)
+        new = loading.load(path, [f"{service}.count={n}" for service, n in counts.items()])
+    except schema.ConfigError as e:
+        raise ScaleError(", ".join(f"{k}={v}" for k, v in counts.items()) + f": {e}") from None
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(loading.dumps(new))
+    tmp.replace(path)
+    (run_dir / "supervisord.conf").write_text(supervisord_conf(new, run_dir))
+    server = rpc(run_dir).supervisor
+    added, changed, removed = server.reloadConfig()[0]
+    for group in removed + changed:
+        server.stopProcessGroup(group, True)
+        server.removeProcessGroup(group)
+    for group in changed + added:
+        server.addProcessGroup(group)
+    old_m, new_m = exp.action_server.count, new.action_server.count
+    moved = [f"sampler{i}" for i in range(min(exp.sampler.count, new.sampler.count)) if i % old_m != i % new_m]
+    for name in moved:  # to the action-server i mod new count (a sampler picks it when it starts)
+        server.stopProcess(name, True)
+        server.startProcess(name, False)
+    return sorted(changed + added), sorted(removed + changed), moved
+
+
+def rpc(run_dir: Path) -> xmlrpc.client.ServerProxy:
+    """supervisord's XML-RPC interface over the run's unix socket (no supervisorctl process to start)."""
+    from supervisor.xmlrpc import SupervisorTransport
+
+    url = f"unix://{endpoints.socket_dir(run_dir) / 'supervisor.sock'}"
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(None, None, url))
+
+
+def supervisorctl(run_dir: Path, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(run_dir / "supervisord.conf"),
+                           *args], capture_output=capture, text=True)
+
+
+def supervisord_pid(run_dir: Path) -> int | None:
+    """The pid of this run's supervisord, if it runs: the pidfile's process must name this
+    run's config (a stale pidfile whose pid was reused by another process counts as gone)."""
+    try:
+        pid = int((run_dir / "supervisord.pid").read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    try:
+        return pid if Path(run_dir).resolve() in _run_dirs_named(Path(f"/proc/{pid}")) else None
+    except OSError:  # no such process (any more)
+        return None
+
+
+def running(run_dir: Path) -> bool:
+    """Whether the run's supervisord (or, for a run on a cluster, any of its actors) is there."""
+    if ray_cluster.is_cluster_run(run_dir):
+        return ray_cluster.running(run_dir)
+    return supervisord_pid(run_dir) is not None
+
+
+def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
+    """Stop every process of the run (services first, then supervisord, or the cluster's
+    actors); True once all are gone."""
+    if ray_cluster.is_cluster_run(run_dir):
+        stopped = ray_cluster.stop(run_dir, timeout_s)
+        shutil.rmtree(endpoints.socket_dir(run_dir), ignore_errors=True)
+        return stopped and not service_pids(run_dir)
+    pid = supervisord_pid(run_dir)
+    if pid is not None:
+        try:
+            server = rpc(run_dir).supervisor
+            # Every service gets SIGTERM at once; shutdown alone would stop them group by group.
+            server.stopAllProcesses(False)
+            server.shutdown()
+        except (OSError, xmlrpc.client.Error):
+            supervisorctl(run_dir, "shutdown", capture=True)
+        deadline = time.monotonic() + timeout_s
+        while supervisord_pid(run_dir) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            _nudge(run_dir)
+            _terminate_unguarded(run_dir)
+    deadline = time.monotonic() + 5  # children may still be exiting when supervisord is gone
+    while service_pids(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = supervisord_pid(run_dir) is None and not service_pids(run_dir)
+    if stopped:
+        shutil.rmtree(endpoints.socket_dir(run_dir), ignore_errors=True)
+    return stopped
+
+
+def _nudge(run_dir: Path) -> None:
+    """Wake supervisord's event loop with a request: once its last child is reaped it exits
+    at its next loop turn, which otherwise may come only with its 1 s poll timeout."""
+    try:
+        rpc(run_dir).supervisor.getState()
+    except (OSError, xmlrpc.client.Error):
+        pass  # already gone
+
+
+def _terminate_unguarded(run_dir: Path) -> None:
+    """SIGTERM the run's processes that have no SIGTERM handler: services still starting, before
+    install_signal_handlers. supervisord loses its stop signal to a process it forked a moment
+    before (sent to a process group the child has not made yet, or caught by the handler the
+    child inherited from supervisord until it execs the service), e.g. one it was restarting
+    after a crash, and would wait stopwaitsecs (5 s) to kill it; such a process dies at once on
+    SIGTERM's default action. Processes that handle SIGTERM (supervisord, running services)
+    have had theirs and are left to finish their clean exit."""
+    for pid in service_pids(run_dir):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                masks = dict(line.split(":", 1) for line in f if line.startswith(("SigCgt", "SigIgn")))
+            if not (int(masks["SigCgt"], 16) | int(masks["SigIgn"], 16)) & (1 << (signal.SIGTERM - 1)):
+                os.kill(pid, signal.SIGTERM)
+        except (OSError, KeyError):
+            pass  # gone meanwhile
+
+
+def service_pids(run_dir: Path) -> list[int]:
+    """Processes of this run: services whose ``--run-dir`` argument is this directory and
+    supervisord whose ``-c`` is its supervisord.conf. Arguments are compared as resolved
+    paths (relative ones against the process's cwd), never as substrings: run ``X`` is not
+    run ``X_2``."""
+    target = Path(run_dir).resolve()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if target in _run_dirs_named(proc):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass  # gone, or another user's
+    return pids
+
+
+def _run_dirs_named(proc: Path) -> set[Path]:
+    argv = [a.decode(errors="surrogateescape") for a in (proc / "cmdline").read_bytes().split(b"\0")]
+    named = []
+    for flag, value in zip(argv, argv[1:]):
+        if flag == "--run-dir":
+            named.append(value)
+        elif flag == "-c" and Path(value).name == "supervisord.conf":
+            named.append(str(Path(value).parent))
+    named += [a.split("=", 1)[1] for a in argv if a.startswith("--run-dir=")]
+    if not named:
+        return set()
+    cwd = os.readlink(proc / "cwd")
+    return {(Path(cwd) / value).resolve() for value in named}
+
+
+def clean(run_dir: Path) -> tuple[list[int], list[str]]:
+    """Stop what still runs of the run, kill what will not stop, remove its shm segments."""
+    stop(run_dir, timeout_s=20)
+    killed = service_pids(run_dir)
+    for pid in killed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while service_pids(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shutil.rmtree(endpoints.socket_dir(run_dir), ignore_errors=True)
+    return killed, shm.clean(run_dir.name)

@@ -1,0 +1,57 @@
+"""The evaluator's results in the run directory: every evaluation a row of eval.csv, the latest
+one also in eval.json, which the learner copies into its progress rows.
+
+Only the evaluator writes these files, so no two processes append to one CSV. eval.json is
+replaced atomically (write a temporary file, rename it), so a reader sees the previous
+result or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+from shared.runtime.process import append_csv
+
+EVAL_CSV = "eval.csv"
+LATEST = "eval.json"
+FIELDS = ["wall_time", "policy_version", "env_steps", "episodes", "mean_return", "std_return", "min_return",
+          "max_return", "eval_s"]
+"""Columns of eval.csv: Unix time the evaluation ended, the version and run env steps it
+measured, its episodes, their return statistics and the seconds it took."""
+PROGRESS_COLUMNS = {"eval_return": "mean_return", "eval_return_std": "std_return",
+                    "eval_policy_version": "policy_version", "eval_env_steps": "env_steps"}
+"""progress.csv column -> the latest evaluation's field (empty until the first evaluation)."""
+
+
+def record(run_dir: Path, row: dict) -> None:
+    """Append ``row`` (FIELDS) to eval.csv and make it the latest result."""
+    append_csv(Path(run_dir) / EVAL_CSV, FIELDS, row)
+    tmp = Path(run_dir) / (LATEST + ".tmp")
+    tmp.write_text(json.dumps(row))
+    os.replace(tmp, Path(run_dir) / LATEST)
+
+
+def latest(run_dir: Path) -> dict | None:
+    """The latest evaluation's row, or None before the first one."""
+    try:
+        return json.loads((Path(run_dir) / LATEST).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def progress_columns(run_dir: Path) -> dict:
+    """The PROGRESS_COLUMNS of the latest evaluation (empty strings before the first one)."""
+    row = latest(run_dir) or {}
+    return {column: row.get(field, "") for column, field in PROGRESS_COLUMNS.items()}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """eval.csv's rows as strings (empty before the first evaluation)."""
+    path = Path(run_dir) / EVAL_CSV
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))

@@ -1,0 +1,184 @@
+"""ZeroMQ socket helpers: bounded waits, explicit linger, reconnect, bad-input tolerance.
+
+Every receive goes through ``poll`` with a timeout (ARCHITECTURE rule 4). A message that
+fails ``wire.unpack`` is logged with its reason, counted, and dropped; the caller keeps
+serving. ``Endpoint.serve`` does the same for whatever a handler raises on one message
+(ARCHITECTURE rule 5). DEALER clients follow the "Lazy Pirate" habit of jupyter_client: on
+a timeout they close the socket (linger 0) and open a fresh one, so a restarted peer is
+found again.
+
+Routing ids: a DEALER's ZeroMQ identity is its name plus a random token chosen once per
+process and kept across reconnects. A ROUTER with ``ROUTER_HANDOVER`` hands a route to
+whoever connects with a known identity; with a guessable identity (``sampler0``) any
+local process could take a sampler's route, with an unguessable one only the sampler can.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import zmq
+
+from shared.transport import wire
+
+LINGER_MS = 0  # nothing queued for a dead peer is worth blocking shutdown for
+ERROR_REPLY_CHARS = 400
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A run's CURVE server key pair (z85 bytes); see shared/transport/auth.py."""
+
+    server_public: bytes
+    server_secret: bytes
+
+
+_curve: CurveKeys | None = None
+
+
+def use_curve(keys: CurveKeys | None) -> None:
+    """Make every tcp:// socket this process opens from now on speak CURVE with ``keys``
+    (called once at service start for TCP runs); None turns it off."""
+    global _curve
+    _curve = keys
+
+
+class Rejected(ValueError):
+    """A message a handler will not act on. ``reason`` is the metric label (auth, descriptor,
+    value, state); str() says what was wrong and, where there is one, the fix."""
+
+    def __init__(self, reason: str, text: str):
+        super().__init__(text)
+        self.reason = reason
+
+
+def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity: bytes | None = None,
+                subscribe: bytes = b"") -> zmq.Socket:
+    """``subscribe``: a SUB socket's topic (``wire.topic``; everything by default)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, LINGER_MS)
+    # ZeroMQ checks this per frame as it decodes, and drops a peer that sends more than wire accepts.
+    sock.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_HEADER_BYTES, wire.MAX_FRAME_BYTES))
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == zmq.ROUTER:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished peers silently
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting with its (unguessable) identity gets its route back
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+    if _curve is not None and endpoint.startswith("tcp://"):
+        if bind:
+            sock.curve_server = True
+            sock.curve_secretkey = _curve.server_secret
+        else:
+            sock.curve_serverkey = _curve.server_public
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    if bind:
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+    return sock
+
+
+class Endpoint:
+    """One socket speaking the wire protocol: sequence numbers out, validation in.
+
+    ``on_bad(reason)`` is called for every rejected message with a short label (wire, auth,
+    descriptor, value, state, internal) for a metric; the message is dropped and the
+    endpoint keeps working.
+    """
+
+    def __init__(self, ctx: zmq.Context, kind: int, address: str, bind: bool, name: str,
+                 on_bad: Callable[[str], None] | None = None, subscribe: bytes = b""):
+        self.ctx, self.kind, self.address, self.bind, self.name = ctx, kind, address, bind, name
+        self.subscribe = subscribe
+        self.on_bad = on_bad or (lambda reason: None)
+        self.seq = 0
+        self.identity = f"{name}.{secrets.token_hex(8)}".encode() if kind == zmq.DEALER else None
+        self._internal_seen: set[str] = set()
+        self.sock = open_socket(ctx, kind, address, bind, identity=self.identity, subscribe=subscribe)
+
+    def send(self, mtype: str, body: dict, arrays: list | None = None, to: bytes | None = None) -> None:
+        self.seq += 1
+        frames = wire.pack(mtype, body, self.name, self.seq, arrays)
+        if to is not None:
+            frames = [to] + frames
+        try:
+            self.sock.send_multipart(frames, copy=len(frames) < 3, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("%s: send of %s dropped (peer queue full or gone)", self.name, mtype)
+
+    def recv(self, timeout_ms: float) -> tuple[bytes | None, wire.Message] | None:
+        """Wait at most ``timeout_ms`` for one valid message: (peer identity or None, msg)."""
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        while True:
+            remaining = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(remaining, zmq.POLLIN):
+                return None
+            frames = self.sock.recv_multipart(copy=False)
+            peer = None
+            if self.kind == zmq.ROUTER:
+                peer, frames = frames[0].bytes, frames[1:]
+            try:
+                return peer, wire.unpack(frames)
+            except wire.WireError as e:
+                log.warning("%s: rejected a message from %s: %s", self.name, _who(peer), e)
+                self.on_bad("wire")
+                if peer is not None:
+                    self.send("error", {"reason": f"bad message: {e}"[:ERROR_REPLY_CHARS]}, to=peer)
+                if time.monotonic() >= deadline:
+                    return None
+
+    def serve(self, handler: Callable[[bytes | None, wire.Message], None], peer: bytes | None,
+              msg: wire.Message) -> None:
+        """Run ``handler(peer, msg)`` so that no single message can end the service.
+
+        Whatever it raises is logged with the peer and the reason (with a traceback the first
+        time an unexpected exception type appears), counted through ``on_bad``, and answered
+        with an ``error`` where the peer can be replied to (ROUTER).
+        """
+        try:
+            handler(peer, msg)
+            return
+        except Rejected as e:
+            reason, text = e.reason, str(e)
+            log.warning("%s: %s from %s rejected: %s", self.name, msg.type, _who(peer), text)
+        except Exception as e:  # a bug or a value nobody foresaw: this message fails, the service goes on
+            reason, text = "internal", f"{type(e).__name__}: {e}"
+            first = type(e).__name__ not in self._internal_seen
+            self._internal_seen.add(type(e).__name__)
+            log.error("%s: %s from %s failed: %s", self.name, msg.type, _who(peer), text, exc_info=first)
+        self.reject(peer, msg.type, reason, text)
+
+    def reject(self, peer: bytes | None, mtype: str, reason: str, text: str) -> None:
+        """Count a message that is not acted on (``on_bad(reason)``) and answer its peer with an error."""
+        self.on_bad(reason)
+        if peer is not None:
+            self.send("error", {"reason": f"{mtype}: {text}"[:ERROR_REPLY_CHARS]}, to=peer)
+
+    def drain(self) -> list[tuple[bytes | None, wire.Message]]:
+        """Every valid message already waiting, without blocking."""
+        out = []
+        while True:
+            item = self.recv(0)
+            if item is None:
+                return out
+            out.append(item)
+
+    def reconnect(self) -> None:
+        """Lazy Pirate: drop the socket and whatever it had queued; open a fresh one."""
+        self.sock.close(linger=0)
+        self.sock = open_socket(self.ctx, self.kind, self.address, self.bind, identity=self.identity,
+                                subscribe=self.subscribe)
+
+    def close(self) -> None:
+        self.sock.close(linger=LINGER_MS)
+
+
+def _who(peer: bytes | None) -> str:
+    return peer.decode(errors="replace") if peer else "peer"
