@@ -135,7 +135,7 @@ def test_line_reader_agrees_with_yaml():
 def test_multiprocess_exposes_defined_names_and_forgets_dead_processes(tmp_path):
     # A separate process, because prometheus_client picks multiprocess mode at import time.
     script = (
-        "from shared import metrics\n"
+        "from shared.runtime import metrics\n"
         "for service, defs in metrics._DEFS.items():\n"
         "    m = metrics.for_service(service, 0)\n"
         "    for attr, (kind, suffix, doc, extra, *_) in {**metrics._COMMON, **defs}.items():\n"
