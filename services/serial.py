@@ -1,56 +1,62 @@
-"""Serial mode: the pipeline's parts in one process, joined by direct calls.
+"""Serial mode: the services' own loops in one process, over in-process ports.
 
-The same Sampler, agent, replay table and Learner as the services, with in-process
-stand-ins for the sockets: actions come straight from the agent, segments go straight
-into the table, batches straight to the learner. This is the debugging mode (a breakpoint
-in a loss works) and the reference the pipeline must agree with.
+The learner runs its loop (``services.learner.learner.run_loop``) as in the pipeline; only
+its two ports are in-process stand-ins (as Sample Factory's serial runner runs the parallel
+components over in-process queues):
+
+- ``SerialBatches`` is its BatchSource: ``next()`` drives the samplers in turn
+  (``Sampler.collect_segment``, actions straight from the agent, each finished segment
+  straight into the table) until the table can serve the batch asked for, through the
+  same ``sample_batch`` the replay service serves the learner with;
+- ``SerialParams`` is its ParamSink, and the samplers' ParamSource: the agent they act
+  with is the learner's own, so a published version is in force at once.
+
+Given a run directory the learner writes what it writes in the pipeline (progress.csv,
+tb/, checkpoints/, result.json) and resumes from the checkpoint there. This is the
+debugging mode (a breakpoint in a loss works) and the reference the pipeline must agree
+with. Nothing goes to shared memory: samplers and table live on the heap.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
-import logging
+import time
+from pathlib import Path
 
-
-from services.learner.learner import Learner
-from services.replay.tables import make_table, sample_batch
+from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
+from services.learner.learner import Learner, lock_run, run_loop
+from services.replay.tables import PRIORITIZED, make_table, sample_batch
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
 from shared.agents.acting import acting_seed
 from shared.agents.actor import Actor
-from shared.config.schema import Experiment
-from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
+from shared.config.schema import ConfigError, Experiment
 from shared.data.layout import segment_spec
 from shared.data.namedarraytuple import from_spec
 from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.runtime.process import torch_device
 
-log = logging.getLogger(__name__)
 
+class SerialParams:
+    """ParamSink of the learner and ParamSource of the samplers' local actions."""
 
-class LearnerParams:
-    """ParamSource for serial mode: the agent is the learner's own, always at its version."""
+    def __init__(self, version: int, env_steps: int):
+        self.version, self.env_steps = version, env_steps
 
-    def __init__(self, learner: Learner):
-        self.learner = learner
-
-    @property
-    def version(self) -> int:
-        return self.learner.version
-
-    @property
-    def env_steps(self) -> int:
-        return self.learner.env_steps
+    def publish(self, version: int, env_steps: int) -> None:
+        self.version, self.env_steps = version, env_steps
 
     def poll(self) -> bool:
-        return False
+        return False  # the agent is the learner's: nothing to load
 
     def close(self) -> None:
         pass
 
 
 class LocalSink:
-    """SegmentSink: copies a finished segment into the table at once."""
+    """SegmentSink: copies a finished segment into the table at once and counts what it
+    brought (env steps, episodes, observation moments) for the learner's next batch."""
 
     def __init__(self, table, instance: int, ring, counters: dict, moments: Moments | None):
         self.table, self.instance, self.ring, self.counters, self.moments = table, instance, ring, counters, moments
@@ -67,47 +73,109 @@ class LocalSink:
         """Slots are released as soon as they are announced: nothing to wait for."""
 
 
-def train_serial(exp: Experiment) -> dict:
+class SerialBatches:
+    """BatchSource over the in-process table. Requests are served in order; ``next`` fills
+    the oldest one, collecting a segment from each sampler in turn while the table cannot
+    serve it, for at most ``timeout_ms`` (then None, as a socket's poll would say).
+
+    The lag bound of a request is the newest one the learner asked with: in one process a
+    batch is filled when the learner waits for it, after its last update, so it is held to
+    the bound of that version (in the pipeline replay may fill it earlier, at the bound of
+    the version that asked)."""
+
+    def __init__(self, table, slots: list, items: int, lag_bound: bool, samplers: list, counters: dict,
+                 moments: Moments | None, priorities: bool):
+        self.table, self.slots, self.items, self.lag_bound = table, slots, items, lag_bound
+        self.turns = itertools.cycle(samplers)  # (sampler, actions, sink)
+        self.counters, self.moments, self.priorities = counters, moments, priorities
+        self.requests: collections.deque[int] = collections.deque()
+        self.min_version = 0
+        self.dropped = 0  # items dropped for policy lag since the last batch
+
+    def request(self, slot: int, min_version: int) -> None:
+        self.requests.append(slot)
+        self.min_version = max(self.min_version, min_version)
+
+    def next(self, timeout_ms: int) -> tuple[int, dict] | None:
+        deadline = time.monotonic() + timeout_ms / 1000.0
+        slot = self.requests[0]
+        while True:
+            info, dropped = sample_batch(self.table, self.slots[slot], self.items, self.min_version, self.lag_bound)
+            self.dropped += len(dropped)
+            if info is not None:
+                break
+            if time.monotonic() > deadline:
+                return None
+            sampler, actions, sink = next(self.turns)
+            sampler.collect_segment(actions, sink)
+        self.requests.popleft()
+        meta = {"env_steps": self.counters["env_steps"], "episodes": self.counters["episodes"],
+                "dropped": self.dropped, "replay_size": self.table.size,
+                **(NO_MOMENTS if self.moments is None else self.moments.take())}
+        if self.priorities:  # as replay replies: keys only where the table keeps priorities
+            meta["keys"], meta["generations"] = info["keys"], info["generations"]
+        self.counters["env_steps"], self.counters["episodes"], self.dropped = 0, [], 0
+        return slot, meta
+
+    def update_priorities(self, meta: dict, priorities) -> None:
+        self.table.update_priorities(meta["keys"], meta["generations"], priorities)
+
+
+def train_serial(exp: Experiment, run_dir: Path | None = None) -> dict:
+    """Train ``exp`` in this process until it ends; the learner's result.
+
+    ``run_dir`` (made by ``shared.launch``): the learner writes its files there and resumes
+    from its checkpoint, holding the run's learner lock meanwhile; None: nothing is written.
+    An interrupt (Ctrl-C) writes a checkpoint first. ConfigError for ``learner.count`` > 1
+    (one learner runs here) or an agent that cannot be built for the env.
+    """
+    if exp.learner.count > 1:
+        raise ConfigError(f"learner.count = {exp.learner.count}: serial mode runs one learner in this process; "
+                          "launch the run for data-parallel ranks")
+    lock = None if run_dir is None else lock_run(run_dir)
+    try:
+        return _train(exp, run_dir)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _train(exp: Experiment, run_dir: Path | None) -> dict:
     device = torch_device(exp.run.device)
     probe = env_probe(exp)
-    agent = make_agent(exp, probe).to(device)
-    learner = Learner(exp, agent, make_algo(exp, agent), device, run_dir=None)
-    example = example_step(exp, probe)
-    probe.close()
-    n = batch_items(exp)
+    try:
+        agent = make_agent(exp, probe).to(device)
+        example = example_step(exp, probe)
+    finally:
+        probe.close()
+    learner = Learner(exp, agent, make_algo(exp, agent), device, run_dir=run_dir)
+    learner.resume()
+    items = batch_items(exp)
     table = make_table(exp.replay, {i: exp.sampler.envs for i in range(exp.sampler.count)},
-                       segment_spec(example, exp.sampler.horizon, exp.sampler.envs), n, exp.run.seed)
-    batch = from_spec(batch_spec(exp, example))
+                       segment_spec(example, exp.sampler.horizon, exp.sampler.envs), items, exp.run.seed)
+    # One batch slot: with nothing to overlap in one process, prefetching would only hold a second batch.
+    slots = [from_spec(batch_spec(exp, example))]
+    params = SerialParams(learner.version, learner.env_steps)
     counters = {"env_steps": 0, "episodes": []}
     moments = Moments(example.observation.shape) if exp.model.normalize_observations else None
     samplers, parts = [], []
-    for i in range(exp.sampler.count):
-        s = Sampler(exp, i, run_id="serial", shared_memory=False)
-        act = Actor(agent, acting_seed(exp.run.seed, "sampler", i))
-        actions = LocalActions(act, s, LearnerParams(learner), exp.sampler.count * exp.sampler.envs)
-        sink = LocalSink(table, i, s.ring, counters, moments)
-        s.start(actions)
-        samplers.append(s)
-        parts.append((actions, sink))
     try:
-        for s, (actions, sink) in itertools.cycle(zip(samplers, parts)):
-            if learner.finished() is not None:
-                break
-            s.collect_segment(actions, sink)
-            while learner.finished() is None:
-                info, dropped = sample_batch(table, batch, n, learner.min_version(), lag_bound=on_policy(exp))
-                if info is None:
-                    break
-                meta = {"env_steps": counters["env_steps"], "episodes": counters["episodes"], "dropped": len(dropped),
-                        "replay_size": table.size, **(NO_MOMENTS if moments is None else moments.take())}
-                counters["env_steps"], counters["episodes"] = 0, []
-                priorities = learner.train(batch, meta)
-                if priorities is not None:
-                    table.update_priorities(info["keys"], info["generations"], priorities)
-                learner.maybe_report()
-        learner.maybe_report(force=True)
-        return learner.write_result(learner.finished())
+        for i in range(exp.sampler.count):
+            s = Sampler(exp, i, run_id="serial" if run_dir is None else run_dir.name, shared_memory=False)
+            samplers.append(s)
+            act = Actor(agent, acting_seed(exp.run.seed, "sampler", i))
+            actions = LocalActions(act, s, params, exp.sampler.count * exp.sampler.envs)
+            s.start(actions)
+            parts.append((s, actions, LocalSink(table, i, s.ring, counters, moments)))
+        source = SerialBatches(table, slots, items, on_policy(exp), parts, counters, moments,
+                               exp.replay.table in PRIORITIZED)
+        try:
+            return run_loop(learner, slots, source, params)
+        except KeyboardInterrupt:  # keep what was learned for `rlpipe launch --resume`
+            learner.maybe_checkpoint(force=True)
+            raise
     finally:
         for s in samplers:
             s.close()
-
+        if learner.tb is not None:
+            learner.tb.close()
