@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.config import loading, schema
-from shared.launch import rundirs, supervisor
+from shared.launch import backend, rundirs, supervisor
 from shared.replay import arena
 from shared.runtime.process import RUN_CONFIG
 
@@ -170,7 +170,7 @@ class Run:
         return table
 
     def close(self) -> None:
-        supervisor.clean(self.dir)
+        backend.clean(self.dir)
 
 
 def check_nstep(table, gamma: float, n: int) -> np.ndarray:

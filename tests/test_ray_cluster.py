@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
 
 from shared.launch import supervisor as launch
-from tests.pipeline import Run, free_port, metric_value, rlpipe
+from tests.pipeline import Run, free_port, metric_value, rlpipe, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -98,17 +99,30 @@ def test_cluster_targets_are_ray_or_a_ray_client_address(monkeypatch):
 
 def test_a_run_whose_cluster_is_gone_is_not_running_and_stops_at_once(tmp_path):
     """`rlpipe status/stop/clean` of a Ray run whose cluster went away answer at once (ray.init
-    would wait minutes for a GCS that is gone)."""
+    would wait minutes for a GCS that is gone), through the run's backend; `scale` says in one
+    line that Ray runs do not scale."""
     import json
     import time
 
-    from shared.launch import ray_backend as ray_cluster
+    from shared.launch import backend, ray_backend as ray_cluster, supervisor
+    from shared.runtime.process import RUN_CONFIG
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     (run_dir / ray_cluster.CLUSTER_FILE).write_text(json.dumps(
         {"engine": "ray", "address": f"127.0.0.1:{free_port()}", "namespace": "rlpipe-x", "actors": ["replay0"]}))
+    (run_dir / RUN_CONFIG).touch()  # what makes it a run directory for the commands
     t0 = time.monotonic()
-    assert not launch.running(run_dir) and launch.stop(run_dir)
-    assert ray_cluster.status(run_dir) == {"replay0": {"state": "GONE", "pid": None, "exit_code": None, "node": None}}
+    assert backend.for_run(run_dir) is ray_cluster and backend.for_run(tmp_path) is supervisor
+    assert not backend.for_run(run_dir).running(run_dir) and backend.for_run(run_dir).stop(run_dir)
+    assert ray_cluster.actor_states(run_dir) == {"replay0": {"state": "GONE", "pid": None, "exit_code": None, "node": None}}
+    for command, code, out in ((["status"], 0, "run: not running\n"), (["stop"], 0, "run: stopped\n"),
+                               (["clean"], 0, "run: killed 0 process(es), removed 0 shared-memory segment(s)\n"),
+                               (["scale", "sampler=2"], 2, "")):
+        done = rlpipe_here(command[0], str(run_dir), *command[1:])
+        assert (done.returncode, done.stdout) == (code, out), done
+    assert done.stderr == "rlpipe: scale: this run's services are Ray actors: live scaling works on supervisord runs " \
+                          "only\n"
     assert time.monotonic() - t0 < 10
+    ray = sys.modules.get("ray")
+    assert ray is None or not ray.is_initialized(), "stopping a run of a gone cluster started a local Ray instance"

@@ -228,36 +228,32 @@ def _run_dir(args):
 
 
 def _status(args) -> int:
-    from shared.launch import ray_backend, rundirs, supervisor
+    from shared.launch import backend, rundirs
 
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    if not supervisor.running(run_dir):
+    runner = backend.for_run(run_dir)
+    if not runner.running(run_dir):
         result = rundirs.read_result(run_dir)
         print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
         return 0
-    if ray_backend.is_cluster_run(run_dir):
-        for name, info in ray_backend.status(run_dir).items():
-            code = "" if info["exit_code"] is None else f" exit {info['exit_code']}"
-            print(f"{name:<20} {info['state']:<11} pid {info['pid']}{code}  node {info['node']}")
-        return 0
-    return supervisor.supervisorctl(run_dir, "status").returncode
+    return runner.status(run_dir)
 
 
 def _stop(args) -> int:
-    from shared.launch import supervisor
+    from shared.launch import backend
 
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    ok = supervisor.stop(run_dir)
+    ok = backend.for_run(run_dir).stop(run_dir)
     print(f"{run_dir.name}: " + ("stopped" if ok else "some processes did not stop; try `rlpipe clean`"))
     return 0 if ok else 1
 
 
 def _scale(args) -> int:
-    from shared.launch import supervisor
+    from shared.launch import backend
 
     run_dir = _run_dir(args)
     if run_dir is None:
@@ -270,8 +266,8 @@ def _scale(args) -> int:
             return 2
         counts[service] = int(value)
     try:
-        added, removed, moved = supervisor.scale(run_dir, counts)
-    except supervisor.ScaleError as e:
+        added, removed, moved = backend.for_run(run_dir).scale(run_dir, counts)
+    except backend.ScaleError as e:
         print(f"rlpipe: scale: {e}", file=sys.stderr)
         return 2
     print(f"{run_dir.name}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
@@ -281,12 +277,12 @@ def _scale(args) -> int:
 
 
 def _clean(args) -> int:
-    from shared.launch import supervisor
+    from shared.launch import backend
 
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    killed, removed = supervisor.clean(run_dir)
+    killed, removed = backend.clean(run_dir)
     print(f"{run_dir.name}: killed {len(killed)} process(es), removed {len(removed)} shared-memory segment(s)")
     return 0
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from shared.agents.acting import ACTING_FILE
 from shared.runtime.process import CONFIG_ERROR
 from shared.launch.rundirs import read_progress, read_result
-from shared.launch.supervisor import running
+from shared.launch import backend
 
 
 BUILD_TIMEOUT_S = 120.0  # a learner this slow to build its agent is left to `follow` and `status`
@@ -145,7 +145,7 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
         result = read_result(run_dir)
         if result is not None:
             return result
-        if not running(run_dir):
+        if not backend.for_run(run_dir).running(run_dir):
             print("the run's processes are gone: it was stopped", file=out, flush=True)
             return None
         watch.check()

@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 
 from shared.config import checks, endpoints, loading
-from shared.launch import follow, rundirs, supervisor
+from shared.launch import backend, follow, rundirs, supervisor
 from shared.launch import runs
 from shared.config.schema import ConfigError, Experiment
 
@@ -145,7 +145,7 @@ class Grid:
                 with self.lock:
                     live = list(self.live)
                 for run_dir in live:
-                    supervisor.stop(run_dir)
+                    backend.for_run(run_dir).stop(run_dir)
                 rows += [f.result() for f in futures if not f.cancelled()]
         order = {job: i for i, job in enumerate((v.label, s) for v, s in jobs)}
         rows.sort(key=lambda r: order[(r["variant"], r["seed"])])
@@ -213,8 +213,8 @@ class Grid:
             self._say(f"{run_dir.name}: {e}")
             return "not started"
         finally:
-            if not supervisor.stop(run_dir):
-                supervisor.clean(run_dir)
+            if not backend.for_run(run_dir).stop(run_dir):
+                backend.clean(run_dir)
 
     def _plot(self, rows: list[dict]) -> None:
         from shared.launch.plots import plot_runs

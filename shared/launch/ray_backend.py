@@ -21,6 +21,9 @@ The run directory records the cluster's address and namespace (``cluster.json``)
 ``rlpipe status/stop/clean`` reach the actors from any process; ``logs`` reads the files.
 The run directory must be reachable at the same path from every node (one host, or a
 shared filesystem).
+
+This module is the Ray backend (``shared.launch.backend.Backend``); live scaling is not
+one of its powers (``scale`` says so).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +39,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from shared.config import endpoints
+from shared.launch.supervisor import ScaleError, service_pids
 
 CLUSTER_FILE = "cluster.json"
 MAX_RESTARTS = 20
@@ -112,8 +119,9 @@ class ServiceActor:
         return self.child.returncode
 
 
-def start(exp, run_dir: Path, target: str) -> None:
-    """Place every service instance of the run as an actor on the cluster ``target`` names."""
+def start(exp, run_dir: Path, target: str = "ray") -> None:
+    """Place every service instance of the run as an actor on the cluster ``target`` names
+    (``parse_target``; by default RAY_ADDRESS's, else the one this host runs)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -174,7 +182,7 @@ def _actors(run_dir: Path) -> dict:
     return out
 
 
-def status(run_dir: Path) -> dict[str, dict]:
+def actor_states(run_dir: Path) -> dict[str, dict]:
     """Name -> {state, pid, exit_code, node} of every service actor (state GONE, RESTARTING)."""
     import ray
 
@@ -190,16 +198,44 @@ def status(run_dir: Path) -> dict[str, dict]:
     return out
 
 
+def status(run_dir: Path) -> int:
+    """Print one line an actor: name, state, the service's pid (and exit code), its Ray node; 0."""
+    for name, info in actor_states(run_dir).items():
+        code = "" if info["exit_code"] is None else f" exit {info['exit_code']}"
+        print(f"{name:<20} {info['state']:<11} pid {info['pid']}{code}  node {info['node']}")
+    return 0
+
+
 def running(run_dir: Path) -> bool:
     """Whether any service actor of the run is still held by Ray."""
     return any(actor is not None for actor in _actors(run_dir).values())
 
 
+def running_here(run_dir: Path) -> bool:
+    """Whether a service of the run runs on this host (no question to the cluster)."""
+    return bool(service_pids(run_dir))
+
+
+def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], list[str]]:
+    """Live scaling works on supervisord runs only: ScaleError."""
+    raise ScaleError("this run's services are Ray actors: live scaling works on supervisord runs only")
+
+
 def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
-    """Stop every service (SIGTERM, as supervisord would) and end its actor; True when all are gone."""
+    """Stop every service (SIGTERM, as supervisord would) and end its actor, then remove the
+    run's socket directory; True when no actor is left and no process of the run on this host."""
+    stopped = _stop_actors(run_dir, timeout_s)
+    shutil.rmtree(endpoints.socket_dir(run_dir), ignore_errors=True)
+    return stopped and not service_pids(run_dir)
+
+
+def _stop_actors(run_dir: Path, timeout_s: float) -> bool:
+    """SIGTERM every service through its actor, then end the actors; True when Ray holds none."""
     import ray
 
     actors = {name: a for name, a in _actors(run_dir).items() if a is not None}
+    if not actors:  # none left, or the cluster is gone: ray.get would start a local Ray instance (~10 s)
+        return True
     pending = [a.stop.remote() for a in actors.values()]
     try:
         ray.get(pending, timeout=timeout_s)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from shared.launch import backend
 from shared.launch.rundirs import read_progress, read_result
-from shared.launch.supervisor import service_pids, supervisord_pid
-from shared.launch.ray_backend import is_cluster_run
 from shared.runtime.process import RUN_CONFIG
 
 COLUMNS = ("run", "status", "reason", "env_steps", "wall_s", "final_return", "steps_to_target", "wall_s_to_target")
@@ -23,7 +22,7 @@ def status(run_dir: Path) -> str:
     """running (its supervisord is up; a Ray run: a service of it runs on this host), ended
     (the learner wrote its result) or crashed (nothing runs and there is no result: a service
     died, or the run was stopped early). A listing does not ask a cluster about each run."""
-    if supervisord_pid(run_dir) is not None or (is_cluster_run(run_dir) and service_pids(run_dir)):
+    if backend.for_run(run_dir).running_here(run_dir):
         return "running"
     return "ended" if read_result(run_dir) is not None else "crashed"
 

@@ -1,4 +1,8 @@
 """supervisord: start a run's services, scale them, stop them, clean up after them.
+
+This module is the supervisord backend (``shared.launch.backend.Backend``); it also finds
+the processes of a run, whichever backend started them (``service_pids``), and removes what
+a run left (``remove_leftovers``).
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import time
 import xmlrpc.client
 from pathlib import Path
 from shared.config import endpoints, loading, schema
-from shared.launch import ray_backend as ray_cluster
 from shared.transport import shm
 from shared.config.schema import Experiment
 from shared.runtime.process import RUN_CONFIG
@@ -90,8 +93,6 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     announced) and removed, new ones are added and started; the others are not touched, but
     for the samplers whose action-server (i mod count) changes with the action-server count,
     which are restarted. Returns (processes added, removed, restarted)."""
-    if ray_cluster.is_cluster_run(run_dir):
-        raise ScaleError("this run's services are Ray actors: live scaling works on supervisord runs only")
     unknown = sorted(set(counts) - set(SCALABLE))
     if unknown:
         raise ScaleError(f"cannot scale {', '.join(unknown)}: scalable services are {', '.join(SCALABLE)}")
@@ -156,19 +157,22 @@ def supervisord_pid(run_dir: Path) -> int | None:
 
 
 def running(run_dir: Path) -> bool:
-    """Whether the run's supervisord (or, for a run on a cluster, any of its actors) is there."""
-    if ray_cluster.is_cluster_run(run_dir):
-        return ray_cluster.running(run_dir)
+    """Whether the run's supervisord is there."""
     return supervisord_pid(run_dir) is not None
 
 
+def running_here(run_dir: Path) -> bool:
+    """As ``running``: supervisord runs on this host."""
+    return running(run_dir)
+
+
+def status(run_dir: Path) -> int:
+    """``supervisorctl status`` of the run (one line a process, printed by supervisorctl); its exit status."""
+    return supervisorctl(run_dir, "status").returncode
+
+
 def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
-    """Stop every process of the run (services first, then supervisord, or the cluster's
-    actors); True once all are gone."""
-    if ray_cluster.is_cluster_run(run_dir):
-        stopped = ray_cluster.stop(run_dir, timeout_s)
-        shutil.rmtree(endpoints.socket_dir(run_dir), ignore_errors=True)
-        return stopped and not service_pids(run_dir)
+    """Stop every process of the run (services first, then supervisord); True once all are gone."""
     pid = supervisord_pid(run_dir)
     if pid is not None:
         try:
@@ -252,8 +256,16 @@ def _run_dirs_named(proc: Path) -> set[Path]:
 
 
 def clean(run_dir: Path) -> tuple[list[int], list[str]]:
-    """Stop what still runs of the run, kill what will not stop, remove its shm segments."""
+    """Stop what still runs of the run, kill what will not stop, remove its shm segments (a
+    supervisord run; ``backend.clean`` cleans a run of either backend)."""
     stop(run_dir, timeout_s=20)
+    return remove_leftovers(run_dir)
+
+
+def remove_leftovers(run_dir: Path) -> tuple[list[int], list[str]]:
+    """SIGKILL every process of the run still there (``service_pids``: whichever backend
+    started it), remove its socket directory and its shm segments; (pids killed, segments
+    removed). For after a stop: a backend that still runs would restart what is killed."""
     killed = service_pids(run_dir)
     for pid in killed:
         try:
