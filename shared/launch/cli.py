@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -75,146 +74,129 @@ def main(argv=None) -> int:
 
 
 def _load(args):
-    """The validated experiment with sampler.inference resolved (None after printing a config error)."""
-    from shared.config import checks, loading, schema
-
-    try:
-        exp = loading.load(args.config, args.overrides, check_ports=not getattr(args, "serial", False))
-    except schema.ConfigError as e:
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
-        return None
-    exp, args.inference = checks.resolve_inference(exp)
-    return exp
-
-
-def _buildable(exp):
-    """``exp`` if its agent can be built for its env, else None after a one-line config error:
-    the services of a run with a model that cannot exist would only crash in a loop."""
+    """The validated experiment of ``args.config`` and ``--set``s (None after printing a config error)."""
     from shared.config import schema
-    from services.build import check_buildable
+    from shared.launch import api
 
-    if exp is None:
-        return None
     try:
-        check_buildable(exp)
+        return api.experiment(args.config, args.overrides)
     except schema.ConfigError as e:
         print(f"rlpipe: config error: {e}", file=sys.stderr)
         return None
-    return exp
+
+
+def _own_config(args) -> bool:
+    """Whether ``--resume RUN`` comes without CONFIG and --set (else False after saying so)."""
+    if args.overrides or args.config != str(DEFAULT_CONFIG):
+        print(f"rlpipe: {args.cmd} --resume RUN takes the run's own config: no CONFIG or --set", file=sys.stderr)
+        return False
+    return True
 
 
 def _train(args) -> int:
     if not args.serial:
         return _launch(args)
-    exp = _load(args)
-    if exp is None:
-        return 2
-    if exp.learner.count > 1:
-        print(f"rlpipe: config error: learner.count = {exp.learner.count}: serial mode runs one learner in this "
-              "process; launch the run for data-parallel ranks", file=sys.stderr)
-        return 2
-    from services.serial import train_serial
+    from shared.config import schema
+    from shared.launch import api
 
-    result = train_serial(exp)
+    if args.cluster or args.detach:
+        print("rlpipe: train --serial runs in this process: no --cluster or --detach", file=sys.stderr)
+        return 2
+    if args.resume and not _own_config(args):
+        return 2
+    exp = None if args.resume else _load(args)
+    if exp is None and not args.resume:
+        return 2
+    try:
+        result = api.train_serial(exp, resume=args.resume)
+    except schema.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return 2
+    except api.NotResumable as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: the run stopped with a checkpoint (`rlpipe launch --resume RUN` goes on from it)")
+        return 1
     print(f"serial run ended ({result['reason']}): mean return {result['mean_return']:.1f} "
           f"after {result['env_steps']} env steps in {result['wall_s']:.1f} s")
+    print(f"run directory: {result['run_dir']}")
     return 0
 
 
 def _prepare(args) -> int:
-    exp = _buildable(_load(args))
+    from shared.config import schema
+    from shared.launch import api
+
+    exp = _load(args)
     if exp is None:
         return 2
-    from shared.launch import rundirs
-
-    print(rundirs.make_run_dir(exp))
+    try:
+        print(api.prepare(exp))
+    except schema.ConfigError as e:  # a port in use, a model that cannot be built for the env
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _launch(args) -> int:
-    from shared.launch import follow, rundirs, supervisor
-    from shared.runtime.process import RUN_CONFIG
+    from shared.config import schema
+    from shared.launch import api, follow
 
-    if args.resume:
-        run_dir = _resumable(args)
-        if run_dir is None:
-            return 2
-        args.config = str(run_dir / RUN_CONFIG)
-        exp = _load(args)
-    else:
-        exp = _load(args)
-        run_dir = None if exp is None else rundirs.make_run_dir(exp)
-    if exp is None:
+    if args.resume and not _own_config(args):
         return 2
+    exp = None if args.resume else _load(args)
+    if exp is None and not args.resume:
+        return 2
+    backend = args.cluster or "supervisord"
     t0 = time.monotonic()
     try:
-        if args.cluster:
-            from shared.launch import ray_backend
-
-            ray_backend.start(exp, run_dir, args.cluster)
-        else:
-            supervisor.start(exp, run_dir)
-    except (ValueError, ConnectionError, RuntimeError) as e:  # no such cluster, a placement it cannot satisfy
-        print(f"rlpipe: cannot start the run: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-              file=sys.stderr)
-        supervisor.clean(run_dir)
+        run = api.resume(args.resume, backend, wait=False) if args.resume else api.launch(exp, backend, wait=False)
+    except schema.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return 2
+    except api.NotResumable as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 2
+    except api.LaunchError as e:  # no such cluster, a placement it cannot satisfy
+        print(f"rlpipe: cannot start the run: {e}", file=sys.stderr)
         return 1
     try:
-        # A model that cannot exist stops the run and leaves nothing behind but the error line.
-        error = follow.wait_until_built(run_dir)
-        if error is not None:
-            print(f"rlpipe: config error: {error}", file=sys.stderr)
-            supervisor.clean(run_dir)
-            shutil.rmtree(run_dir, ignore_errors=True)
-            return 2
-        _announce(exp, run_dir, args)
+        run.wait_until_built()  # a model that cannot exist: nothing is left but the error line
+        _announce(run, args.detach)
         if args.detach:
             return 0
-        result = follow.follow(run_dir, exp.run.max_wall_s)
+        result = run.follow()
+    except schema.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         result = None
         print("\ninterrupted: stopping the run")
-    except follow.ServiceCrashLoop as e:
-        supervisor.stop(run_dir)
+    except follow.ServiceCrashLoop as e:  # the run is stopped
         print(f"rlpipe: {e}: run stopped. Last lines of {e.log_path}:\n{e.log_tail()}", file=sys.stderr)
         return 1
-    supervisor.stop(run_dir)
+    run.stop()
     took = time.monotonic() - t0
     if result is None:
-        print(f"run {run_dir} stopped after {took:.1f} s without a result")
+        print(f"run {run.dir} stopped after {took:.1f} s without a result")
         return 1
     print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
           f"{result['env_steps']} env steps, {result['updates']} updates, in {took:.1f} s")
-    print(f"run directory: {run_dir}")
+    print(f"run directory: {run.dir}")
     return 0 if result["reason"] == "target" else 1
 
 
-def _announce(exp, run_dir, args) -> None:
+def _announce(run, detach: bool) -> None:
+    exp, run_dir = run.exp, run.dir
     servers = f", {exp.action_server.count} action-server(s)" if exp.sampler.inference == "server" else ""
     print(f"run {run_dir.name}: {exp.algo_name} on {exp.env.id}, {exp.sampler.count} sampler(s) x "
-          f"{exp.sampler.envs} envs{servers}, {args.inference}")
+          f"{exp.sampler.envs} envs{servers}, {run.inference}")
     print(f"run directory: {run_dir}")
     if exp.network.metrics_port:
         print(f"metrics: http://{exp.network.metrics_host}:{exp.network.metrics_port}/metrics")
-    if args.detach:
+    if detach:
         print(f"detached; follow with `rlpipe status {run_dir}`, end with `rlpipe stop {run_dir}`")
-
-
-def _resumable(args):
-    """The stopped run ``--resume`` names, made ready to start again (None after printing why not)."""
-    from shared.launch import rundirs, supervisor
-
-    if args.overrides or args.config != str(DEFAULT_CONFIG):
-        print("rlpipe: launch --resume RUN takes the run's own config: no CONFIG or --set", file=sys.stderr)
-        return None
-    run_dir = _run_dir(argparse.Namespace(run=args.resume))
-    if run_dir is None:
-        return None
-    if supervisor.running(run_dir):
-        print(f"rlpipe: run {run_dir.name} is running: nothing to resume", file=sys.stderr)
-        return None
-    rundirs.reopen_run_dir(run_dir)
-    return run_dir
 
 
 def _run_dir(args):
