@@ -112,6 +112,7 @@ def test_a_run_whose_cluster_is_gone_is_not_running_and_stops_at_once(tmp_path):
     (run_dir / ray_cluster.CLUSTER_FILE).write_text(json.dumps(
         {"engine": "ray", "address": f"127.0.0.1:{free_port()}", "namespace": "rlpipe-x", "actors": ["replay0"]}))
     (run_dir / RUN_CONFIG).touch()  # what makes it a run directory for the commands
+    was_driver = ray_driver()  # of the two-node test's cluster, when it ran before in this process
     t0 = time.monotonic()
     assert backend.for_run(run_dir) is ray_cluster and backend.for_run(tmp_path) is supervisor
     assert not backend.for_run(run_dir).running(run_dir) and backend.for_run(run_dir).stop(run_dir)
@@ -124,5 +125,10 @@ def test_a_run_whose_cluster_is_gone_is_not_running_and_stops_at_once(tmp_path):
     assert done.stderr == "rlpipe: scale: this run's services are Ray actors: live scaling works on supervisord runs " \
                           "only\n"
     assert time.monotonic() - t0 < 10
+    assert ray_driver() == was_driver, "the commands on a gone cluster's run started a local Ray instance"
+
+
+def ray_driver() -> bool:
+    """Whether this process is a Ray driver."""
     ray = sys.modules.get("ray")
-    assert ray is None or not ray.is_initialized(), "stopping a run of a gone cluster started a local Ray instance"
+    return ray is not None and ray.is_initialized()
