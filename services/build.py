@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from shared.agents.config import info_example
-from shared.config.schema import ALGOS, ConfigError, Experiment
+from shared.config.schema import ConfigError, Experiment
+from shared.runtime.plugins import first_line
 from shared.envs.group import EnvGroup
 from shared.data.layout import segment_spec, step_example
 
 
 def family(exp: Experiment) -> str:
-    """The agent family of the experiment's algorithm: pg, q or qpg (``agent_config.FAMILIES``)."""
-    return ALGOS[exp.algo_name][2]
+    """The agent family of the experiment's algorithm: pg, q or qpg (``shared.agents.config.FAMILIES``)."""
+    return exp.algo_spec.agent.family
 
 
 def on_policy(exp: Experiment) -> bool:
-    return family(exp) == "pg"
+    return exp.algo_spec.on_policy
 
 
 def env_probe(exp: Experiment) -> EnvGroup:
@@ -30,24 +31,12 @@ def make_agent(exp: Experiment, probe: EnvGroup):
     import torch
 
     torch.manual_seed(exp.run.seed)
-    obs, space = probe.example_observation(), probe.action_space
+    spec = exp.algo_spec
     try:
-        if family(exp) == "pg":
-            from shared.agents.pg import PgAgent
-
-            return PgAgent(obs, space, exp.model, exp.agent)
-        if family(exp) == "q":
-            from shared.agents.q import QAgent
-
-            return QAgent(obs, space, exp.model, exp.agent)
-        from shared.agents.qpg import DeterministicAgent, SacAgent
-
-        cls = SacAgent if exp.algo_name == "sac" else DeterministicAgent
-        return cls(obs, space, exp.model, exp.agent, n_critics=exp.algo.n_critics)
+        return spec.agent.make(probe.example_observation(), probe.action_space, exp.model, exp.agent, exp.algo)
     except (ValueError, RuntimeError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"the {exp.algo_name} agent (encoder = {exp.model.encoder!r}) cannot be built for "
-                          f"{exp.env.id}: {first}") from None
+        raise ConfigError(f"the {spec.name} agent (encoder = {exp.model.encoder!r}) cannot be built for {exp.env.id}: "
+                          f"{first_line(e)}") from None
 
 
 def check_buildable(exp: Experiment) -> None:
@@ -61,14 +50,7 @@ def check_buildable(exp: Experiment) -> None:
 
 
 def make_algo(exp: Experiment, agent):
-    from shared.algos.a2c import A2C
-    from shared.algos.dqn import DQN
-    from shared.algos.ppo import PPO
-    from shared.algos.qpg import DDPG, SAC
-    from shared.algos.r2d1 import R2D1
-
-    return {"ppo": PPO, "a2c": A2C, "dqn": DQN, "r2d1": R2D1, "ddpg": DDPG, "td3": DDPG,
-            "sac": SAC}[exp.algo_name](agent, exp.algo)
+    return exp.algo_spec.make(agent, exp.algo)
 
 
 def example_step(exp: Experiment, probe: EnvGroup):
@@ -95,7 +77,7 @@ def batch_spec(exp: Experiment, example):
         return segment_spec(example, exp.sampler.horizon,
                             exp.sampler.envs * exp.learner.batch_segments // exp.learner.count)
     from shared.data.namedarraytuple import spec_of
-    if exp.replay.table == "sequence":
+    if exp.algo_spec.batch == "sequences":
         from shared.replay.sequences import sequence_batch_spec
 
         return sequence_batch_spec(spec_of(example), exp.replay.sequence_length, exp.algo.batch_size)

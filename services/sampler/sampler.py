@@ -21,7 +21,7 @@ import numpy as np
 
 from shared.transport import shm
 from shared.agents.config import info_example
-from shared.config.schema import ALGOS, SAMPLER_SEED_STRIDE, Experiment
+from shared.config.schema import SAMPLER_SEED_STRIDE, Experiment
 from shared.envs.group import EnvError, EnvGroup
 from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
@@ -65,7 +65,7 @@ class Sampler:
         seed = exp.run.seed + SAMPLER_SEED_STRIDE * instance
         self.envs = [EnvGroup(exp.env, g.stop - g.start, seed + g.start) for g in self.groups]
         action = self.envs[0].example_action()
-        info = info_example(ALGOS[exp.algo_name][2], exp.model, action, exp.agent)
+        info = info_example(exp.algo_spec.agent.family, exp.model, action, exp.agent)
         self.example = step_example(self.envs[0].example_observation(), action, info)
         self.segments: list[shm.Segment] = []
         specs = [slot_spec(self.example, g.stop - g.start) for g in self.groups]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.data.namedarraytuple import namedarraytuple
+from shared.runtime.plugins import is_reference
 
 ACTIVATIONS = ("tanh", "relu")
 ENCODERS = ("auto", "mlp", "nature_cnn")
@@ -49,7 +50,8 @@ class ModelConfig:
     activation: str = "tanh"
     """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
     encoder: str = "auto"
-    """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn."""
+    """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn,
+    or ``"module:attribute"`` naming your own encoder (``shared.agents.models.CustomEncoder``)."""
     uint8_scale: float = 1.0 / 255.0
     """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
     normalize_observations: bool = False
@@ -72,8 +74,9 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.activation: {self.activation!r} unknown; use one of {ACTIVATIONS}"
             )
-        if self.encoder not in ENCODERS:
-            raise ValueError(f"ModelConfig.encoder: {self.encoder!r} unknown; use one of {ENCODERS}")
+        if self.encoder not in ENCODERS and not is_reference(self.encoder):
+            raise ValueError(f"ModelConfig.encoder: {self.encoder!r} unknown; use one of {ENCODERS} or "
+                             "'module:attribute' naming your own (shared.agents.models.CustomEncoder)")
         if self.obs_clip <= 0:
             raise ValueError(f"ModelConfig.obs_clip: must be > 0, got {self.obs_clip}")
         if any(int(h) <= 0 for h in self.hidden_sizes):

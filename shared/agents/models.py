@@ -17,6 +17,7 @@ from torch import nn
 
 from shared.agents.config import ModelConfig
 from shared.data.namedarraytuple import leaves, map_leaves
+from shared.runtime.plugins import is_reference, load_attribute
 
 _ACTIVATIONS = {"tanh": (nn.Tanh, torch.tanh), "relu": (nn.ReLU, torch.relu)}  # keys: agent_config.ACTIVATIONS
 HIDDEN_GAIN = math.sqrt(2.0)
@@ -274,12 +275,43 @@ def _channels_last(shape: tuple[int, ...]) -> bool:
 
 
 def has_cnn(obs_example, cfg: ModelConfig) -> bool:
-    """Whether ``make_encoder`` gives observations like ``obs_example`` a Nature CNN (learned
-    parameters before the trunk)."""
+    """Whether ``make_encoder`` gives observations like ``obs_example`` learned parameters
+    before the trunk: a Nature CNN, or the user's own encoder."""
+    if is_reference(cfg.encoder):
+        return True
     return any(_is_image(np.asarray(leaf), cfg.encoder) for _, leaf in leaves(obs_example))
 
 
-def make_encoder(obs_example, cfg: ModelConfig) -> tuple[Encoder, int]:
+class CustomEncoder(nn.Module):
+    """The user's encoder (``model.encoder = "module:attribute"``) with the MLP trunk on top.
+
+    ``module:attribute`` names a callable ``make(obs_example, cfg) -> nn.Module`` (a module
+    class qualifies): ``obs_example`` is one observation (numpy, or a namedarraytuple of them),
+    ``cfg`` the run's ``ModelConfig``; the module maps the observation tree with any leading
+    dims [*L, ...] (torch tensors, uint8 leaves unscaled) to features [*L, out_dim] and has an
+    int attribute ``out_dim``. The trunk is ``model.hidden_sizes`` on those features, as after
+    the built-in encoders (``hidden_sizes = []`` for none).
+    """
+
+    def __init__(self, obs_example, cfg: ModelConfig) -> None:
+        super().__init__()
+        make = load_attribute(cfg.encoder, "model.encoder")
+        if not callable(make):
+            raise ValueError(f"model.encoder = {cfg.encoder!r}: {type(make).__name__} is not callable")
+        self.body = make(obs_example, cfg)
+        width = getattr(self.body, "out_dim", None)
+        if not isinstance(self.body, nn.Module) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"model.encoder = {cfg.encoder!r}: must build a torch.nn.Module with an int out_dim >= 1 "
+                             f"(got {type(self.body).__name__}, out_dim = {width!r})")
+        self.trunk = MLP(width, tuple(cfg.hidden_sizes), cfg.activation)
+        self.out_dim = self.trunk.out_dim
+        self.vector_only = False
+
+    def forward(self, obs) -> torch.Tensor:
+        return self.trunk(self.body(obs))
+
+
+def make_encoder(obs_example, cfg: ModelConfig) -> tuple[nn.Module, int]:
     """Encoder for observations shaped like ``obs_example`` and its feature width.
 
     ``obs_example`` is ONE observation (no leading dims): a numpy array or a nested
@@ -287,8 +319,12 @@ def make_encoder(obs_example, cfg: ModelConfig) -> tuple[Encoder, int]:
     float32 features [*L, out_dim]. Floats (and ints, bools) are flattened as is, uint8
     leaves scaled by ``cfg.uint8_scale``; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
     go through a ``NatureCNN`` first. With ``hidden_sizes=()`` out_dim is the width of the
-    concatenation (512 per image leaf), as in CleanRL's Atari agents.
+    concatenation (512 per image leaf), as in CleanRL's Atari agents. ``cfg.encoder`` may name
+    the user's own encoder as ``module:attribute`` (``CustomEncoder``).
     """
+    if is_reference(cfg.encoder):
+        encoder = CustomEncoder(obs_example, cfg)
+        return encoder, encoder.out_dim
     shapes: list[tuple[int, ...]] = []
     parts: list[nn.Module] = []
     for _, leaf in leaves(obs_example):

@@ -8,7 +8,9 @@ import math
 from pathlib import Path
 from shared.envs.group import validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
-from shared.config.schema import ALGOS, ConfigError, Experiment, INFERENCE, RECURRENT_ALGOS, SAMPLER_SEED_STRIDE, most_count
+from shared.algos import registry
+from shared.runtime.plugins import is_reference, load_attribute
+from shared.config.schema import ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, most_count
 
 
 def check(exp: Experiment, check_ports: bool) -> None:
@@ -32,10 +34,14 @@ def check(exp: Experiment, check_ports: bool) -> None:
         raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
     if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
         raise ConfigError(f"sampler.envs = {exp.sampler.envs}: alternating mode needs >= 2 (or set sampler.alternating = false)")
-    on_policy = ALGOS[exp.algo_name][2] == "pg"
-    tables = ("queue",) if on_policy else ("sequence",) if exp.algo_name == "r2d1" else ("uniform", "prioritized")
-    if exp.replay.table not in tables:
-        raise ConfigError(f"replay.table = {exp.replay.table!r}: {exp.algo_name} needs one of: {', '.join(tables)}")
+    spec = exp.algo_spec
+    on_policy = spec.on_policy
+    if exp.replay.table not in spec.tables:
+        raise ConfigError(f"replay.table = {exp.replay.table!r}: {spec.name} learns from {spec.batch}; it needs one of: "
+                          f"{', '.join(spec.tables)}")
+    if not on_policy and not isinstance(getattr(exp.algo, "batch_size", None), int):
+        raise ConfigError(f"algo.name = {exp.algo_name!r}: an algorithm that learns from {spec.batch} needs an int "
+                          f"batch_size field in its config ({spec.config.__name__})")
     if on_policy and exp.replay.release_on_sample and exp.learner.batch_segments > exp.sampler.count * exp.sampler.ring:
         raise ConfigError(f"learner.batch_segments = {exp.learner.batch_segments}: at most sampler.count * sampler.ring "
                           f"= {exp.sampler.count * exp.sampler.ring} while replay.release_on_sample holds the samplers' "
@@ -46,8 +52,8 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if on_policy and columns % exp.learner.count:
         raise ConfigError(f"learner.count = {exp.learner.count}: each rank trains on an equal share of a batch's "
                           f"sampler.envs * learner.batch_segments = {columns} env columns; pick a divisor of {columns}")
-    if exp.algo_name == "r2d1":
-        _check_r2d1(exp)
+    if spec.batch == "sequences":
+        _check_sequences(exp)
     elif not on_policy and exp.replay.capacity < most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
                           f"of all {most_count(exp.sampler) * exp.sampler.envs} envs (sampler.max_count)")
@@ -59,14 +65,22 @@ def check(exp: Experiment, check_ports: bool) -> None:
                           "frames once; the on-policy queue keeps whole segments, set it to false")
     if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
         raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
-    if exp.model.lstm_size and exp.algo_name not in RECURRENT_ALGOS:
-        raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: {exp.algo_name} has no recurrent agent; "
-                          f"recurrent algorithms: {', '.join(RECURRENT_ALGOS)}")
-    if exp.model.lstm_size and exp.algo_name == "ppo" and exp.algo.minibatches > columns // exp.learner.count:
+    if exp.model.lstm_size and not spec.recurrent:
+        raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: {spec.name} has no recurrent agent; "
+                          f"recurrent algorithms: {', '.join(registry.recurrent_names())}")
+    if spec.batch == "sequences" and not exp.model.lstm_size:
+        raise ConfigError(f"model.lstm_size = 0: {spec.name} trains a recurrent agent on sequences; set model.lstm_size "
+                          "> 0 (e.g. 64)")
+    if exp.model.lstm_size and on_policy and getattr(exp.algo, "minibatches", 1) > columns // exp.learner.count:
         raise ConfigError(f"algo.minibatches = {exp.algo.minibatches}: a recurrent agent's minibatches are whole env "
                           f"sequences; at most sampler.envs * learner.batch_segments / learner.count = "
                           f"{columns // exp.learner.count}")
     _check_eval(exp)
+    if is_reference(exp.model.encoder):
+        try:
+            load_attribute(exp.model.encoder, "model.encoder")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     dev = exp.run.device
     if not (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit())):
         raise ConfigError(f"run.device = {dev!r}: allowed: auto, cpu, cuda, cuda:N")
@@ -94,15 +108,13 @@ def check(exp: Experiment, check_ports: bool) -> None:
                 raise ConfigError(f"{name} = {port}: port already in use on {host}; pick another")
 
 
-def _check_r2d1(exp: Experiment) -> None:
-    r, a = exp.replay, exp.algo
-    if not exp.model.lstm_size:
-        raise ConfigError("model.lstm_size = 0: r2d1 trains a recurrent Q agent; set model.lstm_size > 0 (e.g. 64)")
+def _check_sequences(exp: Experiment) -> None:
+    r, burn_in = exp.replay, getattr(exp.algo, "burn_in", 0)
     if r.sequence_length < 2 or not 1 <= r.sequence_period <= r.sequence_length:
         raise ConfigError(f"replay.sequence_period = {r.sequence_period}: need 1 <= sequence_period <= "
                           f"sequence_length ({r.sequence_length}) and sequence_length >= 2")
-    if a.burn_in > r.sequence_length - 2:
-        raise ConfigError(f"algo.burn_in = {a.burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
+    if burn_in > r.sequence_length - 2:
+        raise ConfigError(f"algo.burn_in = {burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
                           "(a sequence must keep steps to train on)")
     need = most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
     if r.capacity < need:

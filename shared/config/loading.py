@@ -12,7 +12,8 @@ import typing
 from pathlib import Path
 from typing import Any, Optional
 from shared.config.checks import check
-from shared.config.schema import ALGOS, ConfigError, Experiment, SECTIONS
+from shared.algos import registry
+from shared.config.schema import ConfigError, Experiment, SECTIONS
 
 
 def load(path: str | Path, overrides: list[str] = (), check_ports: bool = False) -> Experiment:
@@ -54,11 +55,14 @@ def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
     sections = {name: _build(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
     algo_raw = dict(raw.get("algo", {}))
     algo_name = algo_raw.pop("name", "ppo")
-    if algo_name not in ALGOS:
-        raise ConfigError(f"algo.name = {algo_name!r}: allowed: {', '.join(sorted(ALGOS))}")
-    algo_cls, agent_cls, _ = ALGOS[algo_name]
-    algo = _build("algo", algo_cls, algo_raw)
-    agent = _build("agent", agent_cls, raw.get("agent", {}))
+    if not isinstance(algo_name, str):
+        raise ConfigError(f"algo.name = {algo_name!r}: expected a string (a built-in name or 'module:attribute')")
+    try:
+        spec = registry.resolve(algo_name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    algo = _build("algo", spec.config, algo_raw)
+    agent = _build("agent", spec.agent.config, raw.get("agent", {}))
     exp = Experiment(algo_name=algo_name, algo=algo, agent=agent, **sections)
     check(exp, check_ports)
     return exp

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
-from shared.agents.config import ModelConfig, PgAgentConfig, QAgentConfig, QpgAgentConfig
-from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, R2D1Config, SACConfig, TD3Config
+from shared.agents.config import ModelConfig, PgAgentConfig
+from shared.algos import registry
+from shared.algos.hparams import PPOConfig
+from shared.algos.registry import AlgoSpec
 from shared.envs.group import EnvConfig
 
 
@@ -215,22 +217,6 @@ class EvalConfig:
 INFERENCE = ("auto", "local", "server")
 
 
-RECURRENT_ALGOS = ("ppo", "a2c", "r2d1")
-"""Algorithms that train recurrent agents (``model.lstm_size > 0``) on whole sequences."""
-
-
-# algo.name -> (algorithm config, agent config, agent family: see agent_config.FAMILIES)
-ALGOS: dict[str, tuple[type, type, str]] = {
-    "ppo": (PPOConfig, PgAgentConfig, "pg"),
-    "a2c": (A2CConfig, PgAgentConfig, "pg"),
-    "dqn": (DQNConfig, QAgentConfig, "q"),
-    "r2d1": (R2D1Config, QAgentConfig, "q"),
-    "ddpg": (DDPGConfig, QpgAgentConfig, "qpg"),
-    "td3": (TD3Config, QpgAgentConfig, "qpg"),
-    "sac": (SACConfig, QpgAgentConfig, "qpg"),
-}
-
-
 @dataclass(frozen=True)
 class Experiment:
     run: RunConfig = field(default_factory=RunConfig)
@@ -246,6 +232,11 @@ class Experiment:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+    @property
+    def algo_spec(self) -> AlgoSpec:
+        """What ``algo_name`` names (``shared.algos.registry``): its agent, batches, tables."""
+        return registry.resolve(self.algo_name)
 
 
 SECTIONS: dict[str, type] = {

@@ -31,7 +31,6 @@ Wrapper names for ``EnvConfig.wrappers`` (order-free; applied inner to outer as 
 from __future__ import annotations
 
 import difflib
-import importlib
 import json
 import keyword
 import logging
@@ -45,6 +44,7 @@ from gymnasium.wrappers import FrameStackObservation, TimeLimit, TransformReward
 
 from shared.envs import atari, tasks
 from shared.data.namedarraytuple import is_nat, leaves, namedarraytuple
+from shared.runtime.plugins import load_attribute
 
 tasks.register()
 
@@ -158,18 +158,9 @@ def _env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
 
 
 def _env_callable(env_id: str) -> Callable[..., gym.Env]:
-    module_name, _, attr = env_id.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"env.id: {env_id!r} must be a registered id or 'module:callable'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - any import failure is a config error here
-        raise ValueError(
-            f"env.id: cannot import module {module_name!r} of {env_id!r} ({_first_line(e)})"
-        ) from None
-    fn = getattr(module, attr, None)
+    fn = load_attribute(env_id, "env.id")
     if not callable(fn):
-        raise ValueError(f"env.id: module {module_name!r} has no callable {attr!r}")
+        raise ValueError(f"env.id = {env_id!r}: {type(fn).__name__} is not callable (an env is made by calling it)")
     return fn
 
 

@@ -83,10 +83,11 @@ def _die_with_parent() -> None:
 class ServiceActor:
     """One service instance: its process as this actor's child (module doc)."""
 
-    def __init__(self, service: str, instance: int, run_dir: str, restart_on_success: bool):
+    def __init__(self, service: str, instance: int, run_dir: str, restart_on_success: bool, pythonpath: str):
         self.name, self.restart_on_success, self.stopping = f"{service}{instance}", restart_on_success, False
         logs = Path(run_dir) / "logs"
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(Path(run_dir) / "metrics"), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(Path(run_dir) / "metrics"), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": pythonpath}  # the launcher's: the config's module:attribute references import
         with open(logs / f"{self.name}.log", "ab") as out:
             self.child = subprocess.Popen(
                 [sys.executable, "-m", f"services.{service}", "--run-dir", run_dir, "--instance", str(instance)],
@@ -125,7 +126,7 @@ def start(exp, run_dir: Path, target: str = "ray") -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from shared.launch.rundirs import programs
+    from shared.launch.rundirs import programs, python_path
 
     namespace = f"rlpipe-{run_dir.name}"
     _connect(parse_target(target), namespace)
@@ -144,7 +145,7 @@ def start(exp, run_dir: Path, target: str = "ray") -> None:
             else {"resources": {label: 0.001}}
         actors.append(remote.options(name=f"{service}{i}", lifetime="detached", max_restarts=MAX_RESTARTS,
                                      num_cpus=0, num_gpus=gpu, **where)
-                      .remote(service, i, str(run_dir), autorestart == "true"))
+                      .remote(service, i, str(run_dir), autorestart == "true", python_path()))
     try:
         ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)  # every service started
     except ray.exceptions.GetTimeoutError:

@@ -108,3 +108,12 @@ def read_result(run_dir: Path) -> dict | None:
         return json.loads((run_dir / "result.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def python_path() -> str:
+    """The ``PYTHONPATH`` a run's services start with: this process's working directory, then
+    its own ``PYTHONPATH``. A config's ``module:attribute`` references (``algo.name``,
+    ``model.encoder``, ``env.id``) name modules importable where ``rlpipe launch`` runs; the
+    services run in the run directory and import them through this."""
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys([os.getcwd(), *extra]))

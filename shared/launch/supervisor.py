@@ -19,7 +19,7 @@ from shared.config import endpoints, loading, schema
 from shared.transport import shm
 from shared.config.schema import Experiment
 from shared.runtime.process import RUN_CONFIG
-from shared.launch.rundirs import DEPLOY, programs
+from shared.launch.rundirs import python_path, DEPLOY, programs
 
 
 TEMPLATE = DEPLOY / "supervisord.conf.tmpl"
@@ -43,7 +43,7 @@ redirect_stderr=true
 stdout_logfile={run_dir}/logs/{process}.log
 stdout_logfile_maxbytes=20MB
 stdout_logfile_backups=1
-environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1"
+environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",PYTHONPATH="{pythonpath}"
 """
 
 
@@ -55,7 +55,8 @@ instance, so that adding or removing one leaves the others running."""
 def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
     programs_ = []
     for service, count, priority, autorestart in programs(exp):
-        common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable)
+        common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable,
+                      pythonpath=python_path().replace("%", "%%"))
         if service in SCALABLE:
             programs_ += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
                           for i in range(count)]

@@ -1,0 +1,73 @@
+"""The agents: one ``AgentSpec`` a kind, named by the algorithms that train them.
+
+An agent spec says what the ``[agent]`` section holds (its config dataclass), which agent
+info each step carries (its ``family``: the layout samplers, replay and the learner size
+their buffers by, without importing torch) and how to build the torch module. This module
+is torch-free: the builders import their agent class when called.
+
+An out-of-tree agent is an ``AgentSpec`` of the user's own; an out-of-tree algorithm names it
+in its ``AlgoSpec.agent`` (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shared.agents.config import FAMILIES, PgAgentConfig, QAgentConfig, QpgAgentConfig
+
+MakeAgent = Callable[[Any, Any, Any, Any, Any], Any]
+"""``make(obs_example, action_space, model_cfg, agent_cfg, algo_cfg) -> torch.nn.Module``:
+``obs_example`` is one env's observation (numpy, or a namedarraytuple of them), ``action_space``
+the env's gymnasium space, then the run's ``[model]``, ``[agent]`` and ``[algo]`` sections."""
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    name: str
+    """What error messages and logs call it."""
+    config: type
+    """The frozen dataclass of the ``[agent]`` section (its defaults when the section is absent)."""
+    family: str
+    """The agent info its steps carry, one of ``shared.agents.config.FAMILIES``: pg (log-prob
+    and value), q (max Q), qpg (nothing); recurrent variants add the ``Memory``."""
+    make: MakeAgent
+    """Builds the agent (see ``MakeAgent``)."""
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"AgentSpec {self.name!r}: family {self.family!r} is not one of {', '.join(FAMILIES)}")
+
+
+def _pg(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+    from shared.agents.pg import PgAgent
+
+    return PgAgent(obs_example, action_space, model_cfg, agent_cfg)
+
+
+def _q(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+    from shared.agents.q import QAgent
+
+    return QAgent(obs_example, action_space, model_cfg, agent_cfg)
+
+
+def _deterministic(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+    from shared.agents.qpg import DeterministicAgent
+
+    return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics)
+
+
+def _sac(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+    from shared.agents.qpg import SacAgent
+
+    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics)
+
+
+PG = AgentSpec("pg", PgAgentConfig, "pg", _pg)
+"""Actor-critic (``PgAgent``): A2C, PPO."""
+Q = AgentSpec("q", QAgentConfig, "q", _q)
+"""Q-network (``QAgent``, C51 and dueling as options): the DQN family, R2D1."""
+DETERMINISTIC = AgentSpec("deterministic", QpgAgentConfig, "qpg", _deterministic)
+"""Deterministic actor and ``algo.n_critics`` Q-critics: DDPG, TD3."""
+SAC = AgentSpec("sac", QpgAgentConfig, "qpg", _sac)
+"""Squashed-Gaussian actor and ``algo.n_critics`` Q-critics: SAC."""

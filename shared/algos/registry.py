@@ -1,0 +1,129 @@
+"""The one place an algorithm is declared: an ``AlgoSpec`` each, looked up by ``algo.name``.
+
+A spec says everything the rest of rlpipe needs to run an algorithm: the dataclass of its
+``[algo]`` section, the agent it trains (``shared.agents.registry``), the batches it learns
+from (which fixes the replay tables it may use, the learner's batch layout and whether the
+on-policy lag bound applies), whether it trains recurrent agents, and how to build it. No
+other module names an algorithm.
+
+``algo.name`` is a built-in name (``ALGOS``) or a ``"module:attribute"`` reference to an
+``AlgoSpec`` in the user's own code (docs/extending.md); ``resolve`` turns either into the
+spec, with a one-line ValueError naming what is wrong. This module is torch-free: the
+launcher, replay and torch-free samplers read specs; ``make`` imports the algorithm's module
+only when the learner builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shared.agents import registry as agents
+from shared.agents.registry import AgentSpec
+from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, R2D1Config, SACConfig, TD3Config
+from shared.runtime.plugins import is_reference, load_attribute
+
+BATCHES = {"segments": ("queue",), "transitions": ("uniform", "prioritized"), "sequences": ("sequence",)}
+"""Batch kind -> the replay tables that serve it. segments: ``OnPolicyBatch`` [T, B] of whole
+segments, each trained on once, in order, within ``replay.max_policy_lag`` (on-policy);
+transitions: ``Transition`` [batch_size] of n-step transitions; sequences: ``SequenceBatch``
+[sequence_length, batch_size] (recurrent off-policy). An off-policy algorithm's config has a
+``batch_size`` field: the items of one batch."""
+
+
+@dataclass(frozen=True)
+class AlgoSpec:
+    name: str
+    """What logs and progress call it (a built-in's ``algo.name``)."""
+    config: type
+    """The frozen dataclass of the ``[algo]`` section, a docstring per field."""
+    agent: AgentSpec
+    """The agent it trains."""
+    batch: str
+    """What it learns from: a key of ``BATCHES``."""
+    make: Callable[[Any, Any], Any]
+    """``make(agent, cfg)``: the algorithm object, with ``update(batch, progress) -> dict`` (its
+    diagnostics, plus ``priorities`` [n] for prioritized tables), ``state_dict()`` and
+    ``load_state_dict(state)``."""
+    recurrent: bool = False
+    """It trains recurrent agents (``model.lstm_size > 0``) on whole sequences."""
+
+    def __post_init__(self) -> None:
+        if self.batch not in BATCHES:
+            raise ValueError(f"AlgoSpec {self.name!r}: batch {self.batch!r} is not one of {', '.join(BATCHES)}")
+
+    @property
+    def on_policy(self) -> bool:
+        return self.batch == "segments"
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        return BATCHES[self.batch]
+
+
+def _ppo(agent, cfg):
+    from shared.algos.ppo import PPO
+
+    return PPO(agent, cfg)
+
+
+def _a2c(agent, cfg):
+    from shared.algos.a2c import A2C
+
+    return A2C(agent, cfg)
+
+
+def _dqn(agent, cfg):
+    from shared.algos.dqn import DQN
+
+    return DQN(agent, cfg)
+
+
+def _r2d1(agent, cfg):
+    from shared.algos.r2d1 import R2D1
+
+    return R2D1(agent, cfg)
+
+
+def _ddpg(agent, cfg):  # TD3 is DDPG with TD3Config's twin critics, target smoothing and policy delay
+    from shared.algos.qpg import DDPG
+
+    return DDPG(agent, cfg)
+
+
+def _sac(agent, cfg):
+    from shared.algos.qpg import SAC
+
+    return SAC(agent, cfg)
+
+
+ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
+    AlgoSpec("ppo", PPOConfig, agents.PG, "segments", _ppo, recurrent=True),
+    AlgoSpec("a2c", A2CConfig, agents.PG, "segments", _a2c, recurrent=True),
+    AlgoSpec("dqn", DQNConfig, agents.Q, "transitions", _dqn),
+    AlgoSpec("r2d1", R2D1Config, agents.Q, "sequences", _r2d1, recurrent=True),
+    AlgoSpec("ddpg", DDPGConfig, agents.DETERMINISTIC, "transitions", _ddpg),
+    AlgoSpec("td3", TD3Config, agents.DETERMINISTIC, "transitions", _ddpg),
+    AlgoSpec("sac", SACConfig, agents.SAC, "transitions", _sac),
+)}
+"""The built-in algorithms by ``algo.name``."""
+
+
+def resolve(name: str) -> AlgoSpec:
+    """The spec ``algo.name`` names: a built-in, or a ``module:attribute`` reference to an
+    ``AlgoSpec``. ValueError, one line naming the field, otherwise."""
+    if is_reference(name):
+        spec = load_attribute(name, "algo.name")
+        if not isinstance(spec, AlgoSpec):
+            raise ValueError(f"algo.name = {name!r}: {type(spec).__name__} is not an AlgoSpec "
+                             "(shared.algos.registry.AlgoSpec; docs/extending.md)")
+        return spec
+    if name not in ALGOS:
+        raise ValueError(f"algo.name = {name!r}: allowed: {', '.join(sorted(ALGOS))}, or 'module:attribute' "
+                         "naming an AlgoSpec")
+    return ALGOS[name]
+
+
+def recurrent_names() -> list[str]:
+    """The built-in algorithms that train recurrent agents (for error messages)."""
+    return [name for name, spec in ALGOS.items() if spec.recurrent]
