@@ -25,7 +25,7 @@ import threading
 import time
 import tomllib
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, TextIO
 
 from shared.config import checks, endpoints, loading
 from shared.config.schema import ConfigError, Experiment
@@ -75,11 +75,12 @@ def prepare(exp: Experiment) -> Path:
 
 
 def launch(exp: Experiment | str | Path | dict, backend: str = "supervisord", *, wait: bool = True) -> "Run":
-    """Start a run of ``exp`` (an Experiment, or what ``experiment`` takes): a fresh run directory, its services under supervisord, or as
-    actors on a Ray cluster (``backend`` ``"ray"``: RAY_ADDRESS or this host's cluster;
-    ``"ray://HOST:PORT"``: Ray Client). With ``wait`` it returns once the learner has built
-    the agent (``Run.wait_until_built``); the run goes on until it ends or ``Run.stop``.
-    ConfigError (nothing made), LaunchError (the run directory stays, nothing runs)."""
+    """Start a run of ``exp`` (an Experiment, or what ``experiment`` takes): a fresh run
+    directory, its services under supervisord, or as actors on a Ray cluster (``backend``
+    ``"ray"``: RAY_ADDRESS or this host's cluster; ``"ray://HOST:PORT"``: Ray Client). With
+    ``wait`` it returns once the learner has built the agent (``Run.wait_until_built``);
+    the run goes on until it ends or ``Run.stop``. ConfigError (nothing made), LaunchError
+    (the run directory stays, nothing runs)."""
     _check_backend(backend)
     exp, why = checks.resolve_inference(experiment(exp, check_ports=True))
     return _start(Run(rundirs.make_run_dir(exp), exp, backend, why, fresh=True), wait)
@@ -96,15 +97,17 @@ def resume(run: str | Path, backend: str = "supervisord", *, wait: bool = True) 
     return _start(Run(run_dir, exp, backend, why, fresh=False), wait)
 
 
-def train_serial(exp: Experiment | str | Path | dict | None = None, *, resume: str | Path | None = None, out=sys.stdout) -> dict:
+def train_serial(exp: Experiment | str | Path | dict | None = None, *, resume: str | Path | None = None,
+                 out: TextIO | None = None, quiet: bool = False) -> dict:
     """Run ``exp`` in serial mode in this process (``services.serial``) until it ends, in a
     run directory made as ``launch`` makes one (or, with ``resume``, a stopped run's own,
     from its checkpoint); returns the learner's result plus ``run_dir``.
 
     Prints ``run directory: DIR``, then the progress rows as ``Run.follow`` prints them, to
-    ``out`` (None: nothing). The parts' log records go to ``logs/serial0.log``; what the
-    caller's logging let through before (warnings, by default) still reaches it. Leaves
-    nothing in /dev/shm. An interrupt (Ctrl-C) checkpoints, then raises KeyboardInterrupt.
+    ``out`` (default: sys.stdout), or nowhere with ``quiet``. The parts' log records go to
+    ``logs/serial0.log``; what the caller's logging let through before (warnings, by
+    default) still reaches it. Leaves nothing in /dev/shm. An interrupt (Ctrl-C) writes a
+    checkpoint, then raises KeyboardInterrupt.
     """
     from services import serial
 
@@ -116,7 +119,7 @@ def train_serial(exp: Experiment | str | Path | dict | None = None, *, resume: s
     else:
         run_dir = _reopen(resume)
         exp = experiment(run_dir / RUN_CONFIG)
-    out = _DISCARD if out is None else out
+    out = _out(out, quiet)
     print(f"run directory: {run_dir}", file=out, flush=True)
     rows = _RowPrinter(run_dir, out)
     try:
@@ -177,12 +180,13 @@ class Run:
         """Whether any process of the run is still there (a cluster run asks its cluster)."""
         return backends.for_run(self.dir).running(self.dir)
 
-    def follow(self, out=sys.stdout) -> dict | None:
-        """Print each progress row to ``out`` (None: nothing) as the learner writes it, until
-        the run ends; then stop what still runs of it. The result, or None if the run was
-        stopped or did not end within ``run.max_wall_s`` + 60 s. ``follow.ServiceCrashLoop``
-        when a service keeps dying at start-up (the run is stopped first)."""
-        out = _DISCARD if out is None else out
+    def follow(self, out: TextIO | None = None, quiet: bool = False) -> dict | None:
+        """Print each progress row to ``out`` (default: sys.stdout; nowhere with ``quiet``)
+        as the learner writes it, until the run ends; then stop what still runs of it. The
+        result, or None if the run was stopped or did not end within ``run.max_wall_s`` + 60 s.
+        ``follow.ServiceCrashLoop`` when a service keeps dying at start-up (the run is stopped
+        first)."""
+        out = _out(out, quiet)
         try:
             result = follow.follow(self.dir, self.exp.run.max_wall_s, out)
         except follow.ServiceCrashLoop:
@@ -216,7 +220,7 @@ class Run:
         """The run's result (``result.json``). With ``wait``, first follow the run quietly to
         its end (then stop it); without, None while it has none."""
         if wait and rundirs.read_result(self.dir) is None:
-            return self.follow(out=None)
+            return self.follow(quiet=True)
         return rundirs.read_result(self.dir)
 
     def stop(self) -> bool:
@@ -328,7 +332,10 @@ class _Discard:
         pass
 
 
-_DISCARD = _Discard()
+def _out(out: TextIO | None, quiet: bool):
+    """Where rows go: nowhere (``quiet``), ``out``, or the sys.stdout of the moment (a default
+    bound at import would miss a redirection: contextlib.redirect_stdout, a notebook's)."""
+    return _Discard() if quiet else sys.stdout if out is None else out
 
 
 class _ToCaller(logging.Handler):
