@@ -144,13 +144,3 @@ def test_pendulum_ppo_gaussian_one_sampler(runs):
     assert result["reason"] == "target" and result["mean_return"] > -500 and result["env_steps"] <= 200_000, result
     first = [float(r["mean_return"]) for r in run.progress() if r["mean_return"] != "nan"][0]
     assert first < -900, f"Pendulum should start near -1200, started at {first}"
-
-
-def test_serial_mode_learns_the_same_config():
-    from services.serial import train_serial
-    from shared.config import loading as config
-
-    t0 = time.monotonic()
-    result = train_serial(config.load(CONFIGS / "cartpole_ppo.toml"))
-    assert result["reason"] == "target" and result["env_steps"] <= 200_000, result
-    assert time.monotonic() - t0 < 180
