@@ -1,18 +1,23 @@
-"""The optimizers the algorithms here use: Adam, fused (and RMSprop, an A2C option).
+"""The optimizers the algorithms here use: torch's Adam, fused (and RMSprop, an A2C option).
 
 The fused implementation updates all of a network's parameters in one kernel instead of a
 dozen small ops per tensor; on this machine's CPU that took a CartPole DQN update
 (256x256 MLP, batch 128) from 3.1-3.2 ms to 2.6-2.7 ms and a 64x64 SAC update from 9.2 ms
-to 5.8 ms. It exists on CPU and CUDA for floating-point parameters, which ours all are.
+to 5.8 ms. torch has it on CPU and CUDA for floating-point parameters, which ours all are;
+other parameters get torch's foreach implementation.
 
-``torch.optim.Optimizer``'s methods and ``Adam.step`` are wrapped for TorchDynamo (switched
-off, or a graph break around the step), and the wrappers import ``torch._dynamo`` on their
-first call: 1.5-1.9 s of CPU here, more than ``import torch`` itself, in every learner's
-start-up. rlpipe never compiles, so it calls past them: for each wrapped method the
-wrapper's cached "dynamo-disabled" function is set to the method itself, and ``Adam`` steps
-with the unwrapped step under ``no_grad`` (what the wrapper does when not compiling, with
-``differentiable`` off). The same calls, without the import. A torch whose methods are not
-wrapped this way is used as it is.
+Only public torch APIs are used: the optimizers are torch's own, unpatched, and the
+clipping is ``torch.nn.utils.clip_grad_norm_``. What that costs: torch's optimizer methods
+import ``torch._dynamo`` on their first call (they are wrapped for TorchDynamo even when
+nothing compiles), 1.3-1.5 s of CPU (3-4 s of wall clock on the loaded 2-core machine)
+once in every learner's start-up, when its optimizer is built; torch has no public setting
+that avoids it. And per step the Python around the kernels: ``Adam.step``'s profiler
+range, hooks, dynamo wrappers and per-parameter state walk, and the clipping's grouping of
+the gradients by device and dtype (twice) -- for a 12-tensor 64x64 actor-critic, on that
+machine, Adam.step 50 -> 97 us and the clipping 60 -> 125 us against calling the kernels
+straight, about 0.1 ms of a 1.2-2.5 ms CartPole gradient step. ``gradient_step`` sets the
+gradients to None itself (as ``zero_grad(set_to_none=True)``, without its profiler range:
+15 -> 4 us).
 
 Data-parallel learner ranks (``learner.count`` > 1, one ``torch.distributed`` group): every
 gradient step averages the gradients over the ranks before clipping, so each rank takes the
@@ -30,75 +35,24 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-for _method in ("add_param_group", "zero_grad", "state_dict", "load_state_dict"):
-    _fn = getattr(getattr(torch.optim.Optimizer, _method), "__wrapped__", None)
-    if _fn is not None:
-        setattr(_fn, "__dynamo_disable", _fn)
 
-
-def _stepping_without_dynamo(cls: type) -> type:
-    """``cls`` whose ``step`` calls past torch's TorchDynamo wrapper (module doc)."""
-    step = getattr(cls.step, "__wrapped__", None)
-    if step is None:
-        return cls
-
-    def unwrapped_step(self, closure=None):
-        with torch.no_grad():
-            return step(self, closure)
-
-    return type(cls.__name__, (cls,), {"step": unwrapped_step})
-
-
-class _Adam(_stepping_without_dynamo(torch.optim.Adam)):
-    """Fused Adam whose steps after the first call the fused kernel straight away.
-
-    ``Adam.step`` spends 30 of its 47 us here (a 2-member 64x64 ensemble's 6 tensors) in
-    Python around the kernel: the profiler range and step hooks of the ``Optimizer`` wrapper,
-    the per-parameter state walk, the grouping by device and dtype. Once every parameter with
-    a gradient has its state (torch's own step made it), a step is the kernel torch's would
-    call, on the same state tensors, so checkpoints and ``load_state_dict`` are torch's.
-    """
-
-    def step(self, closure=None):
-        if closure is not None or not all(self.state[p] for g in self.param_groups for p in g["params"]
-                                          if p.grad is not None):
-            return super().step(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            states = [self.state[p] for p in params]
-            steps = [state["step"] for state in states]
-            torch._foreach_add_(steps, 1)
-            beta1, beta2 = group["betas"]
-            torch._fused_adam_(params, [p.grad for p in params], [state["exp_avg"] for state in states],
-                               [state["exp_avg_sq"] for state in states], [], steps, amsgrad=False,
-                               lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                               eps=group["eps"], maximize=False)
-        return None
-
-    step.hooked = True  # Optimizer.__init__ wraps a step without it in its profiler range and hooks
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's, without its profiler range (12 -> 2 us here) when setting to None."""
-        if not set_to_none:
-            return super().zero_grad(set_to_none)
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-
-_RMSprop = _stepping_without_dynamo(torch.optim.RMSprop)
+def _fusable(params: list) -> bool:
+    """Whether torch's fused Adam takes all of ``params`` (tensors or param-group dicts):
+    floating-point tensors on CPU or CUDA."""
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    return bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
 
 
 def adam(params, lr: float, eps: float = 1e-8) -> torch.optim.Adam:
-    """torch's Adam, fused (module doc), plain: no amsgrad, maximize, decoupled weight decay
-    or gradient scaler, which the fast step above does not handle."""
-    return _Adam(params, lr=lr, eps=eps, fused=True)
+    """torch's Adam, fused where torch has it (module doc), else foreach; plain: no
+    amsgrad, maximize or weight decay."""
+    params = list(params)
+    fused = _fusable(params)
+    return torch.optim.Adam(params, lr=lr, eps=eps, fused=fused, foreach=None if fused else True)
 
 
 def rmsprop(params, lr: float, alpha: float, eps: float) -> torch.optim.RMSprop:
-    return _RMSprop(params, lr=lr, alpha=alpha, eps=eps)
+    return torch.optim.RMSprop(params, lr=lr, alpha=alpha, eps=eps)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, progress: float, anneal: bool) -> float:
@@ -138,14 +92,15 @@ def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, 
     """One optimizer step on ``loss``, with the gradients averaged over the learner ranks and
     their global norm clipped to ``max_grad_norm`` (0 = no clipping); returns that norm
     before clipping."""
-    optimizer.zero_grad(set_to_none=True)
+    params = list(params)
+    for group in optimizer.param_groups:  # zero_grad(set_to_none=True) (module doc)
+        for p in group["params"]:
+            p.grad = None
     loss.backward()
-    grads = [p.grad for p in params if p.grad is not None]
-    average_over_ranks(grads)
-    # torch.nn.utils.clip_grad_norm_'s arithmetic, without its grouping of the tensors by
-    # device and dtype on every call (half its cost on a small network: 43 -> 21 us here).
-    grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
-    if max_grad_norm > 0 and grads:
-        torch._foreach_mul_(grads, (max_grad_norm / (grad_norm + 1e-6)).clamp_(max=1.0))
+    average_over_ranks(p.grad for p in params if p.grad is not None)
+    if max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    else:
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     optimizer.step()
     return grad_norm
