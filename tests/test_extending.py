@@ -1,0 +1,56 @@
+"""A user's own algorithm and encoder (tests/extending_for_tests.py), named in a config as
+``module:attribute``, run everywhere the built-ins run: serial mode, the pipeline with local
+and with server inference, and data-parallel learner ranks; nothing in services/ or shared/
+names them. A reference that does not resolve is one config error before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.launch import api
+from tests.pipeline import REPO, rlpipe
+
+CONFIG = str(REPO / "tests" / "configs" / "cartpole_clipped_pg.toml")
+
+
+def _learned(result: dict) -> None:
+    assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 200_000, result
+
+
+@pytest.mark.learning
+def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_in_serial_mode(tmp_path):
+    result = api.train_serial(api.experiment(CONFIG, [f"run.runs_dir='{tmp_path}'"]), quiet=True)
+    _learned(result)
+
+
+@pytest.mark.learning
+@pytest.mark.parametrize("inference", ["local", "server"])
+def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_through_the_pipeline(runs, inference):
+    run = runs(CONFIG, f"sampler.inference={inference}")
+    _learned(run.wait_result(240))
+    assert "learner: tests.extending_for_tests:CLIPPED_PG on cpu" in run.logs("learner0")
+
+
+@pytest.mark.learning
+def test_an_out_of_tree_algorithm_trains_on_two_learner_ranks(runs):
+    run = runs(CONFIG, "learner.count=2", "run.max_env_steps=20000")
+    result = run.wait_result(120)
+    assert result["reason"] == "budget" and result["updates"] >= 20000 // 256 - 1, result
+    for rank in (0, 1):
+        assert f"learner rank {rank} of 2" in run.logs(f"learner{rank}")
+
+
+@pytest.mark.parametrize("field,ref,says", [
+    ("algo.name", "no_such_lab.algos:SPEC", "cannot import module 'no_such_lab.algos' (No module named 'no_such_lab')"),
+    ("algo.name", "tests.extending_for_tests:NO_SUCH_SPEC",
+     "module 'tests.extending_for_tests' has no attribute 'NO_SUCH_SPEC'"),
+    ("algo.name", "tests.extending_for_tests:ClippedPG",
+     "type is not an AlgoSpec (shared.algos.registry.AlgoSpec; docs/extending.md)"),
+    ("model.encoder", "tests.extending_for_tests:NoSuchEncoder",
+     "module 'tests.extending_for_tests' has no attribute 'NoSuchEncoder'"),
+])
+def test_a_reference_that_does_not_resolve_is_one_line_before_anything_starts(tmp_path, field, ref, says):
+    out = rlpipe("launch", CONFIG, "--set", f"{field}='{ref}'", "--set", f"run.runs_dir='{tmp_path}'")
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert out.stderr.splitlines() == [f"rlpipe: config error: {field} = {ref!r}: {says}"], out.stderr
+    assert not any(tmp_path.iterdir())  # no run directory
