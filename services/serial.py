@@ -177,5 +177,4 @@ def _train(exp: Experiment, run_dir: Path | None) -> dict:
     finally:
         for s in samplers:
             s.close()
-        if learner.tb is not None:
-            learner.tb.close()
+        learner.progress.close()

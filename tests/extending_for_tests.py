@@ -18,6 +18,7 @@ from torch import nn
 from shared.agents.registry import PG
 from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.registry import AlgoSpec
+from shared.algos.update import Update
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class ClippedPG:
             adv[t] = last
         return flat(adv), flat(adv + v)
 
-    def update(self, batch, progress: float) -> dict[str, float]:
+    def update(self, batch, progress: float) -> Update:
         """``epochs`` steps on an OnPolicyBatch: samples [T, B], bootstrap_observation [B, ...]."""
         cfg, s = self.cfg, batch.samples
         set_lr(self.optimizer, cfg.lr, progress, anneal=True)
@@ -78,7 +79,7 @@ class ClippedPG:
             surrogate = torch.min(ratio * advantage, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * advantage)
             loss = -surrogate.mean() + cfg.value_coef * ((returns - value) ** 2).mean()
             grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
-        return {"loss": loss.item(), "grad_norm": grad_norm.item()}
+        return Update({"loss": loss.item(), "grad_norm": grad_norm.item()})
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}

@@ -67,9 +67,9 @@ def test_hand_computed_targets(double, want_td):
     agent = linear_agent(np.eye(2))
     algo = DQN(agent, DQNConfig(double=double, huber_delta=1.0, lr=0.0))
     set_linear(algo.target, SWAP)
-    out = algo.update(transitions(**BATCH), progress=0.0)
-    np.testing.assert_allclose(out["priorities"], want_td, rtol=1e-6)
-    assert out["priorities"].shape == (3,) and out["priorities"].dtype == np.float32
+    out, priorities = algo.update(transitions(**BATCH), progress=0.0)
+    np.testing.assert_allclose(priorities, want_td, rtol=1e-6)
+    assert priorities.shape == (3,) and priorities.dtype == np.float32
     # Huber(1): |td| - 0.5 for |td| > 1
     np.testing.assert_allclose(out["loss"], np.mean(np.array(want_td) - 0.5), rtol=1e-6)
     np.testing.assert_allclose(out["q_mean"], np.mean([1.0, -1.0, 0.0]), atol=1e-6)
@@ -81,10 +81,10 @@ def test_squared_loss_and_importance_weights_scale_the_loss():
     weights = np.array([1.0, 0.5, 0.0])
     algo = DQN(agent, DQNConfig(double=True, huber_delta=0.0, lr=0.0))
     set_linear(algo.target, SWAP)
-    out = algo.update(transitions(**BATCH, weight=weights.tolist()), progress=0.0)
+    out, priorities = algo.update(transitions(**BATCH, weight=weights.tolist()), progress=0.0)
     np.testing.assert_allclose(out["loss"], np.mean(weights * 0.5 * td**2), rtol=1e-6)
     # Priorities are not weighted: they are the raw |TD| of every item.
-    np.testing.assert_allclose(out["priorities"], td, rtol=1e-6)
+    np.testing.assert_allclose(priorities, td, rtol=1e-6)
 
 
 def test_zero_weight_item_contributes_no_gradient():
@@ -112,8 +112,8 @@ def test_c51_terminal_target_on_an_atom_gives_cross_entropy_priority():
         for p in agent.parameters():
             p.zero_()
     algo = DQN(agent, DQNConfig(lr=0.0))
-    out = algo.update(transitions([[1.0, 1.0]] * 2, [0, 1], [0.0, 0.5], [[0.0, 0.0]] * 2, [0.0, 0.0]), 0.0)
-    np.testing.assert_allclose(out["priorities"], [np.log(5), np.log(5)], rtol=1e-6)
+    out, priorities = algo.update(transitions([[1.0, 1.0]] * 2, [0, 1], [0.0, 0.5], [[0.0, 0.0]] * 2, [0.0, 0.0]), 0.0)
+    np.testing.assert_allclose(priorities, [np.log(5), np.log(5)], rtol=1e-6)
     np.testing.assert_allclose(out["td_abs_mean"], np.mean([0.0, 0.5]), atol=1e-6)  # E[Q] = 0
 
 
@@ -240,7 +240,7 @@ def test_learns_optimal_q_of_a_small_mdp(cfg):
         [eye[s2] for *_, s2, _ in MDP], [0.0 if done else 0.9 for *_, done in MDP],
     )
     for _ in range(1500):
-        out = algo.update(batch, 0.0)
+        out = algo.update(batch, 0.0).stats
     q = agent.q_values(torch.as_tensor(eye)).detach().numpy()
     np.testing.assert_allclose(q, Q_STAR, atol=0.08)
     assert out["td_abs_mean"] < 0.08

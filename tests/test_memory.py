@@ -169,7 +169,7 @@ def test_ppo_and_a2c_update_a_recurrent_agent_on_whole_sequences(algo):
 
     exp, agent, seg = _recurrent_segment()
     before = [p.detach().clone() for p in agent.parameters()]
-    stats = (PPO(agent, exp.algo) if algo == "ppo" else A2C(agent)).update(seg, 0.0)
+    stats = (PPO(agent, exp.algo) if algo == "ppo" else A2C(agent)).update(seg, 0.0).stats
     assert all(np.isfinite(v) for v in stats.values())
     assert any(not torch.equal(b, p) for b, p in zip(before, agent.parameters()))
 

@@ -188,7 +188,7 @@ def test_learns_a_contextual_bandit_with_discrete_actions(name):
     torch.manual_seed(0)
     agent = PgAgent(OBS, gym.spaces.Discrete(2))
     algo = make_algo(name, agent)
-    stats = [algo.update(bandit_batch(agent, 4, 32, match_context, seed=i), progress=i / 40) for i in range(40)]
+    stats = [algo.update(bandit_batch(agent, 4, 32, match_context, seed=i), progress=i / 40).stats for i in range(40)]
     eval_batch = bandit_batch(agent, 4, 64, match_context, seed=999)
     assert eval_batch.samples.reward.mean() > 0.9
     # The value net learns the expected reward of each context (close to 1 once greedy).
@@ -216,7 +216,7 @@ def test_ppo_reports_kl_and_clipping_of_a_stale_batch_and_stops_at_lr_zero():
     # Behaviour log-probs one nat below the current ones: ratio = e for every sample.
     stale = batch._replace(samples=batch.samples._replace(agent_info=info._replace(log_prob=info.log_prob - 1.0)))
     before = [p.clone() for p in agent.parameters()]
-    stats = PPO(agent, PPOConfig(anneal_lr=True)).update(stale, progress=1.0)
+    stats = PPO(agent, PPOConfig(anneal_lr=True)).update(stale, progress=1.0).stats
     assert stats["lr"] == 0.0
     assert stats["clip_fraction"] == 1.0
     assert stats["approx_kl"] == pytest.approx(math.e - 2.0, rel=1e-5)
@@ -235,7 +235,7 @@ def test_ppo_clip_range_anneals_with_progress(anneal_clip, progress, clipped):
     info = batch.samples.agent_info
     stale = batch._replace(samples=batch.samples._replace(agent_info=info._replace(log_prob=info.log_prob - 0.15)))
     cfg = PPOConfig(clip_eps=0.2, anneal_clip=anneal_clip, epochs=1, minibatches=1)
-    assert PPO(agent, cfg).update(stale, progress=progress)["clip_fraction"] == clipped
+    assert PPO(agent, cfg).update(stale, progress=progress).stats["clip_fraction"] == clipped
 
 
 @pytest.mark.parametrize("name", ["ppo", "a2c"])

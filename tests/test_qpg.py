@@ -183,7 +183,7 @@ def test_td3_target_uses_clipped_smoothing_noise_and_the_smaller_critic():
     next_action = algo.target_action(b.bootstrap_observation)
     expected = b.return_ + b.bootstrap_discount * algo.target.q(b.bootstrap_observation, next_action).min(0).values
     torch.manual_seed(1)
-    stats = algo.update(b, 0.0)
+    stats = algo.update(b, 0.0).stats
     assert stats["target_mean"] == pytest.approx(expected.mean().item(), rel=1e-5)
 
 
@@ -210,7 +210,7 @@ def test_sac_temperature_moves_towards_the_target_entropy(target_entropy, direct
     """Entropy below the target raises alpha, above it lowers alpha."""
     torch.manual_seed(0)
     algo = SAC(SacAgent(OBS, box(dim=2), MODEL), SACConfig(target_entropy=target_entropy, alpha_lr=1e-2))
-    alphas = [algo.update(batch(action_dim=2, seed=i), 0.0)["alpha"] for i in range(20)]
+    alphas = [algo.update(batch(action_dim=2, seed=i), 0.0).stats["alpha"] for i in range(20)]
     assert np.sign(alphas[-1] - alphas[0]) == direction
     assert all(np.sign(np.diff(alphas)) == direction)
 
@@ -218,7 +218,7 @@ def test_sac_temperature_moves_towards_the_target_entropy(target_entropy, direct
 def test_sac_fixed_alpha_stays_and_default_target_entropy_is_minus_action_dims():
     algo = SAC(SacAgent(OBS, box(dim=3), MODEL), SACConfig(learn_alpha=False, init_alpha=0.2))
     assert algo.target_entropy == -3.0
-    stats = [algo.update(batch(action_dim=3, seed=i), 0.0) for i in range(3)]
+    stats = [algo.update(batch(action_dim=3, seed=i), 0.0).stats for i in range(3)]
     assert all(s["alpha"] == pytest.approx(0.2) for s in stats)
 
 
@@ -226,10 +226,10 @@ def test_updates_return_priorities_and_checkpoints_round_trip():
     torch.manual_seed(0)
     for algo in (DDPG(DeterministicAgent(OBS, box(), MODEL), DDPGConfig()),
                  SAC(SacAgent(OBS, box(), MODEL), SACConfig())):
-        stats = algo.update(batch(), 0.5)
-        assert stats["priorities"].shape == (64,) and (stats["priorities"] >= 0).all()
-        assert stats["td_abs_mean"] == pytest.approx(float(stats["priorities"].mean()), rel=1e-5)
-        assert all(math.isfinite(v) for k, v in stats.items() if k != "priorities")
+        stats, priorities = algo.update(batch(), 0.5)
+        assert priorities.shape == (64,) and (priorities >= 0).all()
+        assert stats["td_abs_mean"] == pytest.approx(float(priorities.mean()), rel=1e-5)
+        assert all(math.isfinite(v) for v in stats.values())
         state = algo.state_dict()
         clone = type(algo)(type(algo.agent)(OBS, box(), MODEL, n_critics=algo.cfg.n_critics), algo.cfg)
         clone.load_state_dict(state)

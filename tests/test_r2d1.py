@@ -103,17 +103,17 @@ def test_an_update_returns_one_priority_per_sequence_and_lowers_the_loss():
     batch = _batch()
     first = algo.loss(batch)[0].item()
     for _ in range(50):
-        stats = algo.update(batch, 0.0)
-    assert stats["priorities"].shape == (N,) and np.all(stats["priorities"] >= 0)
+        stats, priorities = algo.update(batch, 0.0)
+    assert priorities.shape == (N,) and np.all(priorities >= 0)
     assert algo.loss(batch)[0].item() < 0.5 * first
 
 
 def test_annealed_learning_rate_reaches_zero_at_the_end_of_the_run():
     algo = R2D1(_agent(), R2D1Config(burn_in=2, n_step=3, batch_size=N, lr=1e-2, anneal_lr=True))
     batch = _batch()
-    assert algo.update(batch, 0.25)["lr"] == pytest.approx(7.5e-3)
+    assert algo.update(batch, 0.25).stats["lr"] == pytest.approx(7.5e-3)
     before = [p.clone() for p in algo.agent.parameters()]
-    assert algo.update(batch, 1.0)["lr"] == 0.0
+    assert algo.update(batch, 1.0).stats["lr"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, algo.agent.parameters()))
 
 

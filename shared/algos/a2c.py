@@ -14,6 +14,7 @@ from shared.data.batches import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import A2CConfig
 from shared.algos.optim import adam, gradient_step, rmsprop, set_lr
+from shared.algos.update import Update
 
 class A2C:
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
@@ -26,7 +27,7 @@ class A2C:
         else:
             self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps)
 
-    def update(self, batch: OnPolicyBatch, progress: float) -> dict[str, float]:
+    def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One A2C step on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
 
         Returns policy_loss, value_loss, entropy, grad_norm (before clipping), lr,
@@ -56,7 +57,7 @@ class A2C:
         stats = dict(zip(("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"), values))
         stats["lr"] = lr
         stats["explained_variance"] = explained_variance(data.old_value, data.returns)
-        return stats
+        return Update(stats)
 
     def state_dict(self) -> dict:
         """Optimizer state, for checkpoints (the agent's parameters are saved separately)."""

@@ -23,6 +23,7 @@ from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
 from shared.algos.optim import set_lr
 from shared.algos.target import TargetNetworkAlgo
+from shared.algos.update import Update
 from shared.agents.q import QAgent
 from shared.data.batches import Transition
 
@@ -42,13 +43,13 @@ class DQN(TargetNetworkAlgo):
             return self.agent.q_values(bootstrap_observation).argmax(-1)
         return target_q.argmax(-1)
 
-    def update(self, batch: Transition, progress: float) -> dict:
+    def update(self, batch: Transition, progress: float) -> Update:
         """One gradient step on a batch of N transitions (torch tensors on the agent's device).
 
         ``progress`` in [0, 1] is the run's fraction done (learning-rate annealing). Returns
         floats loss (IS-weighted mean), q_mean (online Q of the taken actions), target_mean,
         td_abs_mean (|target - Q|; for C51 between expectations), grad_norm (before
-        clipping), lr, and "priorities": numpy float32 [N] >= 0 for the replay table.
+        clipping), lr; and the new priorities, numpy float32 [N] >= 0, for the replay table.
         """
         cfg, agent = self.cfg, self.agent
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
@@ -87,5 +88,4 @@ class DQN(TargetNetworkAlgo):
         values = torch.stack([loss, q_taken.mean(), target_value.mean(), td_abs.mean(), grad_norm]).detach().tolist()
         stats = dict(zip(("loss", "q_mean", "target_mean", "td_abs_mean", "grad_norm"), values))
         stats["lr"] = lr
-        stats["priorities"] = priorities.float().cpu().numpy()
-        return stats
+        return Update(stats, priorities.float().cpu().numpy())

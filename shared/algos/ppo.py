@@ -14,6 +14,7 @@ from shared.data.batches import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import PPOConfig
 from shared.algos.optim import adam, average_over_ranks, gradient_step, set_lr
+from shared.algos.update import Update
 
 
 class PPO:
@@ -24,7 +25,7 @@ class PPO:
         self.cfg = cfg
         self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
 
-    def update(self, batch: OnPolicyBatch, progress: float) -> dict[str, float]:
+    def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One PPO update on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
 
         Returns means over the gradient steps of policy_loss, value_loss, entropy and
@@ -88,7 +89,7 @@ class PPO:
                          means.tolist()))
         stats["lr"] = lr
         stats["explained_variance"] = explained_variance(data.old_value, data.returns)
-        return stats
+        return Update(stats)
 
     def _normalized(self, advantage: torch.Tensor) -> torch.Tensor:
         if self.cfg.normalize_advantage and advantage.numel() > 1:

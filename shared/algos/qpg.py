@@ -29,6 +29,7 @@ import torch
 from shared.agents.qpg import DeterministicAgent, QpgAgent, SacAgent
 from shared.algos.hparams import DDPGConfig, QpgConfig, SACConfig, TD3Config  # noqa: F401 (re-exported)
 from shared.algos.optim import adam, gradient_step, set_lr
+from shared.algos.update import Update
 from shared.data.batches import Transition
 
 
@@ -92,14 +93,13 @@ class _QpgAlgo:
         torch._foreach_lerp_(*self._averaged, self.cfg.tau)
         torch._foreach_copy_(*self._copied)
 
-    def _stats(self, names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, frac: float) -> dict:
+    def _stats(self, names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, frac: float) -> Update:
         """Diagnostics as floats (one host sync), td_abs_mean (|TD| of critic 0, as DQN reports it)
         among them, and the new priorities."""
         means = torch.stack([*(v.float() for v in values), td_abs.float().mean()]).tolist()
         stats = dict(zip((*names, "td_abs_mean"), means))
         stats["lr_frac"] = frac
-        stats["priorities"] = td_abs.float().cpu().numpy()
-        return stats
+        return Update(stats, td_abs.float().cpu().numpy())
 
     def state_dict(self) -> dict:
         """Optimizers, target networks and update count, for checkpoints (the agent is saved separately)."""
@@ -129,10 +129,10 @@ class DDPG(_QpgAlgo):
             action = action + (torch.randn_like(action) * self.cfg.target_noise).clamp(-clip, clip)
         return action.clamp(-1.0, 1.0)
 
-    def update(self, batch: Transition, progress: float) -> dict:
+    def update(self, batch: Transition, progress: float) -> Update:
         """One update on N transitions (torch tensors on the agent's device); ``progress`` in
         [0, 1] anneals the learning rates. Returns floats critic_loss, actor_loss (of the last
-        actor step), q_mean, target_mean, critic_grad_norm, td_abs_mean, lr_frac and "priorities" [N]."""
+        actor step), q_mean, target_mean, critic_grad_norm, td_abs_mean, lr_frac; and the new priorities [N]."""
         frac = self._anneal(progress)
         with torch.no_grad():
             target_q = self.target.q(batch.bootstrap_observation, self.target_action(batch.bootstrap_observation))
@@ -167,10 +167,10 @@ class SAC(_QpgAlgo):
         """The critics only: SAC's TD target samples from the current actor."""
         return list(agent.critics.parameters())
 
-    def update(self, batch: Transition, progress: float) -> dict:
+    def update(self, batch: Transition, progress: float) -> Update:
         """One update on N transitions (torch tensors on the agent's device). Returns floats
         critic_loss, actor_loss, alpha, entropy (-mean log pi), q_mean, target_mean,
-        critic_grad_norm, td_abs_mean, lr_frac and "priorities" [N]."""
+        critic_grad_norm, td_abs_mean, lr_frac; and the new priorities [N]."""
         frac = self._anneal(progress)
         agent = self.agent
         alpha = self.log_alpha.detach().exp()

@@ -36,6 +36,7 @@ from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
 from shared.algos.optim import set_lr
 from shared.algos.target import TargetNetworkAlgo
+from shared.algos.update import Update
 from shared.agents.models import obs_to
 from shared.data.namedarraytuple import map_leaves
 from shared.data.batches import SequenceBatch
@@ -179,12 +180,12 @@ class R2D1(TargetNetworkAlgo):
         priorities = sequence_priorities(td_abs, mask, cfg.priority_eta)
         return loss, {"q_taken": q_full, "td_abs": td_abs, "mask": mask, "priorities": priorities, "target": y}
 
-    def update(self, batch: SequenceBatch, progress: float) -> dict:
+    def update(self, batch: SequenceBatch, progress: float) -> Update:
         """One gradient step on n sequences [L, n] (torch tensors on the agent's device);
         ``progress`` in [0, 1] is the run's fraction done (learning-rate annealing).
 
         Returns floats loss, q_mean and td_abs_mean (over trained steps), trained_frac (trained
-        steps / all steps), grad_norm (before clipping), lr, and "priorities": numpy float32 [n].
+        steps / all steps), grad_norm (before clipping), lr; and the new priorities, numpy float32 [n].
         """
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
@@ -196,5 +197,4 @@ class R2D1(TargetNetworkAlgo):
                               (extra["td_abs"] * mask).sum() / count, mask.float().mean(), grad_norm]).tolist()
         stats = dict(zip(("loss", "q_mean", "td_abs_mean", "trained_frac", "grad_norm"), values))
         stats["lr"] = lr
-        stats["priorities"] = extra["priorities"].float().cpu().numpy()
-        return stats
+        return Update(stats, extra["priorities"].float().cpu().numpy())

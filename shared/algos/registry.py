@@ -42,9 +42,9 @@ class AlgoSpec:
     batch: str
     """What it learns from: a key of ``BATCHES``."""
     make: Callable[[Any, Any], Any]
-    """``make(agent, cfg)``: the algorithm object, with ``update(batch, progress) -> dict`` (its
-    diagnostics, plus ``priorities`` [n] for prioritized tables), ``state_dict()`` and
-    ``load_state_dict(state)``."""
+    """``make(agent, cfg)``: the algorithm object, with ``update(batch, progress) -> Update`` (its
+    diagnostics, and new priorities for prioritized tables: ``shared.algos.update``),
+    ``state_dict()`` and ``load_state_dict(state)``."""
     recurrent: bool = False
     """It trains recurrent agents (``model.lstm_size > 0``) on whole sequences."""
 

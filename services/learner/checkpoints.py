@@ -1,0 +1,52 @@
+"""The learner's checkpoints: the latest and the one before it, each written atomically.
+
+A latest checkpoint that cannot be loaded (truncated by a full disk, say) is reported and
+the previous one is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("services.learner.learner")
+CHECKPOINT = "checkpoints/latest.pt"
+PREVIOUS_CHECKPOINT = "checkpoints/previous.pt"
+
+
+class Checkpoints:
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    def save(self, state: dict) -> None:
+        """``state`` (tensors and plain values) as the latest checkpoint; the latest so far
+        becomes the previous one."""
+        path = self.run_dir / CHECKPOINT
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        if path.exists():
+            os.replace(path, self.run_dir / PREVIOUS_CHECKPOINT)
+        os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoints intact
+
+    def load(self, device: torch.device, apply) -> Path | None:
+        """``apply(state)`` with the latest checkpoint's state, or the previous one's where the
+        latest cannot be loaded or applied; the file used, or None if there is none.
+        RuntimeError naming both files if neither works."""
+        paths = [p for p in (self.run_dir / CHECKPOINT, self.run_dir / PREVIOUS_CHECKPOINT) if p.exists()]
+        errors = []
+        for path in paths:
+            try:
+                apply(torch.load(path, map_location=device, weights_only=True))
+            except Exception as e:  # truncated zip, unpickling error, missing key, shape mismatch...
+                errors.append(f"{path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                log.warning("cannot resume from %s (%s); trying the previous checkpoint", path, errors[-1])
+                continue
+            return path
+        if errors:
+            raise RuntimeError("no checkpoint of this run can be loaded (" + "; ".join(errors) +
+                               "); move them away to start the learner afresh")
+        return None

@@ -1,0 +1,126 @@
+"""What the run has done, as the learner counts it, and the progress rows it reports.
+
+The counters (env steps, updates, episodes and their returns, dropped items, wall time of
+earlier incarnations) come from replay's batch metadata and the learner's updates; they are
+checkpointed with the model. A progress row goes to progress.csv, to TensorBoard (with the
+means of the algorithm's diagnostics since the last row) and to the log.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shared.runtime import evaluation
+from shared.runtime.process import TB_DIR, append_csv
+
+log = logging.getLogger("services.learner.learner")
+PROGRESS = "progress.csv"
+PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
+                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped", "replay_size",
+                   *evaluation.PROGRESS_COLUMNS]
+COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
+"""The counters a checkpoint keeps (with the returns, lengths and wall time)."""
+
+
+class Progress:
+    def __init__(self, return_window: int, run_dir: Path | None):
+        self.run_dir = run_dir
+        self.env_steps = 0
+        self.updates = 0
+        self.episodes_seen = 0
+        self.dropped = 0
+        self.replay_size = 0  # items in replay's table at the last batch
+        self.returns: collections.deque = collections.deque(maxlen=return_window)
+        self.lengths: collections.deque = collections.deque(maxlen=return_window)
+        self.wall_before = 0.0  # wall seconds of earlier incarnations (from the checkpoint)
+        self.t_start = time.monotonic()
+        self.last_lag = 0.0
+        self.diag_sums: collections.Counter = collections.Counter()  # per term, over the updates since the last row
+        self.diag_updates = 0
+        self.steps_at_row = 0
+        self.updates_at_row = 0
+        self.wall_at_row = 0.0
+        self.tb = None  # made at the first row: its import (~0.3 s) is not on the way to version 0
+
+    def record_batch(self, meta: dict) -> None:
+        """Replay's counts for one batch: env steps and episodes inserted since the last one."""
+        self.env_steps += meta["env_steps"]
+        self.dropped += meta.get("dropped", 0)
+        self.replay_size = meta.get("replay_size", self.replay_size)
+        for ret, length in meta["episodes"]:
+            self.returns.append(ret)
+            self.lengths.append(length)
+        self.episodes_seen += len(meta["episodes"])
+
+    def record_update(self, stats: dict[str, float], lag: float) -> None:
+        self.diag_sums.update({term: float(value) for term, value in stats.items()})
+        self.diag_updates += 1
+        self.updates += 1
+        self.last_lag = lag
+
+    def mean_return(self) -> float:
+        return float(np.mean(self.returns)) if self.returns else float("nan")
+
+    def wall_s(self) -> float:
+        return self.wall_before + time.monotonic() - self.t_start
+
+    def row(self, version: int) -> dict:
+        """The progress row now; rates since the last row."""
+        now = self.wall_s()
+        elapsed = max(now - self.wall_at_row, 1e-9)
+        rate = (self.env_steps - self.steps_at_row) / elapsed
+        update_rate = (self.updates - self.updates_at_row) / elapsed
+        self.steps_at_row, self.updates_at_row, self.wall_at_row = self.env_steps, self.updates, now
+        mean_length = float(np.mean(self.lengths)) if self.lengths else float("nan")
+        return {"wall_s": round(now, 2), "env_steps": self.env_steps, "env_steps_per_s": round(rate, 1),
+                "updates": self.updates, "updates_per_s": round(update_rate, 2), "policy_version": version,
+                "episodes": self.episodes_seen, "mean_return": round(self.mean_return(), 2),
+                "mean_length": round(mean_length, 1), "policy_lag": round(self.last_lag, 2), "dropped": self.dropped,
+                "replay_size": self.replay_size}
+
+    def write(self, row: dict) -> None:
+        """``row`` to TensorBoard (``progress/<field>``, and ``algo/<term>``: the means of the
+        algorithm's diagnostics since the last row, at the run's env steps), progress.csv (with
+        the evaluator's latest result) and the log."""
+        scalars = {f"progress/{field}": value for field, value in row.items() if field != "env_steps"}
+        scalars.update({f"algo/{term}": total / self.diag_updates for term, total in self.diag_sums.items()})
+        self.diag_sums.clear()
+        self.diag_updates = 0
+        if self.run_dir is not None:
+            if self.tb is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                # Events are flushed at each progress row, not per update.
+                self.tb = SummaryWriter(str(self.run_dir / TB_DIR), max_queue=10_000, flush_secs=3600)
+            for tag, value in scalars.items():
+                if np.isfinite(value):  # no mean return before the first episode ends
+                    self.tb.add_scalar(tag, value, self.env_steps)
+            self.tb.flush()
+            row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
+            append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, row)
+        log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
+                 row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
+                 len(self.returns), row["policy_lag"])
+
+    def state(self) -> dict:
+        """What a checkpoint keeps."""
+        return {**{name: getattr(self, name) for name in COUNTERS}, "returns": list(self.returns),
+                "lengths": list(self.lengths), "wall_s": self.wall_s()}
+
+    def load_state(self, state: dict) -> None:
+        for name in COUNTERS:
+            setattr(self, name, state[name])
+        self.returns.extend(state["returns"])
+        self.lengths.extend(state.get("lengths", ()))
+        self.wall_before = state["wall_s"]
+        self.steps_at_row, self.updates_at_row, self.wall_at_row = self.env_steps, self.updates, self.wall_before
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
