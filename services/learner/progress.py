@@ -45,7 +45,7 @@ class Progress:
         self.steps_at_row = 0
         self.updates_at_row = 0
         self.wall_at_row = 0.0
-        self.tb = None  # made at the first row: its import (~0.3 s) is not on the way to version 0
+        self.tb = None  # made at the first row: its import stays off the way to version 0 (docs/benchmarks.md, "Start-up and stop")
 
     def record_batch(self, meta: dict) -> None:
         """Replay's counts for one batch: env steps and episodes inserted since the last one."""

@@ -1,11 +1,11 @@
 """The acting step of feed-forward MLP agents in numpy, torch-free: the samplers' hot path
 without torch's per-call cost, and without torch in a local-inference sampler at all.
 
-On a batch of 8-32 CartPole observations a 64x64 policy's arithmetic takes a few
-microseconds; torch's dispatch, autograd bookkeeping and tensor wrapping around the dozen
-small ops of ``PgAgent.step`` take ~300 µs a call on this machine's CPU, which was most of a
-local-inference sampler's time. The same step in numpy takes ~70 µs. And ``import torch``
-alone costs ~2 s of CPU, which every local sampler paid at start-up.
+On a batch of 8-32 CartPole observations a 64x64 policy's arithmetic is tiny; torch's
+dispatch, autograd bookkeeping and tensor wrapping around the dozen small ops of
+``PgAgent.step`` cost several times the same step in numpy, and were most of a
+local-inference sampler's time on a CPU. And every local sampler paid for ``import torch``
+at start-up (docs/benchmarks.md, "Numpy acting and one BLAS thread" and "Start-up and stop").
 
 A ``NumpyActor`` is built from an *acting plan* and the agent's state as numpy arrays keyed
 by parameter-segment field (``shared.transport.params``). The plan is plain data (JSON): which
@@ -104,7 +104,7 @@ class NumpyPgActor(NumpyActor):
         super().__init__(plan, arrays, rng)
         self.pi_head, self.v_head = _Mlp(plan["pi_head"], arrays), _Mlp(plan["v_head"], arrays)
         # Policy and value as members 0 and 1 of one ensemble (PgAgent's twin): both in one
-        # batched matmul a layer, as in torch (9 instead of 14 us on 16 CartPole rows here).
+        # batched matmul a layer, as in torch (docs/benchmarks.md, "Issue 6: a cheaper learner step").
         pi, v = plan["pi_head"], plan["v_head"]
         twin = len(self.trunks) == 1 and len(pi) == len(v) and all(
             len(a) == len(b) == 4 and a[:3] == b[:3] and (a[3], b[3]) == (0, 1) for a, b in zip(pi, v))

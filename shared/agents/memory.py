@@ -73,8 +73,8 @@ class LstmCore(nn.Module):
     A sequence with episode ends inside is cut into pieces at the resets, and all pieces run
     side by side through the fused LSTM, each moved to start at step 0 and padded at its end,
     each from its own start state (the stored one for a column's first piece, zeros after a
-    reset): one call instead of a Python loop over steps, about 7x faster for T = 32 on a
-    CPU (and faster than a packed sequence there).
+    reset): one call instead of a Python loop over steps, and on a CPU faster than either that
+    loop or a packed sequence (docs/benchmarks.md, "Recurrent agents").
     """
 
     def __init__(self, feat_dim: int, cfg: ModelConfig, action_space: gym.Space) -> None:

@@ -1,23 +1,21 @@
 """The optimizers the algorithms here use: torch's Adam, fused (and RMSprop, an A2C option).
 
 The fused implementation updates all of a network's parameters in one kernel instead of a
-dozen small ops per tensor; on this machine's CPU that took a CartPole DQN update
-(256x256 MLP, batch 128) from 3.1-3.2 ms to 2.6-2.7 ms and a 64x64 SAC update from 9.2 ms
-to 5.8 ms. torch has it on CPU and CUDA for floating-point parameters, which ours all are;
-other parameters get torch's foreach implementation.
+dozen small ops per tensor, which on a CPU made the small networks' updates (CartPole DQN,
+Pendulum SAC) markedly cheaper (docs/benchmarks.md, "Continuous control"). torch has it on
+CPU and CUDA for floating-point parameters, which ours all are; other parameters get
+torch's foreach implementation.
 
 Only public torch APIs are used: the optimizers are torch's own, unpatched, and the
 clipping is ``torch.nn.utils.clip_grad_norm_``. What that costs: torch's optimizer methods
 import ``torch._dynamo`` on their first call (they are wrapped for TorchDynamo even when
-nothing compiles), 1.3-1.5 s of CPU (3-4 s of wall clock on the loaded 2-core machine)
-once in every learner's start-up, when its optimizer is built; torch has no public setting
-that avoids it. And per step the Python around the kernels: ``Adam.step``'s profiler
-range, hooks, dynamo wrappers and per-parameter state walk, and the clipping's grouping of
-the gradients by device and dtype (twice) -- for a 12-tensor 64x64 actor-critic, on that
-machine, Adam.step 50 -> 97 us and the clipping 60 -> 125 us against calling the kernels
-straight, about 0.1 ms of a 1.2-2.5 ms CartPole gradient step. ``gradient_step`` sets the
-gradients to None itself (as ``zero_grad(set_to_none=True)``, without its profiler range:
-15 -> 4 us).
+nothing compiles), once in every learner's start-up, when its optimizer is built; torch has
+no public setting that avoids it (docs/benchmarks.md, "Start-up and stop"). And per step
+the Python around the kernels: ``Adam.step``'s profiler range, hooks, dynamo wrappers and
+per-parameter state walk, and the clipping's grouping of the gradients by device and dtype
+(twice), a small share of a CartPole gradient step (docs/benchmarks.md, "Learner step").
+``gradient_step`` sets the gradients to None itself (as ``zero_grad(set_to_none=True)``,
+without its profiler range).
 
 Data-parallel learner ranks (``learner.count`` > 1, one ``torch.distributed`` group): every
 gradient step averages the gradients over the ranks before clipping, so each rank takes the

@@ -62,13 +62,14 @@ class SamplerConfig:
     alternating: bool = True
     """Server inference: split the envs in two groups so one steps while the other waits for actions.
     It pays where the action-server has a core (or a GPU) of its own; on 2 CPU cores, where the
-    samplers and the action-server take turns, one group of all the envs halves the requests
-    (tests/bench's sampling run, make bench 2026-12-01: 0.85x a process without, 0.77x with)."""
+    samplers and the action-server take turns, one group of all the envs halves the requests and
+    samples faster (docs/benchmarks.md, "Issue 6 again": server mode with and without it)."""
     inference: str = "auto"
     """local: each sampler acts with its own copy of the agent on the CPU and follows the learner's
     parameter segment (rlpyt's parallel-CPU sampler; no action-server runs); server: the
     action-server batches every sampler's observations on run.device; auto: server where a CUDA
-    device is present, local otherwise (what tests/bench measures faster on each)."""
+    device is present, local otherwise (on a CPU host local samples faster: docs/benchmarks.md,
+    "Sampling throughput"; a GPU batches every sampler's forward pass)."""
     timeout_ms: int = 5000
     """How long to wait for an action-server or replay reply before reconnecting."""
 
@@ -79,18 +80,18 @@ class ActionServerConfig:
     """Number of action-server processes (samplers are spread over them round-robin, sampler i to
     action-server i mod count when it starts; ``rlpipe scale RUN action_server=M`` changes it).
     On a CPU one per sampler is fastest: a sampler and its own action-server can share a core,
-    and a wake-up on another core is dear (tests/bench's sampling run, 2 samplers x 16 envs in
-    one group: 78-80k steps/s with one action-server, 104-106k with two, 91-96k in one process)."""
+    and a wake-up on another core is dear; with one each, server mode samples faster than one
+    process (docs/benchmarks.md, "Issue 6 again")."""
     max_count: int = 0
     """Most action-servers ``rlpipe scale`` may run (0: count): their TCP ports are reserved."""
     max_batch: int = 64
     """Most observation requests gathered into one forward pass."""
     max_wait_ms: float = 0.0
     """Longest a request waits for others to join its batch (0: serve what has arrived at once;
-    requests that come in during a forward pass still share the next one). On this 2-core CPU
-    machine waiting 0.5 ms cost a quarter of server-mode sampling (tests/bench's sampling run,
-    2 rounds: 0.54x a process at 0.5 ms, 0.72x at 0); a GPU, whose forward pass costs the same
-    for 8 rows or 64, may gain from a wait."""
+    requests that come in during a forward pass still share the next one). On a 2-core CPU a
+    wait only delays the batch: the other samplers' requests come once the action-server gives
+    the core back (docs/benchmarks.md, "Issue 6's open targets"); a GPU, whose forward pass
+    costs the same for 8 rows or 64, may gain from a wait."""
     peer_timeout_s: float = 10.0
     """A sampler silent this long is reported lost and its slots detached."""
 

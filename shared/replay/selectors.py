@@ -222,8 +222,9 @@ class Prioritized:
         self.config = config
 
     def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
-        # Imported here: the sum-tree's compiled code (numba) costs a replay process ~1 s to
-        # load, which runs with a queue or a uniform table should not pay.
+        # Imported here: loading the sum-tree's compiled code (numba) is a large part of a replay
+        # process's start-up, which runs with a queue or a uniform table should not pay
+        # (docs/benchmarks.md, "Prioritized sampling with the compiled sum-tree").
         from shared.replay.sumtree import SumTree
 
         self._tree = SumTree(num_slots, None if arena is HEAP else arena)

@@ -8,12 +8,12 @@ deltas, so rounding never accumulates and the tree is an exact function of its l
 
 The walks are numba loops over the batch, one tree level at a time: a batch of 256
 updates or queries on a 1M-item tree (20 levels) is ~10k node visits, which compiled code
-does in tens of microseconds, while numpy needs one call per level and array (~300 calls
-of >= 1 us each). Level by level rather than item by item because the deep levels miss
-the cache: the 256 loads of one level are independent, so the CPU overlaps their misses,
-where one item's walk to the root is a chain of dependent loads. The loops are compiled on
-import with explicit signatures and cached on disk (``cache=True``), so no sample pays
-for compilation.
+does in less time than numpy spends on the fixed cost of its one call per level and array
+(~300 calls; docs/benchmarks.md, "Prioritized sampling with the compiled sum-tree"). Level
+by level rather than item by item because the deep levels miss the cache: the 256 loads of
+one level are independent, so the CPU overlaps their misses, where one item's walk to the
+root is a chain of dependent loads. The loops are compiled on import with explicit
+signatures and cached on disk (``cache=True``), so no sample pays for compilation.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _set(sum_, min_, leaves, capacity, idx, val):
 def _find(sum_, leaves, u, out):
     # u is the caller's scratch copy: it becomes each query's remainder inside its subtree.
     # Branch-free: a mispredicted branch (half of them) would discard the loads the CPU has
-    # started for the next queries (measured: 70 -> 40 us for 256 queries on 1M items).
+    # started for the next queries (docs/benchmarks.md, "Prioritized sampling with the compiled sum-tree").
     out[:] = 1
     level = leaves
     while level > 1:
@@ -111,7 +111,7 @@ class SumTree:
         """Set item ``indices`` [n] to ``values`` [n] (>= 0, finite); the last one wins on repeats."""
         idx = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
         val = np.ascontiguousarray(values, dtype=np.float64)
-        if val.shape != idx.shape:  # one value for all (np.broadcast_to costs ~3 us: not always)
+        if val.shape != idx.shape:  # one value for all (np.broadcast_to is not free: only then)
             val = np.broadcast_to(val, idx.shape).copy()
         err = _set(self._sum, self._min, self._leaves, self.capacity, idx, val)
         if err == _BAD_INDEX:

@@ -1,7 +1,8 @@
 """What every process of a run shares: its files' names, logging, signals, BLAS threads, the torch device.
 
 This module does not import torch: replay, metrics and samplers in server mode never load
-it (it costs ~2 s of CPU at start-up). Services that run a network call ``torch_device``.
+it (its import is most of a process's start-up: docs/benchmarks.md, "Start-up and stop").
+Services that run a network call ``torch_device``.
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def torch_device(name: str, threads: int = 1):
     (auto: cuda if present).
 
     One thread by default: the pipeline already runs one process per core's worth of work, and
-    a second thread spinning for a core that another process holds slows a step down 20-100x
-    (measured here: a 256x256 numpy acting step took 7.8 ms with OpenBLAS's 2 threads, 0.09 ms
-    with one; a DQN update 58-113 ms with 2 torch threads, 3 ms with one).
+    a second thread spinning for a core that another process holds slows a numpy acting step
+    or a torch update down many times over (docs/benchmarks.md, "Numpy acting and one BLAS
+    thread").
     """
     import torch
     from threadpoolctl import threadpool_limits
