@@ -53,10 +53,21 @@ def make_algo(exp: Experiment, agent):
     return exp.algo_spec.make(agent, exp.algo)
 
 
+def agent_info(exp: Experiment):
+    """``info(action_example)``: one env's agent info of zeros for the run's agent (the layout
+    the acting side writes back with each action; a recurrent agent's ``Memory`` holds an
+    action like ``action_example``)."""
+
+    def info(action_example):
+        return info_example(family(exp), exp.model, action_example, exp.agent)
+
+    return info
+
+
 def example_step(exp: Experiment, probe: EnvGroup):
     """One step of samples of the experiment (the layout of every buffer that holds steps)."""
     action = probe.example_action()
-    return step_example(probe.example_observation(), action, info_example(family(exp), exp.model, action, exp.agent))
+    return step_example(probe.example_observation(), action, agent_info(exp)(action))
 
 
 def batch_items(exp: Experiment) -> int:

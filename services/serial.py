@@ -24,18 +24,19 @@ import itertools
 import time
 from pathlib import Path
 
-from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo, on_policy
+from services.build import (agent_info, batch_items, batch_spec, env_probe, example_step, make_agent, make_algo,
+                            on_policy)
 from services.learner.learner import Learner, lock_run, run_loop
 from services.replay.tables import PRIORITIZED, make_table, sample_batch
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
-from shared.agents.acting import acting_seed
 from shared.agents.actor import Actor
 from shared.config.schema import ConfigError, Experiment
 from shared.data.layout import segment_spec
 from shared.data.namedarraytuple import from_spec
 from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.runtime.process import torch_device
+from services.topology import topology
 
 
 class SerialParams:
@@ -151,8 +152,9 @@ def _train(exp: Experiment, run_dir: Path | None) -> dict:
     learner = Learner(exp, agent, make_algo(exp, agent), device, run_dir=run_dir)
     learner.resume()
     items = batch_items(exp)
-    table = make_table(exp.replay, {i: exp.sampler.envs for i in range(exp.sampler.count)},
-                       segment_spec(example, exp.sampler.horizon, exp.sampler.envs), items, exp.run.seed)
+    topo = topology(exp)
+    table = make_table(exp.replay, topo.columns(), segment_spec(example, exp.sampler.horizon, exp.sampler.envs), items,
+                       exp.run.seed)
     # One batch slot: with nothing to overlap in one process, prefetching would only hold a second batch.
     slots = [from_spec(batch_spec(exp, example))]
     params = SerialParams(learner.version, learner.env_steps)
@@ -161,10 +163,11 @@ def _train(exp: Experiment, run_dir: Path | None) -> dict:
     samplers, parts = [], []
     try:
         for i in range(exp.sampler.count):
-            s = Sampler(exp, i, run_id="serial" if run_dir is None else run_dir.name, shared_memory=False)
+            s = Sampler(exp.sampler, exp.env, topo, i, agent_info(exp), run_id="serial" if run_dir is None else run_dir.name,
+                        shared_memory=False)
             samplers.append(s)
-            act = Actor(agent, acting_seed(exp.run.seed, "sampler", i))
-            actions = LocalActions(act, s, params, exp.sampler.count * exp.sampler.envs)
+            act = Actor(agent, topo.acting_seed("sampler", i))
+            actions = LocalActions(act, s, params, topo.total_envs)
             s.start(actions)
             parts.append((s, actions, LocalSink(table, i, s.ring, counters, moments)))
         source = SerialBatches(table, slots, items, on_policy(exp), parts, counters, moments,

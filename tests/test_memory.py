@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
 from shared.config import loading, schema
-from shared.agents.acting import acting_seed
 from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, QAgentConfig, RecurrentAgentInfo, RecurrentQAgentInfo, RnnState, info_example
 from shared.agents import StepContext
 from shared.agents.actor import Actor
@@ -21,8 +20,9 @@ from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.envs.group import EnvConfig, make_env
-from services.build import env_probe, make_agent
+from services.build import agent_info, env_probe, make_agent
 from shared.data.namedarraytuple import torchify
+from services.topology import topology
 
 MODEL = ModelConfig(hidden_sizes=(16,), lstm_size=8, lstm_prev_action=True, lstm_prev_reward=True)
 
@@ -110,8 +110,9 @@ def _recurrent_segment(*overrides: str):
         "sampler.count=1", "sampler.envs=6", "sampler.horizon=40", "sampler.ring=3", "learner.batch_segments=1",
         "model.lstm_prev_reward=true", "algo.minibatches=2", *overrides])
     agent = make_agent(exp, env_probe(exp))
-    sampler = Sampler(exp, 0, "memtest", shared_memory=False)
-    actions = LocalActions(Actor(agent, acting_seed(exp.run.seed, "sampler", 0)), sampler, FixedParams(), exp.sampler.envs)
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "memtest", shared_memory=False)
+    actions = LocalActions(Actor(agent, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs)
     sampler.start(actions)
     for _ in range(3):
         sampler.collect_segment(actions, KeepAll())

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared.launch import supervisor as launch
-from tests.pipeline import CONFIGS, cpu_seconds, instances, maps_torch, metric_value, rlpipe, rlpipe_here
+from tests.pipeline import cpu_seconds, instances, maps_torch, metric_value, rlpipe, rlpipe_here
 
 pytestmark = pytest.mark.learning
 

@@ -7,17 +7,16 @@ import zmq
 from services.action_server.server import ActionServer
 from shared.runtime import metrics as metrics_mod
 from shared.transport import wire
-from shared.agents.acting import acting_seed
 from shared.agents.actor import seed_torch
 from shared.transport.auth import read_secret
 from shared.config.endpoints import endpoint, socket_dir
-from shared.config.schema import most_count
 from services.build import env_probe, example_step, make_agent
 from shared.data.layout import slot_spec
 from shared.data.namedarraytuple import drop_leading_dims
 from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
 from shared.transport.sockets import Endpoint
+from services.topology import topology
 
 log = logging.getLogger("services.action_server")
 
@@ -27,7 +26,8 @@ def run(exp, run_dir, instance: int) -> None:
     device = torch_device(exp.run.device)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device).eval()
-    seed = acting_seed(exp.run.seed, "action_server", instance)
+    topo = topology(exp)
+    seed = topo.acting_seed("action_server", instance)
     seed_torch(seed)  # make_agent seeded it with run.seed
     slot_item_spec = drop_leading_dims(slot_spec(example_step(exp, probe), 1), 1)
     ctx = zmq.Context()
@@ -38,7 +38,7 @@ def run(exp, run_dir, instance: int) -> None:
     params = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"action_server{instance}",
                       on_bad=bad, subscribe=wire.topic("params_data" if frames else "params"))
     server = ActionServer(exp.action_server, agent, router, params, m, socket_dir(run_dir), run_id_of(run_dir),
-                          read_secret(run_dir), slot_item_spec, exp.sampler.envs, most_count(exp.sampler) * exp.sampler.envs,
+                          read_secret(run_dir), slot_item_spec, exp.sampler.envs, topo.total_envs,
                           seed, frames)
     m.healthy.set(1)
     log.info("action-server %d on %s, device %s", instance, router.address, device)

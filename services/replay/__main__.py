@@ -10,17 +10,17 @@ from shared.runtime import metrics as metrics_mod
 from shared.runtime import process as runtime
 from shared.transport.auth import read_secret
 from shared.config.endpoints import endpoint
-from shared.config.schema import most_count
 from services.build import round_items
 from services.process import serve
 from shared.transport.sockets import Endpoint
+from services.topology import topology
 
 log = logging.getLogger("services.replay")
 
 
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("replay", instance, exp.placement.node("replay"))
-    columns = {i: exp.sampler.envs for i in range(most_count(exp.sampler))}  # room for `rlpipe scale`
+    columns = topology(exp).columns()  # room for `rlpipe scale`
     ctx = zmq.Context()
     router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "replay"), bind=True, name="replay0",
                       on_bad=metrics_mod.bad_message_counter(m))

@@ -13,27 +13,27 @@ from shared.transport import shm
 from shared.transport import wire
 from shared.transport.auth import read_secret
 from shared.config.endpoints import endpoint, socket_dir
-from shared.config.schema import most_count
-from services.build import env_probe, make_agent
+from services.build import agent_info, env_probe, make_agent
 from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
 from shared.transport.sockets import Endpoint
+from services.topology import Topology, topology
 
 log = logging.getLogger("services.sampler")
 POLL_S = 0.02  # waiting for the learner's first publication at start-up
 NOTE_S = 10.0  # a note in the log this often while the learner is not there
 
 
-def local_actions(exp, sampler: Sampler, run_dir, run_id: str, ctx: zmq.Context):
+def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, ctx: zmq.Context):
     """Local inference: the agent's copy that follows the learner's parameter segment (or, on
     another node than the learner, the versions it publishes as frames). Where the learner
     published a numpy acting plan (``shared.agents.acting``), the sampler acts in numpy on its own
     copy of the state and never imports torch; else it builds the torch agent."""
     from services.sampler.local import LocalActions
-    from shared.agents.acting import acting_seed, numpy_actor, read_acting_file
+    from shared.agents.acting import numpy_actor, read_acting_file
     from shared.transport.params import ParamFollower, ParamStream, StateArrays
 
-    seed = acting_seed(exp.run.seed, "sampler", sampler.instance)
+    seed = topo.acting_seed("sampler", sampler.instance)
     segment, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
 
     def follow(target):
@@ -57,7 +57,7 @@ def local_actions(exp, sampler: Sampler, run_dir, run_id: str, ctx: zmq.Context)
         seed_torch(seed)  # make_agent seeded it with run.seed
         act = Actor(agent, seed)
         params = follow(agent)
-    return LocalActions(act, sampler, params, most_count(exp.sampler) * exp.sampler.envs)
+    return LocalActions(act, sampler, params, topo.total_envs)
 
 
 def wait_for(what: str, ready):
@@ -75,15 +75,16 @@ def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("sampler", instance, exp.placement.node("sampler"))
     ctx = zmq.Context()
     run_id = run_id_of(run_dir)
-    sampler = Sampler(exp, instance, run_id, metrics=m)
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, instance, agent_info(exp), run_id, metrics=m)
     name = f"sampler{instance}"
     incarnation, secret = time.time_ns(), read_secret(run_dir)  # a restarted sampler's incarnation is newer
     actions = sink = None
     try:
         if exp.sampler.inference == "local":
-            actions = local_actions(exp, sampler, run_dir, run_id, ctx)
+            actions = local_actions(exp, topo, sampler, run_dir, run_id, ctx)
         else:
-            server = instance % exp.action_server.count
+            server = topo.action_server_of(instance)
             actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,
                                     sampler.slot_descriptors, socket_dir(run_dir), exp.sampler.timeout_ms, m,
                                     incarnation, secret)

@@ -33,8 +33,7 @@ class LocalActions:
     def __init__(self, act, sampler, params: ParamSource, envs_total: int):
         self.act = act
         self.slots, self.params, self.envs_total = sampler.slots, params, envs_total
-        base = sampler.instance * sampler.cfg.envs
-        self.env_index = [np.arange(g.start, g.stop) + base for g in sampler.groups]
+        self.env_index = [np.arange(g.start, g.stop) + sampler.env_base for g in sampler.groups]
         self.versions = [0] * len(sampler.groups)
 
     def request(self, group: int) -> None:

@@ -20,11 +20,12 @@ from typing import Protocol
 import numpy as np
 
 from shared.transport import shm
-from shared.agents.config import info_example
-from shared.config.schema import SAMPLER_SEED_STRIDE, Experiment
-from shared.envs.group import EnvError, EnvGroup
+from shared.config.schema import SamplerConfig
+from shared.envs.group import EnvConfig, EnvError, EnvGroup
 from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
+
+from services.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +58,18 @@ def group_slices(envs: int, alternating: bool) -> list[slice]:
 class Sampler:
     """Owns the envs, the step slots and the segment ring of one sampler instance."""
 
-    def __init__(self, exp: Experiment, instance: int, run_id: str, metrics=None, shared_memory: bool = True):
-        cfg = exp.sampler
+    def __init__(self, cfg: SamplerConfig, env: EnvConfig, topo: Topology, instance: int, agent_info,
+                 run_id: str, metrics=None, shared_memory: bool = True):
+        """``agent_info(action_example)``: one env's agent info (``services.build.agent_info``),
+        the layout of what the acting side writes back with each action."""
         self.cfg, self.instance, self.metrics = cfg, instance, metrics
+        self.env_base = topo.env_base(instance)
         # Alternating pays only while another process computes the actions.
         self.groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
-        seed = exp.run.seed + SAMPLER_SEED_STRIDE * instance
-        self.envs = [EnvGroup(exp.env, g.stop - g.start, seed + g.start) for g in self.groups]
+        seed = topo.env_seed(instance)
+        self.envs = [EnvGroup(env, g.stop - g.start, seed + g.start) for g in self.groups]
         action = self.envs[0].example_action()
-        info = info_example(exp.algo_spec.agent.family, exp.model, action, exp.agent)
-        self.example = step_example(self.envs[0].example_observation(), action, info)
+        self.example = step_example(self.envs[0].example_observation(), action, agent_info(action))
         self.segments: list[shm.Segment] = []
         specs = [slot_spec(self.example, g.stop - g.start) for g in self.groups]
         rspec = with_leading_dims(segment_spec(self.example, cfg.horizon, cfg.envs), [cfg.ring])
