@@ -33,8 +33,7 @@ def run(exp, run_dir, instance: int) -> None:
         group = ranks.join(run_dir, instance, exp.learner.count, device, JOIN_TIMEOUT_S)
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
-    algo = make_algo(exp, agent)
-    learner = Learner(exp, agent, algo, device, run_dir, m, group)
+    learner = Learner(exp, agent, None, device, run_dir, m, group)
     learner.resume()
     run_id = run_id_of(run_dir)
     spec = batch_spec(exp, example_step(exp, probe))
@@ -53,8 +52,10 @@ def run(exp, run_dir, instance: int) -> None:
         consumer = "action_server" if exp.sampler.inference == "server" else "sampler"
         params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer,
                                  frames=exp.placement.crosses(consumer, "learner"))
+        params.publish(learner.version, learner.env_steps)  # the samplers act while the algorithm is built
     else:
         params = Unpublished()
+    learner.attach(make_algo(exp, agent))
     if group is not None:
         learner.version = group.broadcast(learner.version)
         group.check_identical(agent, "after resuming")

@@ -73,8 +73,10 @@ class Learner:
 
     def __init__(self, exp: Experiment, agent: torch.nn.Module, algo, device: torch.device, run_dir: Path | None,
                  metrics=None, group: Group | None = None):
-        """``group``: this learner's place among data-parallel ranks (None: the only learner)."""
+        """``group``: this learner's place among data-parallel ranks (None: the only learner);
+        ``algo``: None to ``attach`` it later (after ``resume``), once version 0 is out."""
         self.agent, self.algo, self.device, self.m, self.group = agent, algo, device, metrics, group
+        self.pending_algo_state: dict | None = None  # a checkpoint's, for an algorithm attached later
         self.max_policy_lag, self.max_env_steps = exp.replay.max_policy_lag, exp.run.max_env_steps
         self.log_interval_s, self.checkpoint_interval_s = exp.run.log_interval_s, exp.learner.checkpoint_interval_s
         self.run_dir = run_dir
@@ -177,7 +179,10 @@ class Learner:
             counters = {name: ck[name] for name in (*COUNTERS, "returns", "wall_s")}  # all there, or none is taken
             counters["lengths"] = ck.get("lengths", ())
             self.agent.load_state_dict(ck["agent"])
-            self.algo.load_state_dict(ck["algo"])
+            if self.algo is None:
+                self.pending_algo_state = ck["algo"]
+            else:
+                self.algo.load_state_dict(ck["algo"])
             self.version = ck["version"]
             self.progress.load_state(counters)
 
@@ -187,6 +192,14 @@ class Learner:
         log.info("resumed from %s: version %d, %d env steps, %d updates", path, self.version, self.env_steps,
                  self.progress.updates)
         return True
+
+    def attach(self, algo) -> None:
+        """The algorithm, built after ``resume`` (its optimizer's first use imports torch._dynamo:
+        ~1.4 s of CPU the samplers need not wait for); it takes the resumed checkpoint's state."""
+        self.algo = algo
+        if self.pending_algo_state is not None:
+            algo.load_state_dict(self.pending_algo_state)
+            self.pending_algo_state = None
 
     def write_result(self, reason: str) -> dict:
         p = self.progress
