@@ -40,9 +40,10 @@ def test_prioritized_frequencies_match_p_alpha():
     assert _chi2(counts[:40], pri / pri.sum()) > 10 * _chi2_threshold(39)
 
 
-def test_prioritized_is_weights_match_formula_and_beta_anneals():
+@pytest.mark.parametrize("weight_norm", ["batch_max", "table_min"])
+def test_prioritized_is_weights_match_formula_and_beta_anneals(weight_norm):
     rng = np.random.default_rng(1)
-    cfg = PrioritizedConfig(alpha=0.7, beta0=0.4, beta_final=1.0, beta_steps=10, eps=0.01)
+    cfg = PrioritizedConfig(alpha=0.7, beta0=0.4, beta_final=1.0, beta_steps=10, eps=0.01, weight_norm=weight_norm)
     sel = Prioritized(cfg)
     sel.allocate(16)
     keys = np.arange(10)
@@ -56,10 +57,45 @@ def test_prioritized_is_weights_match_formula_and_beta_anneals():
         beta = 0.4 + 0.6 * min(1.0, call / 10)
         assert sel.beta == pytest.approx(beta)
         got_keys, w = sel.sample(32, rng)
-        expected = (N * P[got_keys]) ** -beta / (N * P.min()) ** -beta
+        lowest = P[got_keys].min() if weight_norm == "batch_max" else P.min()
+        expected = (N * P[got_keys]) ** -beta / (N * lowest) ** -beta
         np.testing.assert_allclose(w, expected, rtol=1e-6)
+        if weight_norm == "batch_max":
+            assert w.max() == pytest.approx(1.0)  # the batch's rarest item
     assert sel.beta == pytest.approx(1.0)
     assert w.max() <= 1.0
+
+
+def test_equal_priority_weights_do_not_depend_on_an_unrelated_low_priority_item():
+    """Issue 26: with the table-min normaliser one item of priority ~0 anywhere in the table
+    (an R2D1 sequence with nothing to train on) shrank every weight; batch-max weights of
+    items of equal priority are 1 whatever else the table holds."""
+    cfg = PrioritizedConfig(alpha=0.6, beta0=1.0, beta_final=1.0, eps=1e-6)
+    weights = {}
+    for with_low in (False, True):
+        sel = Prioritized(cfg)
+        sel.allocate(101)
+        sel.insert(np.arange(101 if with_low else 100))
+        sel.update(np.arange(100), np.ones(100))
+        if with_low:
+            sel.update(np.array([100]), np.array([0.0]))
+        keys, w = sel.sample(32, np.random.default_rng(5))
+        assert (keys < 100).all()  # the low one (P ~ 1e-10) is not drawn
+        weights[with_low] = w
+    np.testing.assert_array_equal(weights[True], weights[False])
+    np.testing.assert_array_equal(weights[True], np.ones(32, np.float32))
+    # the table-min form, kept as an option, is the one the low item moves
+    sel = Prioritized(PrioritizedConfig(alpha=0.6, beta0=1.0, beta_final=1.0, eps=1e-6, weight_norm="table_min"))
+    sel.allocate(101)
+    sel.insert(np.arange(101))
+    sel.update(np.arange(101), np.r_[np.ones(100), 0.0])
+    w = sel.sample(32, np.random.default_rng(5))[1]
+    np.testing.assert_allclose(w, (1e-6 / (1 + 1e-6)) ** 0.6, rtol=1e-5)
+
+
+def test_prioritized_rejects_an_unknown_weight_norm():
+    with pytest.raises(ValueError, match="weight_norm"):
+        Prioritized(PrioritizedConfig(weight_norm="max"))
 
 
 def test_prioritized_updates_take_effect_and_new_items_get_max():

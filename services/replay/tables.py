@@ -41,7 +41,7 @@ def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_sp
                                                             frame_store=cfg.frame_store), arena)
     if cfg.table in PRIORITIZED:
         selector = Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
-                                                 beta_steps=cfg.beta_steps))
+                                                 beta_steps=cfg.beta_steps, weight_norm=cfg.weight_norm))
     else:
         selector = Uniform()
     insert_size = max(storage.items_per_write(w) for w in columns_per_writer)

@@ -9,6 +9,7 @@ from pathlib import Path
 from shared.envs.group import validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
+from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
 from shared.config.schema import ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, most_count
 
@@ -63,6 +64,8 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if exp.replay.frame_store and on_policy:
         raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")
+    if exp.replay.weight_norm not in WEIGHT_NORMS:
+        raise ConfigError(f"replay.weight_norm = {exp.replay.weight_norm!r}: allowed: {', '.join(WEIGHT_NORMS)}")
     if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
         raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
     if exp.model.lstm_size and not spec.recurrent:

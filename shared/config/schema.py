@@ -123,6 +123,10 @@ class ReplayConfig:
     """Prioritized: final importance-sampling exponent."""
     beta_steps: int = 100_000
     """Prioritized: samples over which beta anneals linearly."""
+    weight_norm: str = "batch_max"
+    """Prioritized: importance weights divided by the batch's largest (batch_max: rlpyt, Acme's
+    R2D2, Dopamine) or by the largest any item could have, from the table's smallest priority
+    (table_min: the paper's formula; one unrelated low-priority item shrinks every weight)."""
     samples_per_insert: float = 0.0
     """Off-policy replay ratio: items sampled per item inserted, kept in a band (0 = unthrottled)."""
     min_size_to_sample: int = 1000

@@ -182,6 +182,10 @@ class Uniform:
         return self._size
 
 
+WEIGHT_NORMS = ("batch_max", "table_min")
+"""Prioritized importance-weight normalisers (``PrioritizedConfig.weight_norm``)."""
+
+
 @dataclass(frozen=True)
 class PrioritizedConfig:
     alpha: float = 0.6
@@ -194,6 +198,11 @@ class PrioritizedConfig:
     """Number of sample calls (learner batches) over which beta goes from beta0 to beta_final."""
     eps: float = 1e-6
     """Added to every priority so that no item's probability is exactly 0."""
+    weight_norm: str = "batch_max"
+    """What importance weights are divided by: batch_max (the batch's largest weight, as rlpyt,
+    Acme's R2D2 and Dopamine do) or table_min (the largest weight any item could have, from the
+    table's smallest priority, as the paper writes it; one low-priority item anywhere then
+    shrinks every weight)."""
 
 
 class Prioritized:
@@ -205,11 +214,14 @@ class Prioritized:
     n equal slices of the total, which keeps the marginal frequencies at P and lowers
     their variance.
 
-    Importance weights: w_i = (N * P(i))^-beta / max_j w_j, where the normaliser max_j w_j
-    is taken over the whole table, not the batch (as in the paper): max_j w_j = (N *
-    P_min)^-beta with P_min from the tree's smallest priority, so w_i = (P(i) / P_min)^-beta
-    and every weight is in (0, 1]. beta anneals linearly from beta0 to beta_final over
-    beta_steps sample calls.
+    Importance weights: w_i = (N * P(i))^-beta / max_j w_j, every weight in (0, 1]. With
+    ``weight_norm = "batch_max"`` (the default, as in rlpyt, Acme's R2D2 and Dopamine) j runs
+    over the batch, so w_i = (P(i) / P_min,batch)^-beta and the batch's rarest item gets 1;
+    with ``"table_min"`` it runs over the whole table (the paper's formula), max_j w_j = (N *
+    P_min)^-beta with P_min from the tree's smallest priority. The table-wide form lets one
+    unrelated low-priority item (e.g. a sequence with nothing to train on) shrink every
+    weight, and with it the effective learning rate. beta anneals linearly from beta0 to
+    beta_final over beta_steps sample calls.
     """
 
     removes_on_sample = False
@@ -219,6 +231,8 @@ class Prioritized:
             raise ValueError(
                 f"PrioritizedConfig: need alpha >= 0, eps > 0, beta_steps >= 1; got {config}"
             )
+        if config.weight_norm not in WEIGHT_NORMS:
+            raise ValueError(f"PrioritizedConfig.weight_norm = {config.weight_norm!r}: allowed: {', '.join(WEIGHT_NORMS)}")
         self.config = config
 
     def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
@@ -260,7 +274,9 @@ class Prioritized:
             raise ValueError("Prioritized: cannot sample from an empty table")
         total = self._tree.total
         keys = self._tree.find((np.arange(n) + rng.random(n)) * (total / n))
-        ratio = self._tree.values(keys) / self._tree.min  # P(i) / P_min
+        values = self._tree.values(keys)
+        lowest = values.min() if self.config.weight_norm == "batch_max" else self._tree.min
+        ratio = values / lowest  # P(i) / P_min
         weights = ratio ** (-self.beta)
         self.state.sample_calls += 1
         return keys, weights.astype(np.float32)
