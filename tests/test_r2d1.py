@@ -59,6 +59,25 @@ def test_priorities_are_eta_max_plus_one_minus_eta_mean_per_sequence():
     torch.testing.assert_close(p, torch.tensor([0.9 * 3 + 0.1 * 2.0, 0.9 * 5 + 0.1 * 7 / 3]))
 
 
+def test_an_all_masked_sequence_has_a_positive_priority():
+    """Issue 26: a sequence with no trained step got priority exactly 0; now the batch's
+    smallest priority among sequences with trained steps (1.0 when none has one)."""
+    td = torch.tensor([[1.0, 5.0, 7.0, 2.0], [3.0, 0.0, 9.0, 4.0]])
+    mask = torch.tensor([[True, True, False, True], [True, False, False, True]])
+    p = sequence_priorities(td, mask, 0.9)
+    trained = torch.tensor([0.9 * 3 + 0.1 * 2.0, 5.0, 0.9 * 4 + 0.1 * 3.0])
+    torch.testing.assert_close(p, torch.tensor([trained[0], trained[1], trained.min(), trained[2]]))
+    assert p[2] > 0
+    torch.testing.assert_close(sequence_priorities(td, torch.zeros_like(mask), 0.9), torch.ones(4))
+    # through the loss: a truncation at the first step after burn-in leaves sequence 0 nothing to train on
+    algo = R2D1(_agent(), R2D1Config(burn_in=L - 2, n_step=2, batch_size=N))
+    batch = _batch()
+    batch.truncated[L - 2, 0] = True
+    _, extra = algo.loss(batch)
+    assert not extra["mask"][:, 0].any() and extra["mask"][:, 1:].any(0).all()
+    assert extra["priorities"][0] == extra["priorities"][1:].min() > 0
+
+
 def _agent(seed=0):
     torch.manual_seed(seed)
     return QAgent(np.zeros(2, np.float32), gym.spaces.Discrete(A), MODEL, QAgentConfig())

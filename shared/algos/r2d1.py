@@ -11,7 +11,8 @@ with the LSTM state the actor started each from. Per update:
    ``y_t = h(sum_{k<m} gamma^k r_{t+k} + gamma^m h^-1(Q_target(s_{t+m}, argmax_a Q_online(s_{t+m}, a))))``;
 4. loss 0.5 (y_t - Q(s_t, a_t))^2 averaged over the trained steps of each sequence,
    weighted by the sequence's importance weight; priority of a sequence
-   ``eta max_t |td_t| + (1 - eta) mean_t |td_t|`` over its trained steps.
+   ``eta max_t |td_t| + (1 - eta) mean_t |td_t|`` over its trained steps (a sequence with none
+   gets the batch's smallest, never 0: ``sequence_priorities``).
 
 n-step windows inside a sequence (``sequence_targets``): the window of step t ends at the
 first done d in it (m = d - t + 1), else after m = min(n, L - 1 - t) rewards, so the
@@ -101,11 +102,20 @@ def sequence_targets(reward: torch.Tensor, terminated: torch.Tensor, truncated: 
 
 def sequence_priorities(td_abs: torch.Tensor, mask: torch.Tensor, eta: float) -> torch.Tensor:
     """Per sequence [n]: eta * max + (1 - eta) * mean of ``td_abs`` [L, n] over the steps where
-    ``mask`` [L, n] is True (0 for a sequence without such steps)."""
+    ``mask`` [L, n] is True.
+
+    A sequence without such steps (a truncation right after burn-in, say) gets the smallest
+    priority of the batch's sequences that have some (1.0, new items' priority, if none has):
+    it is sampled rarely, and it never becomes a priority of ~0 that, as the table's minimum,
+    would shrink every table-min-normalised importance weight (issue 26).
+    """
     td = torch.where(mask, td_abs, torch.zeros_like(td_abs))
     count = mask.sum(0)
     mean = td.sum(0) / count.clamp(min=1)
-    return eta * td.max(0).values + (1.0 - eta) * mean
+    priority = eta * td.max(0).values + (1.0 - eta) * mean
+    trained = count > 0
+    fallback = priority[trained].min() if bool(trained.any()) else priority.new_tensor(1.0)
+    return torch.where(trained, priority, fallback)
 
 
 def _memory(batch: SequenceBatch, start: slice, state: RnnState) -> Memory:
