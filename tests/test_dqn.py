@@ -103,18 +103,38 @@ def test_zero_weight_item_contributes_no_gradient():
     assert not torch.allclose(grads[0], grads[1])
 
 
-def test_c51_terminal_target_on_an_atom_gives_cross_entropy_priority():
-    # Uniform online distribution (zero weights); a terminal item with reward on atom 2
-    # has a one-hot target, so its cross-entropy is log(K).
+@pytest.mark.parametrize("c51_priority, want", [("kl", [np.log(5), np.log(5 / 2)]),
+                                                 ("cross_entropy", [np.log(5), np.log(5)])])
+def test_c51_priorities_are_the_kl_or_the_cross_entropy(c51_priority, want):
+    # Uniform online distribution (zero weights) over atoms -2..2. Two terminal items: reward 0
+    # projects onto atom 2 alone (one-hot target: KL = cross-entropy = log 5); reward 0.5 splits
+    # half and half between atoms 2 and 3 (target entropy log 2: cross-entropy log 5, KL
+    # log 5 - log 2). Issue 26: the KL (Rainbow, rlpyt) is the default.
     cfg = QAgentConfig(distributional=True, n_atoms=5, v_min=-2.0, v_max=2.0)
     agent = QAgent(np.zeros(2, np.float32), gym.spaces.Discrete(2), LINEAR, cfg)
     with torch.no_grad():
         for p in agent.parameters():
             p.zero_()
-    algo = DQN(agent, DQNConfig(lr=0.0))
+    algo = DQN(agent, DQNConfig(lr=0.0, c51_priority=c51_priority))
     out, priorities = algo.update(transitions([[1.0, 1.0]] * 2, [0, 1], [0.0, 0.5], [[0.0, 0.0]] * 2, [0.0, 0.0]), 0.0)
-    np.testing.assert_allclose(priorities, [np.log(5), np.log(5)], rtol=1e-6)
+    np.testing.assert_allclose(priorities, want, rtol=1e-6)
+    np.testing.assert_allclose(out["loss"], np.log(5), rtol=1e-6)  # the loss stays the cross-entropy
     np.testing.assert_allclose(out["td_abs_mean"], np.mean([0.0, 0.5]), atol=1e-6)  # E[Q] = 0
+
+
+def test_c51_kl_priority_is_zero_when_the_online_distribution_is_the_target():
+    # Online logits log([0.5, 0.5] on atoms 2, 3): the reward-0.5 terminal item is fitted exactly.
+    cfg = QAgentConfig(distributional=True, n_atoms=5, v_min=-2.0, v_max=2.0)
+    agent = QAgent(np.zeros(2, np.float32), gym.spaces.Discrete(2), LINEAR, cfg)
+    with torch.no_grad():
+        for p in agent.parameters():
+            p.zero_()
+        agent.advantage.net[-1].bias.copy_(torch.tensor([-30.0, -30.0, 0.0, 0.0, -30.0] * 2))
+    algo = DQN(agent, DQNConfig(lr=0.0))
+    _, priorities = algo.update(transitions([[1.0, 1.0]], [0], [0.5], [[0.0, 0.0]], [0.0]), 0.0)
+    np.testing.assert_allclose(priorities, [0.0], atol=1e-6)
+    with pytest.raises(ValueError, match="c51_priority"):
+        DQNConfig(c51_priority="ce")
 
 
 def test_hard_target_update_every_period():

@@ -11,7 +11,9 @@
   Rainbow without noisy nets (Hessel et al. 2018).
 
 Like Acme's learning_lib, ``update`` returns new priorities with its diagnostics and never
-writes to replay itself: |TD error| per item, or the per-item cross-entropy for C51.
+writes to replay itself: |TD error| per item, or for C51 the per-item KL divergence of the
+online from the target distribution (the Rainbow paper, rlpyt; ``c51_priority = "cross_entropy"``
+returns the loss itself, as Dopamine does).
 """
 
 from __future__ import annotations
@@ -68,7 +70,11 @@ class DQN(TargetNetworkAlgo):
             q_taken = (log_probs.detach().exp() * support).sum(-1)
             target_value = (target * support).sum(-1)
             td_abs = (target_value - q_taken).abs()
-            priorities = per_item.detach()
+            if cfg.c51_priority == "kl":  # cross-entropy minus the target's entropy (0 log 0 = 0)
+                priorities = per_item.detach() + torch.special.xlogy(target, target).sum(-1)
+            else:
+                priorities = per_item.detach()
+            priorities = priorities.clamp(min=0.0)  # rounding can take a KL of ~0 below it
         else:
             with torch.no_grad():
                 target_q = self.target.q_values(batch.bootstrap_observation)

@@ -90,6 +90,10 @@ class A2CConfig:
             raise ValueError(f"A2CConfig.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
 
 
+C51_PRIORITIES = ("kl", "cross_entropy")
+"""What a C51 update returns as priorities (``DQNConfig.c51_priority``)."""
+
+
 @dataclass(frozen=True)
 class DQNConfig:
     """DQN hyperparameters (defaults: double DQN as tuned on CartPole-v1 with 5-step returns)."""
@@ -112,6 +116,10 @@ class DQNConfig:
     """Huber loss threshold on the TD error (scalar Q only); 0 = squared error 0.5 * td^2."""
     max_grad_norm: float = 10.0
     """Clip the global gradient norm to this; 0 = no clipping."""
+    c51_priority: str = "kl"
+    """C51 only: the replay priority of an item, kl (KL(target || online), the Rainbow paper and
+    rlpyt; 0 when the distributions agree) or cross_entropy (Dopamine; the KL plus the target's
+    entropy, so a wide target distribution keeps a high priority however well it is fitted)."""
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.target_update_period < 1:
@@ -119,6 +127,8 @@ class DQNConfig:
                 f"DQNConfig: batch_size and target_update_period must be >= 1, got "
                 f"{self.batch_size} and {self.target_update_period}"
             )
+        if self.c51_priority not in C51_PRIORITIES:
+            raise ValueError(f"DQNConfig.c51_priority = {self.c51_priority!r}: allowed: {', '.join(C51_PRIORITIES)}")
         if not 0.0 < self.target_tau <= 1.0:
             raise ValueError(f"DQNConfig.target_tau: must be in (0, 1], got {self.target_tau}")
 
