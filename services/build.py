@@ -33,7 +33,8 @@ def make_agent(exp: Experiment, probe: EnvGroup):
     torch.manual_seed(exp.run.seed)
     spec = exp.algo_spec
     try:
-        return spec.agent.make(probe.example_observation(), probe.action_space, exp.model, exp.agent, exp.algo)
+        return spec.agent.make(probe.example_observation(), probe.action_space, exp.model, exp.agent, exp.algo,
+                               obs_space=probe.observation_space)
     except (ValueError, RuntimeError, TypeError) as e:
         raise ConfigError(f"the {spec.name} agent (encoder = {exp.model.encoder!r}) cannot be built for {exp.env.id}: "
                           f"{first_line(e)}") from None

@@ -223,6 +223,46 @@ class _Flatten(nn.Module):
         return x if self.scale == 1.0 else x * self.scale
 
 
+class OneHot(nn.Module):
+    """A Discrete or MultiDiscrete leaf [N, *shape] of ints -> float32 one-hots [N, sum(nvec)],
+    each entry's categories in order (SB3's ``preprocess_obs``): Discrete(16)'s state 5 is
+    unit vector e_5, not the scalar 5. ``nvec`` and ``start`` are the space's, one per entry
+    (an int64 scalar leaf is one entry); values are the env's, ``start`` included."""
+
+    def __init__(self, nvec: np.ndarray, start: np.ndarray) -> None:
+        super().__init__()
+        nvec = np.asarray(nvec, np.int64).reshape(-1)
+        start = np.array(np.broadcast_to(np.asarray(start, np.int64), nvec.shape)).reshape(-1)
+        self.out_dim = int(nvec.sum())
+        first = np.concatenate([[0], np.cumsum(nvec)[:-1]])  # each entry's first column
+        self.register_buffer("first", torch.as_tensor(first, dtype=torch.int64), persistent=False)
+        self.register_buffer("top", torch.as_tensor(nvec - 1, dtype=torch.int64), persistent=False)
+        self.register_buffer("start", torch.as_tensor(start, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], -1).long()
+        # out-of-range values (none from EnvGroup, which checks them) land on the nearest category
+        index = (x - self.start).clamp(min=0).minimum(self.top) + self.first
+        return torch.zeros(x.shape[0], self.out_dim, device=x.device).scatter_(1, index, 1.0)
+
+
+def discrete_leaves(obs_space) -> list[tuple[np.ndarray, np.ndarray] | None]:
+    """Per observation leaf, in ``leaves()`` order (Dict keys sorted, Tuple in order, as
+    ``shared.envs.group`` lays them out): (nvec, start) of a Discrete or MultiDiscrete space,
+    None for any other."""
+    from gymnasium import spaces
+
+    if isinstance(obs_space, spaces.Dict):
+        return [leaf for key in sorted(obs_space.spaces) for leaf in discrete_leaves(obs_space.spaces[key])]
+    if isinstance(obs_space, spaces.Tuple):
+        return [leaf for sub in obs_space.spaces for leaf in discrete_leaves(sub)]
+    if isinstance(obs_space, spaces.Discrete):
+        return [(np.array([obs_space.n]), np.array([obs_space.start]))]
+    if isinstance(obs_space, spaces.MultiDiscrete):
+        return [(obs_space.nvec, getattr(obs_space, "start", np.zeros_like(obs_space.nvec)))]
+    return [None]
+
+
 class Encoder(nn.Module):
     """Observation tree with any leading dims [*L, ...] -> features [*L, out_dim].
 
@@ -311,7 +351,7 @@ class CustomEncoder(nn.Module):
         return self.trunk(self.body(obs))
 
 
-def make_encoder(obs_example, cfg: ModelConfig) -> tuple[nn.Module, int]:
+def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Module, int]:
     """Encoder for observations shaped like ``obs_example`` and its feature width.
 
     ``obs_example`` is ONE observation (no leading dims): a numpy array or a nested
@@ -321,16 +361,26 @@ def make_encoder(obs_example, cfg: ModelConfig) -> tuple[nn.Module, int]:
     go through a ``NatureCNN`` first. With ``hidden_sizes=()`` out_dim is the width of the
     concatenation (512 per image leaf), as in CleanRL's Atari agents. ``cfg.encoder`` may name
     the user's own encoder as ``module:attribute`` (``CustomEncoder``).
+
+    ``obs_space``, the env's gymnasium observation space, tells which leaves are Discrete or
+    MultiDiscrete: those are one-hot encoded (``OneHot``: a category is not a magnitude).
+    Without it every int leaf is taken as a number.
     """
     if is_reference(cfg.encoder):
         encoder = CustomEncoder(obs_example, cfg)
         return encoder, encoder.out_dim
     shapes: list[tuple[int, ...]] = []
     parts: list[nn.Module] = []
-    for _, leaf in leaves(obs_example):
+    example = list(leaves(obs_example))
+    discrete = discrete_leaves(obs_space) if obs_space is not None else [None] * len(example)
+    if len(discrete) != len(example):
+        raise ValueError(f"make_encoder: the observation space has {len(discrete)} leaves, the example {len(example)}")
+    for (_, leaf), categories in zip(example, discrete):
         arr = np.asarray(leaf)
         shapes.append(tuple(arr.shape))
-        if _is_image(arr, cfg.encoder):
+        if categories is not None:
+            parts.append(OneHot(*categories))
+        elif _is_image(arr, cfg.encoder):
             parts.append(NatureCNN(tuple(arr.shape), _channels_last(tuple(arr.shape)), cfg.uint8_scale))
         else:
             parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))

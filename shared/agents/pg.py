@@ -50,6 +50,7 @@ class PgAgent(nn.Module):
         action_space: gym.Space,
         cfg: ModelConfig = ModelConfig(),
         agent_cfg: PgAgentConfig = PgAgentConfig(),
+        obs_space: gym.Space | None = None,
     ) -> None:
         super().__init__()
         self.action_space = action_space
@@ -82,15 +83,15 @@ class PgAgent(nn.Module):
             # CPU pay for. The value member's output layer is as wide as the policy's (one
             # ensemble shape); V is its first output, the others are never read, get zero
             # gradients and stay as initialised.
-            self.pi_encoder, flat_dim = make_encoder(obs_example, dataclasses.replace(cfg, hidden_sizes=()))
+            self.pi_encoder, flat_dim = make_encoder(obs_example, dataclasses.replace(cfg, hidden_sizes=()), obs_space)
             self.v_encoder, self.core, self.v_core = None, None, None
             self.twin = EnsembleMLP(2, flat_dim, tuple(cfg.hidden_sizes), cfg.activation, output_size=n_out,
                                     output_gain=(POLICY_HEAD_GAIN, VALUE_HEAD_GAIN))
             self.pi_head = self.v_head = None
         else:
-            self.pi_encoder, feat_dim = make_encoder(obs_example, cfg)
+            self.pi_encoder, feat_dim = make_encoder(obs_example, cfg, obs_space)
             self.core = make_core(feat_dim, cfg, action_space)
-            self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg)[0]
+            self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg, obs_space)[0]
             self.v_core = None if agent_cfg.shared_encoder else make_core(feat_dim, cfg, action_space)
             if self.core is not None:
                 feat_dim = self.core.out_dim

@@ -40,6 +40,7 @@ class QAgent(nn.Module):
         action_space: gym.spaces.Discrete,
         model_cfg: ModelConfig = ModelConfig(),
         cfg: QAgentConfig = QAgentConfig(),
+        obs_space: gym.Space | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(action_space, gym.spaces.Discrete):
@@ -48,7 +49,7 @@ class QAgent(nn.Module):
         self.n_actions = int(action_space.n)
         self.n_atoms = cfg.n_atoms if cfg.distributional else 1
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
-        self.encoder, feat_dim = make_encoder(obs_example, model_cfg)
+        self.encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
         self.core = make_core(feat_dim, model_cfg, action_space)
         if self.core is not None:
             if cfg.distributional:

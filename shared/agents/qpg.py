@@ -46,11 +46,11 @@ class Critics(nn.Module):
     and the unit action through an ``EnsembleMLP``. Encoders with parameters (images) are
     one per critic; a parameter-free one (flatten) is shared."""
 
-    def __init__(self, obs_example, model_cfg: ModelConfig, action_dim: int, n: int) -> None:
+    def __init__(self, obs_example, model_cfg: ModelConfig, action_dim: int, n: int, obs_space=None) -> None:
         super().__init__()
         cfg = dataclasses.replace(model_cfg, hidden_sizes=())
-        encoder, feat_dim = make_encoder(obs_example, cfg)
-        self.encoders = nn.ModuleList([encoder, *(make_encoder(obs_example, cfg)[0] for _ in range(n - 1))]
+        encoder, feat_dim = make_encoder(obs_example, cfg, obs_space)
+        self.encoders = nn.ModuleList([encoder, *(make_encoder(obs_example, cfg, obs_space)[0] for _ in range(n - 1))]
                                       if has_cnn(obs_example, cfg) else [encoder])
         self.n = n
         self.mlp = EnsembleMLP(n, feat_dim + action_dim, tuple(model_cfg.hidden_sizes), model_cfg.activation)
@@ -72,7 +72,7 @@ class QpgAgent(nn.Module):
     """
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig, cfg: QpgAgentConfig,
-                 n_critics: int, actor_outputs: int) -> None:
+                 n_critics: int, actor_outputs: int, obs_space: gym.Space | None = None) -> None:
         super().__init__()
         if not isinstance(action_space, gym.spaces.Box):
             raise ValueError(f"{type(self).__name__}: action space {action_space} not supported; "
@@ -87,9 +87,9 @@ class QpgAgent(nn.Module):
         self.register_buffer("low", torch.as_tensor(low, dtype=torch.float32), persistent=False)
         self.register_buffer("high", torch.as_tensor(high, dtype=torch.float32), persistent=False)
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
-        self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg)
+        self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
         self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN)
-        self.critics = Critics(obs_example, model_cfg, self.action_dim, n_critics)
+        self.critics = Critics(obs_example, model_cfg, self.action_dim, n_critics, obs_space)
 
     @property
     def device(self) -> torch.device:
@@ -142,8 +142,8 @@ class DeterministicAgent(QpgAgent):
     """
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
-                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 1) -> None:
-        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=1)
+                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 1, obs_space: gym.Space | None = None) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=1, obs_space=obs_space)
         self.ou_state: torch.Tensor | None = None  # [envs_total, A], not a parameter: acting state
 
     def policy(self, obs) -> torch.Tensor:
@@ -182,8 +182,8 @@ class SacAgent(QpgAgent):
     [log_std_min, log_std_max] by a tanh (Haarnoja et al. 2018; CleanRL's bounds)."""
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
-                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 2) -> None:
-        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=2)
+                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 2, obs_space: gym.Space | None = None) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=2, obs_space=obs_space)
 
     def _mean_log_std(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         mean, raw = self._actor_out(obs).chunk(2, dim=-1)

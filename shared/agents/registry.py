@@ -16,10 +16,12 @@ from typing import Any, Callable
 
 from shared.agents.config import FAMILIES, PgAgentConfig, QAgentConfig, QpgAgentConfig
 
-MakeAgent = Callable[[Any, Any, Any, Any, Any], Any]
-"""``make(obs_example, action_space, model_cfg, agent_cfg, algo_cfg) -> torch.nn.Module``:
+MakeAgent = Callable[..., Any]
+"""``make(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None) -> torch.nn.Module``:
 ``obs_example`` is one env's observation (numpy, or a namedarraytuple of them), ``action_space``
-the env's gymnasium space, then the run's ``[model]``, ``[agent]`` and ``[algo]`` sections."""
+the env's gymnasium space, then the run's ``[model]``, ``[agent]`` and ``[algo]`` sections;
+``obs_space`` (keyword) is the env's observation space, which tells ``make_encoder`` the
+Discrete and MultiDiscrete leaves it one-hot encodes."""
 
 
 @dataclass(frozen=True)
@@ -39,28 +41,29 @@ class AgentSpec:
             raise ValueError(f"AgentSpec {self.name!r}: family {self.family!r} is not one of {', '.join(FAMILIES)}")
 
 
-def _pg(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+def _pg(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.pg import PgAgent
 
-    return PgAgent(obs_example, action_space, model_cfg, agent_cfg)
+    return PgAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space=obs_space)
 
 
-def _q(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+def _q(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.q import QAgent
 
-    return QAgent(obs_example, action_space, model_cfg, agent_cfg)
+    return QAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space=obs_space)
 
 
-def _deterministic(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+def _deterministic(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.qpg import DeterministicAgent
 
-    return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics)
+    return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics,
+                              obs_space=obs_space)
 
 
-def _sac(obs_example, action_space, model_cfg, agent_cfg, algo_cfg):
+def _sac(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.qpg import SacAgent
 
-    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics)
+    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics, obs_space=obs_space)
 
 
 PG = AgentSpec("pg", PgAgentConfig, "pg", _pg)
