@@ -50,8 +50,8 @@ def make_dict_env(episode_len: int = 1000) -> gym.Env:
 class FaultyEnv(gym.Env):
     """obs {"x": float32 [3] = (steps, seed, 0), "img": uint8 [2, 2]}; reward 1 a step.
     If reset with seed ``fail_seed``, its step number ``fail_at`` misbehaves as ``mode``
-    says: "raise", "nan" (x has a NaN), "shape" (x has 4 values), "dtype" (img is
-    float64), "nan_reward"."""
+    says: "raise", "nan" (x has a NaN), "inf" / "neg_inf" (x has +inf / -inf), "shape" (x
+    has 4 values), "dtype" (img is float64), "nan_reward", "inf_reward", "huge_reward" (1e16)."""
 
     def __init__(self, fail_seed: int, fail_at: int, mode: str):
         self.fail_seed, self.fail_at, self.mode = fail_seed, fail_at, mode
@@ -72,8 +72,8 @@ class FaultyEnv(gym.Env):
     def _obs(self, failing: bool) -> dict:
         x = np.array([self.count, self.seed_used, 0.0], dtype=np.float32)
         img = np.zeros((2, 2), dtype=np.uint8)
-        if failing and self.mode == "nan":
-            x[2] = np.nan
+        if failing and self.mode in ("nan", "inf", "neg_inf"):
+            x[2] = {"nan": np.nan, "inf": np.inf, "neg_inf": -np.inf}[self.mode]
         if failing and self.mode == "shape":
             x = np.zeros(4, dtype=np.float32)
         if failing and self.mode == "dtype":
@@ -85,12 +85,41 @@ class FaultyEnv(gym.Env):
         failing = self.seed_used == self.fail_seed and self.count == self.fail_at
         if failing and self.mode == "raise":
             raise RuntimeError("simulated emulator crash")
-        reward = float("nan") if failing and self.mode == "nan_reward" else 1.0
+        bad = {"nan_reward": float("nan"), "inf_reward": float("inf"), "huge_reward": 1e16}
+        reward = bad[self.mode] if failing and self.mode in bad else 1.0
         return self._obs(failing), reward, False, False, {}
 
 
 def make_faulty_env(fail_seed: int, fail_at: int, mode: str) -> gym.Env:
     return FaultyEnv(fail_seed, fail_at, mode)
+
+
+_steps_in_process = 0
+
+
+class CartPoleFailingOnce(gym.Wrapper):
+    """CartPole-v1 whose ``at``-th step in this process (over all its envs) returns +inf as
+    its reward (``mode = "inf_reward"``) or an observation with +inf (``"inf_obs"``): once."""
+
+    def __init__(self, mode: str, at: int):
+        super().__init__(gym.make("CartPole-v1"))
+        self.mode, self.at = mode, at
+
+    def step(self, action):
+        global _steps_in_process
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        _steps_in_process += 1
+        if _steps_in_process == self.at:
+            if self.mode == "inf_reward":
+                reward = float("inf")
+            else:
+                obs = obs.copy()
+                obs[0] = np.inf
+        return obs, reward, terminated, truncated, info
+
+
+def make_cartpole_failing_once(mode: str, at: int = 300) -> gym.Env:
+    return CartPoleFailingOnce(mode, at)
 
 
 class LivesEnv(gym.Env):

@@ -21,6 +21,7 @@ from the same checkpoint.
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -33,6 +34,7 @@ import torch
 from shared.config.schema import Experiment
 from shared.data.namedarraytuple import torchify
 from shared.transport.ranks import Group
+from shared.algos import optim
 from shared.algos.update import Update
 
 from services.learner.checkpoints import CHECKPOINT, PREVIOUS_CHECKPOINT, Checkpoints  # noqa: F401 (the run's files)
@@ -87,6 +89,8 @@ class Learner:
         self.identical_at: tuple[int, int] | None = None  # (update, checksum) of the ranks' last comparison
         self.version = 0
         self.last_stats: dict[str, float] = {}
+        self.skipped_steps = 0  # gradient steps skipped for a non-finite loss or gradient norm
+        self._tensors: list[torch.Tensor] | None = None  # the agent's floating-point parameters and buffers
         self.t_first_batch: float | None = None
         self.t_progress = 0.0
         self.t_checkpoint = time.monotonic()
@@ -115,7 +119,20 @@ class Learner:
         versions = slot.samples.policy_version if "samples" in slot else slot.policy_version
         lag = float(self.version - versions.mean())
         t0 = time.perf_counter()
+        skipped = optim.skipped_steps()
         update: Update = self.algo.update(batch, min(1.0, self.env_steps / self.max_env_steps))
+        skipped = optim.skipped_steps() - skipped
+        if skipped:
+            self._count_skipped(skipped)
+        if self._tensors is None:  # updated in place ever after (optimizers, load_state_dict)
+            self._tensors = [t for t in itertools.chain(self.agent.parameters(), self.agent.buffers())
+                             if t.is_floating_point()]
+        # One foreach reduction (max |x|, NaN propagates) and one read back per update.
+        if self._tensors and not bool(torch.isfinite(torch.nn.utils.get_total_norm(self._tensors, float("inf")))):
+            bad = non_finite(self.agent.state_dict())
+            # Raised before publish and checkpoint: the restarted learner resumes from the last good checkpoint.
+            raise RuntimeError(f"learner: {', '.join(bad[:3])} not finite after update {self.progress.updates + 1}; "
+                               "these parameters are neither published nor checkpointed")
         self.last_stats = update.stats
         self.progress.record_update(update.stats, lag)
         self.version += 1
@@ -135,6 +152,14 @@ class Learner:
             for term, value in update.stats.items():
                 self.m.loss.labels(term=term).set(float(value))
         return update.priorities
+
+    def _count_skipped(self, n: int) -> None:
+        self.skipped_steps += n
+        if self.m is not None:
+            self.m.skipped_steps.inc(n)
+        if self.skipped_steps.bit_length() > (self.skipped_steps - n).bit_length():  # at 1, 2, 4, 8...: cannot flood
+            log.error("learner: %d gradient step(s) skipped in update %d, %d so far: loss or gradient norm not "
+                      "finite (a non-finite value in the batch?)", n, self.progress.updates + 1, self.skipped_steps)
 
     def min_version(self) -> int:
         """Oldest policy version a batch may hold (the on-policy lag bound; replay drops older)."""
@@ -166,8 +191,13 @@ class Learner:
         if not force and time.monotonic() - self.t_checkpoint < self.checkpoint_interval_s:
             return
         self.t_checkpoint = time.monotonic()
-        self.checkpoints.save({"agent": self.agent.state_dict(), "algo": self.algo.state_dict(),
-                               "version": self.version, **self.progress.state()})
+        state = {"agent": self.agent.state_dict(), "algo": self.algo.state_dict()}
+        bad = non_finite(state)
+        if bad:
+            log.error("learner: not checkpointing version %d: %s not finite; the last checkpoint stays",
+                      self.version, ", ".join(bad[:3]))
+            return
+        self.checkpoints.save({**state, "version": self.version, **self.progress.state()})
 
     def resume(self) -> bool:
         """Load the latest checkpoint of this run, or the previous one if the latest cannot be
@@ -211,6 +241,20 @@ class Learner:
             (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
         p.close()
         return result
+
+
+def non_finite(state, prefix: str = "") -> list[str]:
+    """The names of the floating-point tensors in ``state`` (a state dict, nested dicts and
+    lists of them) that hold a NaN or an infinity."""
+    if isinstance(state, torch.Tensor):
+        return [prefix or "tensor"] if state.is_floating_point() and not bool(torch.isfinite(state).all()) else []
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return []
+    return [name for key, value in items for name in non_finite(value, f"{prefix}.{key}" if prefix else str(key))]
 
 
 def lock_run(run_dir: Path, rank: int = 0):

@@ -22,6 +22,7 @@ import numpy as np
 from shared.transport import shm
 from shared.config.schema import SamplerConfig
 from shared.envs.group import EnvConfig, EnvError, EnvGroup
+from shared.transport.wire import MAX_RETURN
 from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
 
@@ -91,6 +92,7 @@ class Sampler:
         self.unannounced = 0  # env steps in the ring not handed over yet (dropped if the sampler stops)
         self.episodes: list[list[float]] = []  # [return, length] finished in the current segment
         self.pending: int | None = None  # segment waiting for its bootstrap values
+        self.bad_returns = 0  # finished episodes whose return was not reported (not finite or huge)
 
     # ------------------------------------------------------------ loop
 
@@ -171,8 +173,17 @@ class Sampler:
         # Envs reset themselves at an episode's end (and recreated ones count as truncated).
         np.logical_or(step.terminated, step.truncated, out=slot.first)
         slot.reward[:] = step.reward
-        for _, ret, length in ended:
-            self.episodes.append([float(ret), int(length)])
+        for i, ret, length in ended:
+            if abs(ret) <= MAX_RETURN:  # False for NaN; replay's wire check would refuse the whole segment
+                self.episodes.append([float(ret), int(length)])
+                continue
+            if self.metrics is not None:
+                self.metrics.bad_returns.inc()
+            self.bad_returns += 1
+            if self.bad_returns & (self.bad_returns - 1) == 0:  # the 1st, 2nd, 4th...: a log that cannot flood
+                log.error("sampler %d: env %d finished an episode with return %r (not finite or beyond %g); "
+                          "not reported (%d so far)", self.instance, self.env_base + self.groups[g].start + i,
+                          ret, MAX_RETURN, self.bad_returns)
 
     def close(self) -> None:
         if self.unannounced:

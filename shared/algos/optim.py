@@ -86,10 +86,26 @@ def average_over_ranks(tensors: Iterable[torch.Tensor]) -> None:
         offset += t.numel()
 
 
+_skipped_steps = 0
+
+
+def skipped_steps() -> int:
+    """Gradient steps ``gradient_step`` skipped in this process so far (a process-wide count:
+    the learner reads its increase around each update and reports it)."""
+    return _skipped_steps
+
+
 def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, max_grad_norm: float) -> torch.Tensor:
     """One optimizer step on ``loss``, with the gradients averaged over the learner ranks and
     their global norm clipped to ``max_grad_norm`` (0 = no clipping); returns that norm
-    before clipping."""
+    before clipping.
+
+    A step whose gradient norm (or, on a single learner, loss) is not finite is skipped: no
+    optimizer step, the gradients dropped, ``skipped_steps()`` one more. Taken, it would write
+    NaN into every parameter (the clip factor ``max_norm / inf`` is 0, ``inf * 0`` NaN) and the
+    optimizer's moments. Ranks decide on the averaged norm alone, so they decide alike. The
+    check reads one value back from the device each step."""
+    global _skipped_steps
     params = list(params)
     for group in optimizer.param_groups:  # zero_grad(set_to_none=True) (module doc)
         for p in group["params"]:
@@ -100,5 +116,13 @@ def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, 
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    finite = torch.isfinite(grad_norm)
+    if ranks() == 1:
+        finite = finite & torch.isfinite(loss.detach())
+    if not bool(finite):
+        _skipped_steps += 1
+        for p in params:
+            p.grad = None
+        return grad_norm
     optimizer.step()
     return grad_norm

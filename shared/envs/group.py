@@ -64,7 +64,8 @@ class EnvConfig:
 
 
 class EnvError(RuntimeError):
-    """An env misbehaved (raised, returned NaN or a wrongly shaped/typed observation).
+    """An env misbehaved (raised, returned a NaN, infinite or huge reward, an observation with
+    a NaN or an infinity, or a wrongly shaped/typed observation).
 
     ``env_indices``: the failed envs (call ``EnvGroup.recreate(i, obs_out)`` for each);
     ``finished``: the episodes that ended this step in the other envs, as ``step`` returns.
@@ -364,16 +365,32 @@ def _action_converter(space: spaces.Space, B: int, name: str = "action") -> Call
     return lambda a: list(checked(a))
 
 
-def _has_nan(x: np.ndarray) -> bool:
+MAX_ABS_REWARD = 1e15
+"""A reward beyond this (or NaN, or infinite) is an env failure: summed into a return it would
+make the return meaningless, and an infinite one would be refused by replay's wire check."""
+
+
+def _non_finite(x: np.ndarray) -> bool:
+    """Whether ``x`` (floating) holds a NaN or an infinity."""
     if x.size <= 16:  # classic control: a Python loop over a handful of floats beats any numpy call
         for v in x.flat:
-            if v != v:
+            if not -np.inf < v < np.inf:  # False for NaN too
                 return True
         return False
-    # x.x is NaN iff x holds a NaN (squares are >= 0, so infinities cannot cancel into NaN);
-    # one BLAS call costs a third of isnan().any().
+    # x.x is finite iff every element is (squares are >= 0, so infinities cannot cancel); one
+    # BLAS call costs a third of isfinite().all(). It also overflows for |x| beyond ~1e19 in
+    # float32 (1e154 in float64): values no network input survives, counted as non-finite.
     s = np.vdot(x, x)
-    return s != s
+    return not -np.inf < s < np.inf
+
+
+def reward_problem(reward: float) -> str | None:
+    """What is wrong with a reward (NaN, infinite, beyond ``MAX_ABS_REWARD``), or None."""
+    if reward != reward:
+        return "reward is NaN"
+    if not -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD:
+        return f"reward is {reward!r} (not finite or beyond {MAX_ABS_REWARD:g})"
+    return None
 
 
 def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
@@ -456,8 +473,8 @@ class EnvGroup:
                 if not np.can_cast(x.dtype, leaf.dtype, "same_kind"):
                     return f"{leaf.name} has dtype {x.dtype}, expected one that casts to {leaf.dtype}"
                 leaf.accepted.add(x.dtype)
-            if x.dtype.kind == "f" and _has_nan(x):
-                return f"{leaf.name} contains NaN"
+            if x.dtype.kind == "f" and _non_finite(x):
+                return f"{leaf.name} contains NaN or an infinity"
             arrays.append(x)
         return arrays
 
@@ -524,7 +541,7 @@ class EnvGroup:
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
                 got = f"step raised {_first_line(e)}"
             else:
-                got = self._check_obs(obs) if reward == reward else "reward is NaN"
+                got = reward_problem(reward) or self._check_obs(obs)
             if isinstance(got, str):
                 failures.append((i, got))
                 reward_out[i], terminated_out[i], truncated_out[i] = 0.0, False, True

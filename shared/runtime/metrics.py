@@ -30,6 +30,8 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "dropped_steps": ("counter", "dropped_steps_total", "Env steps collected but not handed over when the sampler stopped", ()),
         "wait": ("counter", "wait_seconds_total", "Seconds spent waiting, by what for", ("on",)),
         "env_errors": ("counter", "env_errors_total", "Environments that misbehaved and were recreated", ()),
+        "refused_segments": ("counter", "refused_segments_total", "Segments replay refused (or would): dropped", ()),
+        "bad_returns": ("counter", "bad_returns_total", "Finished episodes not reported: return not finite or beyond 1e15", ()),
         "reconnects": ("counter", "reconnects_total", "Peer timeouts that led to a reconnect", ("peer",)),
     },
     "action_server": {
@@ -64,6 +66,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "loss": ("gauge", "loss", "Last value of each loss term and diagnostic", ("term",)),
         "batch_wait": ("counter", "batch_wait_seconds_total", "Seconds waiting for a batch", ()),
         "update_time": ("counter", "update_seconds_total", "Seconds spent in updates", ()),
+        "skipped_steps": ("counter", "skipped_steps_total", "Gradient steps skipped: loss or gradient norm not finite", ()),
     },
     "evaluator": {
         "mean_return": ("gauge", "mean_return", "Mean return of the latest evaluation's greedy episodes", ()),
