@@ -52,3 +52,34 @@ def test_atari_pong_r2d1_runs_updates_in_serial_mode():
                                                           "algo.batch_size=4"])
     result = train_serial(exp)
     assert result["reason"] == "budget" and result["updates"] >= 2
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("atari_*.toml")), ids=lambda p: p.stem)
+def test_atari_configs_train_with_the_episodic_life_their_comments_promise(path):
+    assert "episodic life" in " ".join(path.read_text().replace("#", " ").split())
+    assert "episodic_life" in config.load(path).env.wrappers  # "atari" alone does not turn it on
+
+
+def test_a_breakout_copy_of_the_pong_config_loses_a_life_and_signals_it():
+    """Issue 26: a Breakout copy of the Pong DQN config ends the training episode
+    (terminated) at the first life lost, while the game goes on (its score is not final)."""
+    import numpy as np
+
+    from shared.envs.group import make_env
+
+    exp = config.load(CONFIGS / "atari_pong_dqn.toml", ["env.id='ALE/Breakout-v5'"])
+    env, tracker = make_env(exp.env)
+    try:
+        env.reset(seed=0)
+        ale = env.unwrapped.ale
+        lives = ale.lives()
+        rng = np.random.default_rng(0)
+        for _ in range(2000):
+            _, _, terminated, truncated, _ = env.step(int(rng.integers(env.action_space.n)))
+            if terminated or truncated:
+                break
+        assert terminated and not truncated
+        assert ale.lives() == lives - 1 > 0 and not ale.game_over()
+        assert tracker.finished is None  # not a game over: no episode return reported yet
+    finally:
+        env.close()
