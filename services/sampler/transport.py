@@ -13,6 +13,7 @@ import time
 
 import zmq
 
+from shared.transport import wire
 from shared.transport.doorbell import STEP_MOD, PeerGone, SamplerBell
 from shared.runtime.metrics import bad_message_counter
 from shared.data.namedarraytuple import leaves
@@ -20,6 +21,9 @@ from shared.transport.sockets import Endpoint
 
 log = logging.getLogger(__name__)
 HELLO_BACKOFF_S = 1.0
+RELEASE_GIVE_UP_S = 300.0
+"""Seconds a sampler waits for replay to release anything (reconnecting meanwhile) before it
+gives up with an error; generous: a learner restarting after a kill holds releases back too."""
 
 
 class RemoteActions:
@@ -114,50 +118,111 @@ class RemoteActions:
 class RemoteSink:
     """SegmentSink over a DEALER socket to replay. With ``frames`` (the sampler's segment ring;
     replay runs on another node) each announcement carries the segment's arrays as zero-copy
-    frames; the ring slot stays untouched until replay releases it, as on one node."""
+    frames; the ring slot stays untouched until replay releases it, as on one node.
+
+    A segment replay refuses (its ``error`` reply names the announcement's sequence number) is
+    dropped: its ring slot is free again, its steps are counted as dropped, and the sampler goes
+    on. An announcement that would fail replay's wire check is dropped before it is sent. While
+    nothing is released the sampler reconnects and resends, waiting ``timeout_ms`` the first
+    time and twice as long each time after (up to ``MAX_BACKOFF`` times as long), and gives up with a
+    RuntimeError once ``give_up_s`` passed without a release (supervisord then restarts it)."""
+
+    MAX_BACKOFF = 8
 
     def __init__(self, ctx: zmq.Context, address: str, name: str, instance: int, ring_descriptor: dict,
-                 incarnation: int, ring: int, timeout_ms: int, metrics, secret: str, frames=None):
+                 incarnation: int, ring: int, timeout_ms: int, metrics, secret: str, frames=None,
+                 give_up_s: float = RELEASE_GIVE_UP_S):
         self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=bad_message_counter(metrics))
         self.frames = frames
         self.hello = {"instance": instance, "ring": ring_descriptor, "incarnation": incarnation, "secret": secret}
-        self.timeout_ms, self.metrics = timeout_ms, metrics
+        self.timeout_ms, self.metrics, self.give_up_s = timeout_ms, metrics, give_up_s
         self.in_flight: dict[int, dict] = {}  # ring index -> announcement not yet released
+        self.sent_seq: dict[int, int] = {}  # ring index -> sequence number of its latest send
+        self.refused = 0
         self.ep.send("hello_writer", self.hello)
 
     def announce(self, index: int, meta: dict) -> None:
         body = {"index": index, **meta}
-        self.in_flight[index] = body
-        self._send(body)
+        try:
+            wire.check("segment", body)
+        except wire.WireError as e:
+            self._drop(index, body, f"not sent: {e}")
+        else:
+            self.in_flight[index] = body
+            self._send(body)
         self._take_releases(0)
 
     def _send(self, body: dict) -> None:
         arrays = None if self.frames is None else [leaf for _, leaf in leaves(self.frames[body["index"]])]
         self.ep.send("segment", body, arrays=arrays)
+        self.sent_seq[body["index"]] = self.ep.seq
+
+    def _drop(self, index: int, body: dict, why: str) -> None:
+        self.in_flight.pop(index, None)
+        self.sent_seq.pop(index, None)
+        self.refused += 1
+        self.metrics.refused_segments.inc()
+        self.metrics.dropped_steps.inc(body["steps"])
+        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th...: a log that cannot flood
+            log.error("segment %d (ring slot %d, %d env steps) dropped, %d so far: %s", body["serial"], index,
+                      body["steps"], self.refused, why)
 
     def acquire(self, index: int) -> None:
         t0 = time.perf_counter()
+        last_release, attempt = time.monotonic(), 0
         while index in self.in_flight:
-            if not self._take_releases(self.timeout_ms):
-                log.warning("replay at %s released nothing within %d ms; reconnecting", self.ep.address, self.timeout_ms)
-                self.metrics.reconnects.labels(peer="replay").inc()
-                self.ep.reconnect()
-                self.ep.send("hello_writer", self.hello)
-                for body in sorted(self.in_flight.values(), key=lambda b: b["serial"]):
-                    self._send(body)
+            wait_ms = self.timeout_ms * min(2 ** attempt, self.MAX_BACKOFF)
+            if self._take_releases(wait_ms):
+                last_release, attempt = time.monotonic(), 0
+                continue
+            if index not in self.in_flight:  # refused and dropped
+                break
+            silent = time.monotonic() - last_release
+            if silent >= self.give_up_s:
+                raise RuntimeError(f"replay at {self.ep.address} released nothing for {silent:.0f} s over {attempt} "
+                                   f"reconnect(s) ({len(self.in_flight)} segment(s) in flight); giving up "
+                                   "(is replay running? its log says why it refuses)")
+            attempt += 1
+            log.warning("replay at %s released nothing within %d ms; reconnecting (attempt %d)", self.ep.address,
+                        wait_ms, attempt)
+            self.metrics.reconnects.labels(peer="replay").inc()
+            self.ep.reconnect()
+            self.ep.send("hello_writer", self.hello)
+            for body in sorted(self.in_flight.values(), key=lambda b: b["serial"]):
+                self._send(body)
         self.metrics.wait.labels(on="replay").inc(time.perf_counter() - t0)
 
     def _take_releases(self, timeout_ms: float) -> bool:
-        """Apply every release that arrives within ``timeout_ms``; True if any did."""
+        """Apply every release (and refusal) that arrives within ``timeout_ms``; True as soon as
+        a release or a refusal came (and what else is waiting then is applied too). An error
+        that is not about a segment in flight does not end the wait: a refusal comes at once,
+        and ending the wait on it would resend at once, forever."""
+        deadline = time.monotonic() + timeout_ms / 1000.0
         got = False
-        reply = self.ep.recv(timeout_ms)
-        while reply is not None:
+        while True:
+            remaining = 0 if got else max(0.0, (deadline - time.monotonic()) * 1000.0)
+            reply = self.ep.recv(remaining)
+            if reply is None:
+                return got
             msg = reply[1]
             if msg.type == "release":
                 self.in_flight.pop(msg.body["index"], None)
                 got = True
-            reply = self.ep.recv(0)
-        return got
+            elif msg.type == "error":
+                got = self._refused(msg.body) or got
+
+    def _refused(self, body: dict) -> bool:
+        """Drop the segment an error reply names as wrong in itself ("value"; "internal": replay
+        failed on it, and would again); False if it names none of ours in flight. A "state" refusal
+        (replay restarted and does not know us) is not the segment's fault: it waits for the
+        reconnect, which says hello again and resends."""
+        seq = body.get("seq")
+        for index, sent in list(self.sent_seq.items()) if body.get("why") in ("value", "internal") else ():
+            if sent == seq and index in self.in_flight:
+                self._drop(index, self.in_flight[index], f"replay refused it: {body['reason']}")
+                return True
+        log.warning("replay at %s: %s", self.ep.address, body["reason"])
+        return False
 
     def close(self) -> None:
         self.ep.close()

@@ -153,13 +153,19 @@ class Endpoint:
             first = type(e).__name__ not in self._internal_seen
             self._internal_seen.add(type(e).__name__)
             log.error("%s: %s from %s failed: %s", self.name, msg.type, _who(peer), text, exc_info=first)
-        self.reject(peer, msg.type, reason, text)
+        self.reject(peer, msg.type, reason, text, seq=msg.seq)
 
-    def reject(self, peer: bytes | None, mtype: str, reason: str, text: str) -> None:
-        """Count a message that is not acted on (``on_bad(reason)``) and answer its peer with an error."""
+    def reject(self, peer: bytes | None, mtype: str, reason: str, text: str, seq: int | None = None) -> None:
+        """Count a message that is not acted on (``on_bad(reason)``) and answer its peer with an
+        error. The error carries ``why`` (``reason``: "value" means the message itself is wrong,
+        "state" that the peer must say hello first...) and ``seq``, the refused message's
+        sequence number: a peer with several messages out tells by it which one was refused."""
         self.on_bad(reason)
         if peer is not None:
-            self.send("error", {"reason": f"{mtype}: {text}"[:ERROR_REPLY_CHARS]}, to=peer)
+            body = {"reason": f"{mtype}: {text}"[:ERROR_REPLY_CHARS], "why": reason}
+            if seq is not None:
+                body["seq"] = seq
+            self.send("error", body, to=peer)
 
     def drain(self) -> list[tuple[bytes | None, wire.Message]]:
         """Every valid message already waiting, without blocking."""

@@ -63,6 +63,7 @@ SCHEMAS: dict[str, dict[str, tuple]] = {
     "params_data": {"version": _INT, "env_steps": _INT},  # the state's arrays as frames, for other nodes
     # any -> any
     "welcome": {"peer": _STR},
+    # and, where the refuser parsed the message: "why" (Rejected's reason) and "seq" (the refused message's)
     "error": {"reason": _STR},
 }
 
@@ -178,6 +179,14 @@ def unpack(frames: list) -> Message:
                         f"arrays but {len(frames) - 1} extra frames came")
     arrays = [_array(spec, frame, mtype) for spec, frame in zip(specs, frames[1:])]
     return Message(type=mtype, body=body, sender=sender, seq=seq, arrays=arrays)
+
+
+def check(mtype: str, body: dict) -> None:
+    """What ``unpack`` checks of a body, for a sender that would rather not send what its peer
+    refuses (a sampler checks its segment announcements: once a segment, a header only).
+    Raises WireError naming the field."""
+    _check_body(mtype, body)
+    _check_values(mtype, body)
 
 
 def _check_body(mtype, body: dict) -> None:
