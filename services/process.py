@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import sys
@@ -28,6 +29,9 @@ def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int
     from threadpoolctl import threadpool_limits
 
     args = service_args(service, argv)
+    # A SIGSEGV, SIGBUS (a full /dev/shm), SIGABRT or SIGFPE prints every thread's Python stack
+    # to stderr (the service's log) before the process dies: the log names the cause.
+    faulthandler.enable()
     setup_logging(f"{service}{args.instance}")
     install_signal_handlers()
     threadpool_limits(1, user_api="blas")  # torch-free services too: a numpy acting step is numpy's BLAS

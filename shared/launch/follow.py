@@ -82,11 +82,14 @@ class CrashWatch:
     every spawn and every exit with its status (a process restarted at once leaves no trace of
     its exit status in the process table). ``check()`` raises ServiceCrashLoop at the
     CRASHES_TO_FAIL-th exit with an error status within CRASH_WINDOW_S of that process's
-    spawn, or when supervisord gave up on a process (FATAL). A process killed by a signal
-    (``kill -9``) is restarted by supervisord and does not count."""
+    spawn, or when supervisord gave up on a process (FATAL). A death by a signal counts as an
+    error exit (SIGBUS from a full /dev/shm, SIGSEGV, SIGABRT...), except SIGKILL, SIGTERM and
+    SIGINT: someone's ``kill -9`` or stop, which supervisord restarts from and which do not count."""
 
     _LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \w+ (?:spawned: '(?P<spawned>[^']+)' with pid"
-                       r"|exited: (?P<exited>\S+) \(exit status (?P<status>\d+);|gave up: (?P<fatal>\S+) entered FATAL)")
+                       r"|exited: (?P<exited>\S+) \((?:exit status (?P<status>\d+)|terminated by (?P<signal>SIG[A-Z0-9]+))"
+                       r"|gave up: (?P<fatal>\S+) entered FATAL)")
+    _NOT_CRASHES = ("SIGKILL", "SIGTERM", "SIGINT")
 
     def __init__(self, run_dir: Path):
         self.log, self.logs = run_dir / "logs" / "supervisord.log", run_dir / "logs"
@@ -112,7 +115,7 @@ class CrashWatch:
                 self.spawned[m.group("spawned")] = at
             elif m.group("fatal"):
                 raise ServiceCrashLoop(m.group("fatal"), str(self.logs / f"{m.group('fatal')}.log"), self.crashes)
-            elif int(m.group("status")) != 0:
+            elif (m.group("signal") not in self._NOT_CRASHES) if m.group("signal") else int(m.group("status")) != 0:
                 name = m.group("exited")
                 self.crashes += (at - self.spawned.get(name, at)).total_seconds() < CRASH_WINDOW_S
                 if self.crashes >= CRASHES_TO_FAIL:
