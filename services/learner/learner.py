@@ -156,7 +156,7 @@ class Learner:
     def _finite(self) -> bool:
         """Whether the agent's parameters and buffers are all finite: their sum is (a NaN or an
         infinity makes it NaN or infinite). One concatenation, one sum and one read back an
-        update, a quarter of the cost of a foreach max-norm on a CartPole network."""
+        update: cheaper than a foreach max-norm (docs/benchmarks.md, "Finiteness checks")."""
         with torch.no_grad():
             return math.isfinite(torch.cat([t.reshape(-1) for t in self._tensors]).sum().item())
 
