@@ -219,3 +219,17 @@ def test_ppo_cartpole_reaches_its_target_through_an_infinite_value_once(runs, mo
     assert checkpoints
     for path in checkpoints:
         assert not non_finite(torch.load(path, weights_only=True)), path
+
+
+def test_an_action_server_that_never_welcomes_is_given_up_on_with_a_clear_error(tmp_path):
+    from services.sampler.transport import RemoteActions
+
+    ctx = zmq.Context()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not welcome us in .* giving up"):
+            RemoteActions(ctx, f"ipc://{tmp_path}/nobody", "sampler0", 0, [{"name": "x"}], tmp_path, 50,
+                          metrics.for_service("sampler", 9), 1, SECRET, give_up_s=0.5)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        ctx.destroy(linger=0)

@@ -21,6 +21,9 @@ from shared.transport.sockets import Endpoint
 
 log = logging.getLogger(__name__)
 HELLO_BACKOFF_S = 1.0
+HELLO_GIVE_UP_S = 300.0
+"""Seconds a sampler says hello to its action-server without a welcome before it gives up
+with an error (an action-server's start-up, torch and CUDA included, is far shorter)."""
 RELEASE_GIVE_UP_S = 300.0
 """Seconds a sampler waits for replay to release anything (reconnecting meanwhile) before it
 gives up with an error; generous: a learner restarting after a kill holds releases back too."""
@@ -36,9 +39,11 @@ class RemoteActions:
     """
 
     def __init__(self, ctx: zmq.Context, address: str, name: str, instance: int, slot_descriptors: list,
-                 bell_dir, timeout_ms: int, metrics, incarnation: int, secret: str):
+                 bell_dir, timeout_ms: int, metrics, incarnation: int, secret: str,
+                 give_up_s: float = HELLO_GIVE_UP_S):
         self.ep = Endpoint(ctx, zmq.DEALER, address, bind=False, name=name, on_bad=bad_message_counter(metrics))
         self.bell = SamplerBell(bell_dir, name)
+        self.give_up_s = give_up_s
         self.hello = {"instance": instance, "slots": slot_descriptors, "incarnation": incarnation, "secret": secret}
         self.timeout_ms, self.metrics = timeout_ms, metrics
         self.step = [0] * len(slot_descriptors)
@@ -47,7 +52,10 @@ class RemoteActions:
         self._hello()
 
     def _hello(self) -> None:
-        """Say hello until an action-server welcomes us and its end of the doorbell is open."""
+        """Say hello until an action-server welcomes us and its end of the doorbell is open.
+        A refusal is retried after ``HELLO_BACKOFF_S``, doubling up to 8 times that; after
+        ``give_up_s`` without a welcome, RuntimeError (supervisord restarts the sampler)."""
+        t0, refusals = time.monotonic(), 0
         while True:
             self.ep.send("hello_actor", self.hello)
             reply = self.ep.recv(self.timeout_ms)
@@ -59,10 +67,15 @@ class RemoteActions:
                     log.warning("action-server at %s welcomed us but %s", self.ep.address, e)
             elif reply is not None and reply[1].type == "error":
                 log.warning("action-server at %s refused our hello: %s", self.ep.address, reply[1].body["reason"])
-                time.sleep(HELLO_BACKOFF_S)  # a refusal comes at once: do not spin on it
+                time.sleep(HELLO_BACKOFF_S * min(2 ** refusals, 8))  # a refusal comes at once: do not spin on it
+                refusals += 1
             else:
                 log.warning("action-server at %s did not welcome us within %d ms; retrying", self.ep.address,
                             self.timeout_ms)
+            waited = time.monotonic() - t0
+            if waited >= self.give_up_s:
+                raise RuntimeError(f"action-server at {self.ep.address} did not welcome us in {waited:.0f} s "
+                                   f"({refusals} refusal(s)); giving up (is it running? its log says why it refuses)")
             self._reconnect()
 
     def _reconnect(self) -> None:
