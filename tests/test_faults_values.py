@@ -233,3 +233,32 @@ def test_an_action_server_that_never_welcomes_is_given_up_on_with_a_clear_error(
         assert time.monotonic() - t0 < 3.0
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_learner_that_replay_keeps_refusing_backs_off_and_gives_up(tmp_path):
+    """A replay that answers every message with an error: the learner asks again with growing
+    pauses, not at once, and gives up with replay's reason after MAX_REFUSALS."""
+    from services.learner.transport import RemoteBatches
+    from shared.transport.sockets import Endpoint
+
+    ctx = zmq.Context()
+    address = f"ipc://{tmp_path}/replay"
+    router = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="replay0")
+    try:
+        source = RemoteBatches(ctx, address, [{"name": "x"}], 4, 1000, metrics.for_service("learner", 8), SECRET)
+        source.REFUSAL_BACKOFF_S, source.MAX_REFUSALS = 0.05, 4
+        source.request(0, 0)
+        hellos, t0 = 0, time.monotonic()
+        with pytest.raises(RuntimeError, match="refused us 4 times in a row, last: (hello_reader|sample): no"):
+            while time.monotonic() - t0 < 10:
+                got = router.recv(10)
+                if got is not None:
+                    hellos += got[1].type == "hello_reader"
+                    router.reject(got[0], got[1].type, "auth", "no", seq=got[1].seq)
+                source.next(10)
+        assert 0.05 + 0.1 + 0.2 <= time.monotonic() - t0 < 5  # backed off: 0.05, 0.1, 0.2 s
+        assert hellos <= 4
+        source.close()
+    finally:
+        router.close()
+        ctx.destroy(linger=0)

@@ -18,7 +18,16 @@ log = logging.getLogger(__name__)
 class RemoteBatches:
     """BatchSource over a DEALER socket to replay; slots are shared-memory descriptors. With
     ``frames`` (the learner's batch slots; replay runs on another node) each batch comes as
-    the reply's frames and is copied into its slot here."""
+    the reply's frames and is copied into its slot here.
+
+    An ``error`` reply (replay refused our hello, a request or a priority update) makes the
+    learner say hello again and ask again, after ``REFUSAL_BACKOFF_S`` doubling up to 8 s: a
+    refusal comes at once, and answering it at once would spin. ``MAX_REFUSALS`` errors in a
+    row with no batch between them are a RuntimeError with replay's last reason (supervisord
+    restarts the learner). Silence is not a refusal: a table still filling answers nothing."""
+
+    REFUSAL_BACKOFF_S = 0.1
+    MAX_REFUSALS = 12
 
     def __init__(self, ctx: zmq.Context, address: str, slot_descriptors: list, batch_items: int, timeout_ms: int,
                  metrics, secret: str, rank: int = 0, frames: list | None = None):
@@ -29,6 +38,7 @@ class RemoteBatches:
         self.hello = {"slots": slot_descriptors, "incarnation": time.time_ns(), "secret": secret, "rank": rank}
         self.outstanding: dict[int, int] = {}  # slot -> min_version asked
         self.t_last = time.monotonic()
+        self.refusals = 0  # error replies since the last batch
         self.ep.send("hello_reader", self.hello)
 
     def request(self, slot: int, min_version: int) -> None:
@@ -49,9 +59,15 @@ class RemoteBatches:
             if self.frames is not None and not self._take_frames(msg):
                 return None  # asked again: replay serves the request anew
             del self.outstanding[msg.body["slot"]]
+            self.refusals = 0
             return msg.body["slot"], msg.body
         if msg.type == "error":
-            log.warning("replay says: %s", msg.body["reason"])
+            self.refusals += 1
+            if self.refusals >= self.MAX_REFUSALS:
+                raise RuntimeError(f"replay at {self.ep.address} refused us {self.refusals} times in a row, last: "
+                                   f"{msg.body['reason']}; giving up")
+            log.warning("replay says: %s (refusal %d in a row; asking again)", msg.body["reason"], self.refusals)
+            time.sleep(min(self.REFUSAL_BACKOFF_S * 2 ** (self.refusals - 1), 8.0))
             self._recover()
         return None
 
