@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from services.learner.learner import Learner, non_finite
+from services.learner.learner import non_finite
 from services.sampler.transport import RemoteSink
 from shared.algos import optim
 from shared.envs.group import EnvConfig, EnvError, EnvGroup
