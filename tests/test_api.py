@@ -70,8 +70,9 @@ def test_an_experiment_is_the_same_from_a_path_a_dict_or_dataclasses_and_is_vali
 
 
 def test_serial_rows_are_printed_as_launch_prints_them(tmp_path):
-    """``api.format_row`` (serial mode's terminal) and ``follow.follow`` (a launched run's) print
-    one line alike for the same rows, with and without an evaluation column."""
+    """``follow.follow`` prints a launched run's rows from progress.csv in ``follow.format_row``'s
+    line, which serial mode's terminal prints too: the row's fields, and the evaluation column
+    once there is one."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     base = {field: "" for field in PROGRESS_FIELDS}
@@ -86,7 +87,7 @@ def test_serial_rows_are_printed_as_launch_prints_them(tmp_path):
     (run_dir / "result.json").write_text('{"reason": "target"}')
     out = io.StringIO()
     assert follow.follow(run_dir, 1.0, out) == {"reason": "target"}
-    assert out.getvalue().splitlines() == [api.format_row(row) for row in rundirs.read_progress(run_dir)]
+    assert out.getvalue().splitlines() == [follow.format_row(row) for row in rundirs.read_progress(run_dir)]
     assert ROW.match(out.getvalue().splitlines()[0]) and out.getvalue().splitlines()[1].endswith("  eval 475.5 (v4800)")
 
 

@@ -233,18 +233,6 @@ class Run:
         return backends.clean(self.dir)
 
 
-def format_row(row: dict) -> str:
-    """One progress row as ``rlpipe launch`` shows it (``follow.follow``'s format; a test
-    holds the two to the same line)."""
-    line = (f"[{float(row['wall_s']):7.1f}s] steps {int(row['env_steps']):>8} "
-            f"({float(row['env_steps_per_s']):>7.0f}/s)  updates {int(row['updates']):>5}  "
-            f"return {float(row['mean_return']):8.1f}  episodes {int(row['episodes']):>5}  "
-            f"lag {float(row['policy_lag']):.2f}")
-    if row.get("eval_return"):
-        line += f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
-    return line
-
-
 # ---------------------------------------------------------------- helpers
 
 
@@ -301,7 +289,7 @@ class _RowPrinter:
         for row in rundirs.read_progress(self.run_dir)[self.shown:]:
             if None in row.values():
                 break  # a row still being written: next time
-            print(format_row(row), file=self.out, flush=True)
+            print(follow.format_row(row), file=self.out, flush=True)
             self.shown += 1
 
     @contextlib.contextmanager

@@ -122,11 +122,15 @@ class CrashWatch:
                     raise ServiceCrashLoop(name, str(self.logs / f"{name}.log"), self.crashes)
 
 
-def _eval_column(row: dict) -> str:
-    """The evaluator's latest return in a progress row, once there is one."""
-    if not row.get("eval_return"):
-        return ""
-    return f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
+def format_row(row: dict) -> str:
+    """One progress row as ``rlpipe launch`` and serial mode show it."""
+    line = (f"[{float(row['wall_s']):7.1f}s] steps {int(row['env_steps']):>8} "
+            f"({float(row['env_steps_per_s']):>7.0f}/s)  updates {int(row['updates']):>5}  "
+            f"return {float(row['mean_return']):8.1f}  episodes {int(row['episodes']):>5}  "
+            f"lag {float(row['policy_lag']):.2f}")
+    if row.get("eval_return"):  # the evaluator's latest return, once there is one
+        line += f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
+    return line
 
 
 def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
@@ -140,10 +144,7 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
     while time.monotonic() < deadline:
         rows = read_progress(run_dir)
         for row in rows[shown:]:
-            print(f"[{float(row['wall_s']):7.1f}s] steps {int(row['env_steps']):>8} "
-                  f"({float(row['env_steps_per_s']):>7.0f}/s)  updates {int(row['updates']):>5}  "
-                  f"return {float(row['mean_return']):8.1f}  episodes {int(row['episodes']):>5}  "
-                  f"lag {float(row['policy_lag']):.2f}" + _eval_column(row), file=out, flush=True)
+            print(format_row(row), file=out, flush=True)
         shown = len(rows)
         result = read_result(run_dir)
         if result is not None:
