@@ -303,3 +303,24 @@ def test_a_spec_nested_too_deep_is_refused(run_id):
     with pytest.raises(ValueError, match="nested deeper than 16 levels"):
         shm.attach({"name": shm.segment_name(run_id, "test", 0, "x"), "nonce": 1, "spec": spec},
                    shm.Owner(run_id, "test", 0))
+
+
+def test_a_segment_is_backed_at_creation_and_one_larger_than_dev_shm_is_one_line_and_no_file(run_id):
+    """A sparse tmpfs file would take its pages at first write, and a write past a full /dev/shm
+    is a SIGBUS: segments are allocated when made, and one that cannot fit is a clear error."""
+    name = shm.segment_name(run_id, "test", 0, "backed")
+    seg = shm.Segment.create(name, 1 << 20)
+    try:
+        assert os.stat(shm.SHM_DIR / name).st_blocks * 512 >= 1 << 20  # every page is there
+    finally:
+        seg.unlink()
+        seg.close()
+    st = os.statvfs(shm.SHM_DIR)
+    too_big = st.f_blocks * st.f_frsize + (1 << 30)  # more than all of /dev/shm
+    name = shm.segment_name(run_id, "test", 0, "huge")
+    with pytest.raises(shm.NoSpace) as info:
+        shm.Segment.create(name, too_big)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"shared-memory segment {name} needs ")
+    assert "MiB free of" in message and "--shm-size" in message
+    assert not (shm.SHM_DIR / name).exists()

@@ -22,6 +22,7 @@ and ranks: ``namedarraytuple.validate_spec``). Only then is anything mapped.
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import mmap
 import os
@@ -66,6 +67,26 @@ class Owner:
             raise ValueError(f"segment name {name!r:.80} is not {want}: not this run's, or not the sender's own")
 
 
+class NoSpace(OSError):
+    """/dev/shm cannot hold a segment; str() is one line naming the segment, the need and the room."""
+
+
+def _no_space(name: str, size: int) -> str:
+    st = os.statvfs(SHM_DIR)
+    free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return (f"shared-memory segment {name} needs {size / 2**20:,.1f} MiB, {SHM_DIR} has {free / 2**20:,.1f} MiB free "
+            f"of {total / 2**20:,.1f} MiB: free it (`rlpipe clean` of old runs), give the machine or container a larger "
+            "/dev/shm (docker run --shm-size), or make the run smaller (replay.capacity)")
+
+
+def _check_space(name: str, size: int) -> None:
+    """NoSpace before anything is made when /dev/shm's free space is below ``size`` bytes (the
+    allocation below catches what a race takes after this look)."""
+    st = os.statvfs(SHM_DIR)
+    if size > st.f_bavail * st.f_frsize:
+        raise NoSpace(_no_space(name, size))
+
+
 class Segment:
     """One mapped segment. ``owner`` segments are unlinked by ``unlink()`` or at exit."""
 
@@ -84,12 +105,19 @@ class Segment:
         if path.exists():
             log.warning("removing stale shared-memory segment %s left by an earlier run", name)
             path.unlink()
+        _check_space(name, size)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
-        except OSError:
+            if size:
+                # Backed now: a sparse tmpfs file takes pages at first write, and a write past a
+                # full /dev/shm is a SIGBUS that kills the process with no word of the cause.
+                os.posix_fallocate(fd, 0, size)
+        except OSError as e:
             os.close(fd)
             path.unlink()
+            if e.errno == errno.ENOSPC:
+                raise NoSpace(_no_space(name, size)) from None
             raise
         seg = cls(name, fd, size, owner=True)
         _owned[name] = seg
