@@ -51,15 +51,16 @@ def serve(service: str, run: Callable[[schema.Experiment, Path, int], None]) -> 
     The exit skips the interpreter's teardown of its modules (torch's alone takes up to a
     second, which every `rlpipe stop` would wait for): by then ``run``'s finally blocks have
     closed its sockets, and the segments it still owns are unlinked here. A SIGTERM
-    (SystemExit) exits with its code; a ConfigError is one ``config error: ...`` line and
-    exits 2; any other exception is logged and exits 1.
+    (SystemExit) exits with its code; a ConfigError, or a segment /dev/shm cannot hold
+    (``shm.NoSpace``: the run must be smaller or the machine's /dev/shm larger), is one
+    ``config error: ...`` line and exits 2; any other exception is logged and exits 1.
     """
     code = 0
     try:
         run(*start_service(service))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
-    except schema.ConfigError as e:  # one line the launcher shows as it is (launch.wait_until_built)
+    except (schema.ConfigError, shm.NoSpace) as e:  # one line the launcher shows as it is (follow.wait_until_built)
         print(f"{CONFIG_ERROR}{e}", file=sys.stderr)
         code = 2
     except BaseException:  # noqa: BLE001 - reported, then the process ends as it would have

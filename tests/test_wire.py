@@ -424,3 +424,30 @@ def test_a_topic_prefixes_its_type_and_no_other():
     data = wire.pack("params_data", {"version": 1, "env_steps": 0}, "learner0", 8, [np.zeros(2, np.float32)])[0]
     assert announce.startswith(wire.topic("params")) and not announce.startswith(wire.topic("params_data"))
     assert data.startswith(wire.topic("params_data")) and not data.startswith(wire.topic("params"))
+
+
+def test_a_handler_failure_is_answered_and_the_service_goes_on_but_no_space_ends_it(ctx, address):
+    """Any exception of one message's handler is that message's error reply; a segment /dev/shm
+    cannot hold (shm.NoSpace) is not: no message can be served without it, so it ends the service
+    (which prints its one line: services/process.py)."""
+    from shared.transport import shm
+
+    bad = []
+    server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server", on_bad=bad.append)
+    client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
+    msg = wire.Message("sample", {"slot": 0, "n": 1, "min_version": 0}, "sampler0", 1, [])
+
+    def broken(peer, msg):
+        raise KeyError("a bug")
+
+    server.serve(broken, b"sampler0", msg)
+    assert bad == ["internal"]
+
+    def no_room(peer, msg):
+        raise shm.NoSpace("shared-memory segment x needs 9.0 MiB, /dev/shm has 1.0 MiB free of 64.0 MiB")
+
+    with pytest.raises(shm.NoSpace):
+        server.serve(no_room, b"sampler0", msg)
+    assert bad == ["internal"]
+    client.close()
+    server.close()

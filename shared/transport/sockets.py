@@ -23,7 +23,7 @@ from typing import Callable
 
 import zmq
 
-from shared.transport import wire
+from shared.transport import shm, wire
 
 LINGER_MS = 0  # nothing queued for a dead peer is worth blocking shutdown for
 ERROR_REPLY_CHARS = 400
@@ -140,7 +140,8 @@ class Endpoint:
 
         Whatever it raises is logged with the peer and the reason (with a traceback the first
         time an unexpected exception type appears), counted through ``on_bad``, and answered
-        with an ``error`` where the peer can be replied to (ROUTER).
+        with an ``error`` where the peer can be replied to (ROUTER); but ``shm.NoSpace`` (a
+        segment /dev/shm cannot hold) ends the service with its one line.
         """
         try:
             handler(peer, msg)
@@ -148,6 +149,8 @@ class Endpoint:
         except Rejected as e:
             reason, text = e.reason, str(e)
             log.warning("%s: %s from %s rejected: %s", self.name, msg.type, _who(peer), text)
+        except shm.NoSpace:  # no message can be served without the memory: the service ends, saying why
+            raise
         except Exception as e:  # a bug or a value nobody foresaw: this message fails, the service goes on
             reason, text = "internal", f"{type(e).__name__}: {e}"
             first = type(e).__name__ not in self._internal_seen
