@@ -45,6 +45,7 @@ from gymnasium.wrappers import FrameStackObservation, TimeLimit, TransformReward
 from shared.envs import atari, tasks
 from shared.data.namedarraytuple import is_nat, leaves, namedarraytuple
 from shared.runtime.plugins import load_attribute
+from shared.transport.wire import MAX_RETURN
 
 tasks.register()
 
@@ -365,9 +366,9 @@ def _action_converter(space: spaces.Space, B: int, name: str = "action") -> Call
     return lambda a: list(checked(a))
 
 
-MAX_ABS_REWARD = 1e15
-"""A reward beyond this (or NaN, or infinite) is an env failure: summed into a return it would
-make the return meaningless, and an infinite one would be refused by replay's wire check."""
+MAX_ABS_REWARD = MAX_RETURN
+"""A reward beyond this (or NaN, or infinite) is an env failure: the bound replay's wire check
+puts on an episode's return, which one such reward would break."""
 
 
 def _non_finite(x: np.ndarray) -> bool:
@@ -541,7 +542,8 @@ class EnvGroup:
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
                 got = f"step raised {_first_line(e)}"
             else:
-                got = reward_problem(reward) or self._check_obs(obs)
+                # One chained comparison per env step (False for NaN too); the message only on failure.
+                got = self._check_obs(obs) if -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD else reward_problem(reward)
             if isinstance(got, str):
                 failures.append((i, got))
                 reward_out[i], terminated_out[i], truncated_out[i] = 0.0, False, True
