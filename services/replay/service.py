@@ -294,8 +294,8 @@ class ReplayService:
                 self._reply_sampled(reader, slot, body, info, meta)
             # Ring slots go back to their samplers once the learner has its batch: a sampler
             # woken first takes the CPU the reply's send needs, and on 2 cores the reply then
-            # reaches the learner much later (docs/benchmarks.md, "Issue 6: a cheaper learner
-            # step").
+            # reaches the learner much later (docs/benchmarks.md, "PPO CartPole: 256 env steps an
+            # update").
             if self.cfg.table == "queue":
                 self._release(infos[0]["keys"])  # once for the round, however many ranks share it
             self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0

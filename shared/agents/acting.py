@@ -104,7 +104,7 @@ class NumpyPgActor(NumpyActor):
         super().__init__(plan, arrays, rng)
         self.pi_head, self.v_head = _Mlp(plan["pi_head"], arrays), _Mlp(plan["v_head"], arrays)
         # Policy and value as members 0 and 1 of one ensemble (PgAgent's twin): both in one
-        # batched matmul a layer, as in torch (docs/benchmarks.md, "Issue 6: a cheaper learner step").
+        # batched matmul a layer, as in torch (docs/benchmarks.md, "Learner step").
         pi, v = plan["pi_head"], plan["v_head"]
         twin = len(self.trunks) == 1 and len(pi) == len(v) and all(
             len(a) == len(b) == 4 and a[:3] == b[:3] and (a[3], b[3]) == (0, 1) for a, b in zip(pi, v))

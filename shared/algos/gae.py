@@ -82,7 +82,7 @@ def batch_advantages(
     Why recompute: batches from asynchronous samplers are 1-2 versions stale, and early in
     training the value net moves fast; stale V(s_t) then bias every advantage. On CartPole
     PPO with policy lag 2, recomputed values reached 475 in far fewer env steps than stored
-    ones (docs/benchmarks.md, "Learning wall-clock").
+    ones (docs/benchmarks.md, "GAE from recomputed values").
     """
     s = batch.samples
     cut = s.truncated & ~s.terminated

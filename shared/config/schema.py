@@ -63,7 +63,7 @@ class SamplerConfig:
     """Server inference: split the envs in two groups so one steps while the other waits for actions.
     It pays where the action-server has a core (or a GPU) of its own; on 2 CPU cores, where the
     samplers and the action-server take turns, one group of all the envs halves the requests and
-    samples faster (docs/benchmarks.md, "Issue 6 again": server mode with and without it)."""
+    samples faster (docs/benchmarks.md, "Server inference on a CPU")."""
     inference: str = "auto"
     """local: each sampler acts with its own copy of the agent on the CPU and follows the learner's
     parameter segment (rlpyt's parallel-CPU sampler; no action-server runs); server: the
@@ -81,7 +81,7 @@ class ActionServerConfig:
     action-server i mod count when it starts; ``rlpipe scale RUN action_server=M`` changes it).
     On a CPU one per sampler is fastest: a sampler and its own action-server can share a core,
     and a wake-up on another core is dear; with one each, server mode samples faster than one
-    process (docs/benchmarks.md, "Issue 6 again")."""
+    process (docs/benchmarks.md, "Server inference on a CPU")."""
     max_count: int = 0
     """Most action-servers ``rlpipe scale`` may run (0: count): their TCP ports are reserved."""
     max_batch: int = 64
@@ -90,7 +90,7 @@ class ActionServerConfig:
     """Longest a request waits for others to join its batch (0: serve what has arrived at once;
     requests that come in during a forward pass still share the next one). On a 2-core CPU a
     wait only delays the batch: the other samplers' requests come once the action-server gives
-    the core back (docs/benchmarks.md, "Issue 6's open targets"); a GPU, whose forward pass
+    the core back (docs/benchmarks.md, "Server inference on a CPU"); a GPU, whose forward pass
     costs the same for 8 rows or 64, may gain from a wait."""
     peer_timeout_s: float = 10.0
     """A sampler silent this long is reported lost and its slots detached."""
