@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 CONFIG ?= deploy/configs/cartpole_ppo.toml
 
-.PHONY: install run test test-all bench clean-runs
+.PHONY: install run test test-all bench gpu-check clean-runs
 
 # torch first, pinned to the CPU wheel this machine carries, only when no torch is importable:
 # a bare `torch` requirement would pull a multi-GB CUDA build; a user's own (CUDA) torch is kept.
@@ -20,6 +20,11 @@ test: install
 bench: install
 	$(PIP) install -q -e ".[bench]"
 	$(PYTHON) -m pytest -q -s tests/bench -m bench
+
+# On a CUDA machine (after `make install`): a few minutes, one table, written to runs/gpu_check/.
+# Without CUDA it says so in one line; GPU_CHECK_ARGS="--device cpu --quick" runs a tiny version.
+gpu-check:
+	$(PYTHON) -m tests.bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean-runs:
 	rm -rf runs

@@ -86,12 +86,16 @@ def plain_dqn(n: int, hidden: tuple):
     return step
 
 
-def rlpipe_learner(config_file: str):
-    """(train one batch, gradient steps per batch, batch size, hidden sizes) for a shipped config."""
-    exp = config.load(CONFIGS / config_file, ["run.max_env_steps=1000000000"])
+def rlpipe_learner(config_file: str, device: torch.device = torch.device("cpu"), overrides: tuple[str, ...] = (),
+                   prepare=lambda agent: None):
+    """(train one batch, gradient steps per batch, batch size, hidden sizes) for a shipped config
+    with ``overrides``, its learner on ``device``; ``prepare(agent)`` runs once the algorithm is built."""
+    exp = config.load(CONFIGS / config_file, ["run.max_env_steps=1000000000", f"run.device='{device}'", *overrides])
     probe = env_probe(exp)
-    agent = make_agent(exp, probe)
-    learner = Learner(exp, agent, make_algo(exp, agent), torch.device("cpu"), run_dir=None)
+    agent = make_agent(exp, probe).to(device)
+    learner = Learner(exp, agent, make_algo(exp, agent), device, run_dir=None)
+    prepare(agent)
+    probe.close()
     slot = from_spec(batch_spec(exp, example_step(exp, probe)))
     rng = np.random.default_rng(0)
     for _, leaf in leaves(slot):

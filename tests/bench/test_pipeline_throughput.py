@@ -62,21 +62,36 @@ def _sampler_steps(run: Run) -> float:
     return sum(float(v) for v in re.findall(r"^rlpipe_sampler_env_steps_total\{[^}]*\} (\S+)", page, re.M))
 
 
+def _updates(run: Run) -> tuple[float, float]:
+    """(updates, wall seconds) of the learner's latest progress row."""
+    rows = run.progress()
+    return (float(rows[-1]["updates"]), float(rows[-1]["wall_s"])) if rows else (0.0, 0.0)
+
+
+def pipeline_rates(tmp_path, config: str, overrides: list[str], warm_steps: int, window_s: float,
+                   timeout: float = 120) -> dict[str, float]:
+    """Env steps/s (the samplers' counter) and learner updates/s (its progress rows) of a run of
+    ``config`` over ``window_s`` once it has made ``warm_steps`` env steps."""
+    run = Run.launch(tmp_path, config, *overrides)
+    try:
+        run.wait_steps(warm_steps, timeout)
+        s0, t0, (u0, w0) = _sampler_steps(run), time.monotonic(), _updates(run)
+        time.sleep(window_s)
+        s1, t1, (u1, w1) = _sampler_steps(run), time.monotonic(), _updates(run)
+        return {"env_steps_per_s": (s1 - s0) / (t1 - t0), "updates_per_s": (u1 - u0) / (w1 - w0) if w1 > w0 else 0.0}
+    finally:
+        run.close()
+
+
 def pipeline_steps_per_s(tmp_path, inference: str, *overrides: str) -> float:
     # A2C with long segments: one cheap update per 2048 steps, so sampling is what is measured.
     # A ring of 2 segments lets a sampler fill the next one while replay copies the last
     # (with 1 it waits for that round trip once a segment: measured 26-27k vs 33-37k steps/s).
-    run = Run.launch(tmp_path, "cartpole_a2c.toml", "sampler.count=2", "sampler.envs=16", "sampler.horizon=64",
-                     "sampler.ring=2", "run.max_env_steps=100000000", "run.target_return=1e9",
-                     "replay.release_on_sample=false", "replay.capacity=8", f"sampler.inference={inference}",
-                     *overrides)
-    try:
-        run.wait_steps(20_000)
-        s0, t0 = _sampler_steps(run), time.monotonic()
-        time.sleep(WINDOW_S)
-        return (_sampler_steps(run) - s0) / (time.monotonic() - t0)
-    finally:
-        run.close()
+    return pipeline_rates(tmp_path, "cartpole_a2c.toml",
+                          ["sampler.count=2", "sampler.envs=16", "sampler.horizon=64", "sampler.ring=2",
+                           "run.max_env_steps=100000000", "run.target_return=1e9", "replay.release_on_sample=false",
+                           "replay.capacity=8", f"sampler.inference={inference}", *overrides],
+                          20_000, WINDOW_S)["env_steps_per_s"]
 
 
 MODES = {"local": ["local"], "server": ["server"], "server, one env group": ["server", "sampler.alternating=false"],

@@ -10,6 +10,7 @@ sizes 8 and 64, on this machine's CPUs. Run with `make bench` (under the bench l
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -76,36 +77,47 @@ def test_sequence_table_sampling_throughput():
               f"numpy gather {b:,.0f} sequences/s, ratio {t / b:.2f}x")
 
 
-def test_r2d1_pong_updates_per_second():
+def pong_r2d1_update_s(batch_size: int, device: torch.device, repeats: int = 3, around=contextlib.nullcontext,
+                       prepare=lambda agent: None) -> tuple[float, int]:
+    """(median seconds, sequence length) of one R2D1 ``algo.update`` of atari_pong_r2d1.toml's network on ``device``,
+    on a Pong-shaped sequence batch of ``batch_size`` (random frames and rewards); each update runs
+    inside ``around()`` (e.g. an autocast), and ``prepare(agent)`` runs once the algorithm is built."""
     from services.serial import train_serial  # noqa: F401  (imports the services the way a run does)
     from shared.config import loading as config
     from services.build import batch_spec, env_probe, example_step, make_agent, make_algo
     from shared.data.namedarraytuple import torchify
     from tests.pipeline import CONFIGS
 
+    exp = config.load(CONFIGS / "atari_pong_r2d1.toml", [f"algo.batch_size={batch_size}", f"run.device='{device}'"])
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe).to(device)
+    algo = make_algo(exp, agent)
+    prepare(agent)
+    batch = from_spec(batch_spec(exp, example_step(exp, probe)))
+    probe.close()
+    rng = np.random.default_rng(0)
+    batch.observation[:] = rng.integers(0, 256, batch.observation.shape, dtype=np.uint8)
+    batch.action[:] = rng.integers(0, 6, batch.action.shape)
+    batch.prev_action[:] = batch.action
+    batch.reward[:] = rng.choice([-1.0, 0.0, 1.0], batch.reward.shape, p=[0.01, 0.98, 0.01])
+    batch.terminated[:] = False
+    batch.truncated[:] = False
+    batch.is_weight[:] = 1.0
+    tb = torchify(batch, device)
+    times = []
+    for i in range(repeats + 1):  # the first is warm-up
+        t0 = time.perf_counter()
+        with around():
+            algo.update(tb, 0.0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]), exp.replay.sequence_length
+
+
+def test_r2d1_pong_updates_per_second():
     print(f"\ntorch threads {torch.get_num_threads()}")
     for n in (8, 64):
-        exp = config.load(CONFIGS / "atari_pong_r2d1.toml", [f"algo.batch_size={n}", "run.device='cpu'"])
-        probe = env_probe(exp)
-        agent = make_agent(exp, probe)
-        algo = make_algo(exp, agent)
-        batch = from_spec(batch_spec(exp, example_step(exp, probe)))
-        probe.close()
-        rng = np.random.default_rng(0)
-        batch.observation[:] = rng.integers(0, 256, batch.observation.shape, dtype=np.uint8)
-        batch.action[:] = rng.integers(0, 6, batch.action.shape)
-        batch.prev_action[:] = batch.action
-        batch.reward[:] = rng.choice([-1.0, 0.0, 1.0], batch.reward.shape, p=[0.01, 0.98, 0.01])
-        batch.terminated[:] = False
-        batch.truncated[:] = False
-        batch.is_weight[:] = 1.0
-        tb = torchify(batch)
-        algo.update(tb, 0.0)  # warm-up
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            algo.update(tb, 0.0)
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        print(f"Pong R2D1 update, batch {n} x {exp.replay.sequence_length} steps: {med:.2f} s median "
-              f"({1 / med:.2f} updates/s, {n * exp.replay.sequence_length / med:,.0f} sequence steps/s)")
+        med, length = pong_r2d1_update_s(n, torch.device("cpu"))
+        print(f"Pong R2D1 update, batch {n} x {length} steps: {med:.2f} s median "
+              f"({1 / med:.2f} updates/s, {n * length / med:,.0f} sequence steps/s)")
