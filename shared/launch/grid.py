@@ -188,7 +188,7 @@ class Grid:
         exp = loading.load(self.config, [*self.overrides, *variant.overrides])
         run = dataclasses.replace(exp.run, seed=seed, name=variant.label or exp.run.name, runs_dir=str(self.dir))
         exp = dataclasses.replace(exp, run=run)
-        exp, _ = checks.resolve_inference(exp)
+        exp, _ = checks.resolve_inference(checks.resolve_max_count(exp))
         check_buildable(exp)
         return exp
 
