@@ -27,7 +27,8 @@ import pytest
 from shared.config import checks, endpoints, loading, schema
 from shared.launch import rundirs, supervisor
 from shared.launch import runs
-from shared.launch.grid import SUMMARY, Ports, parse_vary, processes_per_run
+from shared.launch import stats
+from shared.launch.grid import STATS, SUMMARY, Ports, parse_vary, processes_per_run
 from shared.launch.plots import flat_config
 from shared.runtime.process import TB_DIR
 from tests.pipeline import CONFIGS, REPO, free_port, rlpipe, rlpipe_command
@@ -98,6 +99,16 @@ def test_grid_runs_every_variant_and_seed_two_at_a_time_and_survives_a_killed_su
     assert supervisor.service_pids(killed) == [] and not list(Path("/dev/shm").glob(f"*{killed.name}*"))
     for png in ("lr_0.001.png", "lr_0.0005.png", "all.png"):
         assert (grid_dir / png).stat().st_size > 10_000, png
+    # stats.md: each variant's final returns over the seeds that ended as configured (the killed
+    # run is left out); of two runs the IQM is their mean, and the 95% interval spans them.
+    lines = (grid_dir / STATS).read_text().splitlines()
+    assert [c.strip() for c in lines[2].strip("|").split("|")] == list(stats.COLUMNS), lines
+    stat_rows = {r[0]: r for r in ([c.strip() for c in line.strip("|").split("|")] for line in lines[4:])}
+    finals = sorted(float(summary[("lr=0.001", seed)][5]) for seed in (0, 1))
+    method, task, n, iqm, iqm_ci, mean, mean_ci = stat_rows["lr=0.001"]
+    assert (task, n) == ("CartPole-v1", "2") and float(iqm) == pytest.approx(np.mean(finals), rel=1e-3)
+    assert iqm_ci == mean_ci == f"[{finals[0]:.4g}, {finals[1]:.4g}]"
+    assert stat_rows["lr=0.0005"][2] == "1" and "Final returns over seeds" in out.stdout
 
 
 def test_tensorboard_files_hold_the_progress_scalars_and_diagnostics_against_env_steps(grid):

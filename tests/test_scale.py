@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from shared.config import checks, loading
+from shared.config.schema import SAMPLER_SEED_STRIDE, ConfigError
 from tests.pipeline import CONFIGS, metric_value, rlpipe_here
 
 
@@ -16,6 +20,40 @@ def test_scale_refuses_a_stopped_run_and_bad_requests_in_one_line(tmp_path):
                           (["learner=2"], "cannot scale learner: scalable services are sampler")):
         out = rlpipe_here("scale", run_dir, *args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out
+
+
+def default_room(count: int) -> int:
+    """max(4 x count, cores), at most 99 samplers: the default eval.seed_offset's 1_000_003 // SAMPLER_SEED_STRIDE."""
+    return min(max(checks.HEADROOM * count, len(os.sched_getaffinity(0))), 1_000_003 // SAMPLER_SEED_STRIDE)
+
+
+def test_room_to_scale_is_given_where_it_costs_nothing():
+    ppo = loading.load(CONFIGS / "cartpole_ppo.toml")
+    assert ppo.sampler.max_count == 0 and checks.resolve_max_count(ppo).sampler.max_count == default_room(1)
+    asked = loading.load(CONFIGS / "cartpole_ppo.toml", ["sampler.max_count=2"])
+    assert checks.resolve_max_count(asked) == asked
+    # The held-out evaluation seeds bound the room: sampler i seeds from SAMPLER_SEED_STRIDE * i.
+    near = loading.load(CONFIGS / "cartpole_ppo.toml", ["sampler.count=2", "eval.seed_offset=30021"])
+    assert checks.resolve_max_count(near).sampler.max_count == 3
+    with pytest.raises(ConfigError, match="eval.seed_offset"):  # one more would collide with them
+        loading.load(CONFIGS / "cartpole_ppo.toml", ["sampler.count=2", "eval.seed_offset=30021", "sampler.max_count=4"])
+    # An off-policy table would split replay.capacity over the room's columns: none unless asked.
+    dqn = loading.load(CONFIGS / "cartpole_dqn.toml")
+    assert checks.resolve_max_count(dqn) == dqn
+
+
+def test_the_default_config_launched_without_options_scales_to_3_samplers_that_ship_segments(runs):
+    run = runs("cartpole_ppo.toml")
+    assert run.config().sampler.max_count == default_room(1)  # set at launch
+    run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_sampler_segments_total", instance="0") > 0, 60,
+                 "sampler 0's first segment")
+    kept = run.pid("sampler0")
+    assert run.scale(3) < 10
+    assert run.pid("sampler0") == kept
+    before = metric_value(run.metrics(), "rlpipe_replay_inserts_total")
+    run.wait_for(lambda: all(metric_value(run.metrics(), "rlpipe_sampler_segments_total", instance=str(i)) > 3
+                             for i in (0, 1, 2)), 60, "segments from each of the 3 samplers")
+    assert metric_value(run.metrics(), "rlpipe_replay_inserts_total") > before + 6  # replay took them
 
 
 @pytest.mark.learning

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 from shared.envs.group import validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
@@ -169,3 +170,26 @@ def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:
     why = "a CUDA device is present" if cuda else "no CUDA device"
     return dataclasses.replace(exp, sampler=dataclasses.replace(exp.sampler, inference=chosen)), \
         f"inference {chosen} (auto: {why})"
+
+
+HEADROOM = 4
+"""An on-policy run launched without ``sampler.max_count`` may grow to HEADROOM x its samplers
+(or to this host's cores, where there are more)."""
+
+
+def resolve_max_count(exp: Experiment) -> Experiment:
+    """``exp`` with room for ``rlpipe scale`` where the room costs nothing: an on-policy run
+    launched without ``sampler.max_count`` may grow to max(HEADROOM * count, cores) samplers,
+    at most as many as ``eval.seed_offset`` keeps the held-out seeds apart from.
+
+    The on-policy queue holds whole segments whoever wrote them, so the room costs a few
+    floats a global env index on the acting side. An off-policy table splits
+    ``replay.capacity`` between the columns of max_count samplers from the start (a run at
+    count samplers would hold count / max_count of it) and a Q agent's Ape-X epsilons spread
+    over their envs, so off-policy runs get room only by asking for it (docs/architecture.md,
+    "Scaling a live run")."""
+    sampler = exp.sampler
+    if sampler.max_count or not exp.algo_spec.on_policy:
+        return exp
+    room = min(max(HEADROOM * sampler.count, len(os.sched_getaffinity(0))), exp.eval.seed_offset // SAMPLER_SEED_STRIDE)
+    return dataclasses.replace(exp, sampler=dataclasses.replace(sampler, max_count=max(room, sampler.count)))

@@ -49,10 +49,11 @@ class SamplerConfig:
     count: int = 2
     """Number of sampler processes (``rlpipe scale RUN sampler=N`` changes it in a live run)."""
     max_count: int = 0
-    """Most samplers ``rlpipe scale`` may run (0: count, no room to scale up). Replay's tables
-    and the acting side's per-env state are laid out for this many: an off-policy table's
-    capacity is shared by max_count samplers' columns, so a run that never scales up should
-    leave it at 0."""
+    """Most samplers ``rlpipe scale`` may run. Replay's tables and the acting side's per-env
+    state are laid out for this many: an off-policy table's capacity is shared by max_count
+    samplers' columns, so an off-policy run that never scales up should leave it at 0 (count:
+    no room to scale up). 0 in an on-policy run, where the room costs nothing, is set at launch
+    to max(4 * count, cores) (``checks.resolve_max_count``)."""
     envs: int = 16
     """Environments per sampler."""
     horizon: int = 32

@@ -69,7 +69,7 @@ def prepare(exp: Experiment) -> Path:
     (``rlpipe prepare``: for honcho and the Procfile)."""
     from services.build import check_buildable
 
-    exp, _ = checks.resolve_inference(experiment(exp, check_ports=True))
+    exp, _ = checks.resolve_inference(checks.resolve_max_count(experiment(exp, check_ports=True)))
     check_buildable(exp)
     return rundirs.make_run_dir(exp)
 
@@ -82,7 +82,7 @@ def launch(exp: Experiment | str | Path | dict, backend: str = "supervisord", *,
     the run goes on until it ends or ``Run.stop``. ConfigError (nothing made), LaunchError
     (the run directory stays, nothing runs)."""
     _check_backend(backend)
-    exp, why = checks.resolve_inference(experiment(exp, check_ports=True))
+    exp, why = checks.resolve_inference(checks.resolve_max_count(experiment(exp, check_ports=True)))
     return _start(Run(rundirs.make_run_dir(exp), exp, backend, why, fresh=True), wait)
 
 

@@ -54,12 +54,16 @@ def main(argv=None) -> int:
                    help="override a config value of every run (repeatable)")
     c = sub.add_parser("ls", help="list runs (also inside grid directories) with status and results")
     c.add_argument("dir", nargs="?", default="runs", help="directory to search (default: runs)")
-    c = sub.add_parser("plot", help="learning curves of runs (seeds of one config as mean and min-max band)")
+    c = sub.add_parser("plot", help="learning curves of runs (seeds of one config as mean and min-max band); "
+                                    "--stats: IQM and mean with bootstrap intervals")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run ids, or directories holding runs")
     c.add_argument("--out", default="learning_curves.png", help="PNG file to write (default: learning_curves.png)")
     c.add_argument("--x", choices=("steps", "time"), default="steps", help="x axis: env steps or wall time")
     c.add_argument("--group-by", metavar="SECTION.KEY", help="one curve per value of this config field "
                                                              "(default: one per config, seeds together)")
+    c.add_argument("--stats", action="store_true",
+                   help="also print the IQM and mean of the runs' final returns with 95%% stratified bootstrap "
+                        "intervals, and with several envs draw their performance profile to OUT's stem + _profile.png")
     c = sub.add_parser("tensorboard", help="serve the runs' TensorBoard files on 127.0.0.1")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run ids, or directories holding runs")
     c.add_argument("--port", type=int, default=6006)
@@ -352,6 +356,21 @@ def _plot(args) -> int:
         print(f"rlpipe: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}")
+    return _print_stats(dirs, out, args.group_by) if args.stats else 0
+
+
+def _print_stats(dirs: list[Path], out: Path, group_by: str | None) -> int:
+    """``plot --stats``: the final returns' statistics table, and a profile beside ``out`` with several envs."""
+    from shared.launch import plots, runs, stats
+
+    scores = plots.final_scores(dirs, group_by)
+    rows = stats.summary_rows(scores)
+    if not rows:
+        print("rlpipe: --stats: no run has a final return yet", file=sys.stderr)
+        return 1
+    print(runs.markdown_table(rows, stats.COLUMNS))
+    if len({task for by_task in scores.values() for task in by_task}) > 1:
+        print(f"wrote {plots.plot_profiles(scores, out.with_name(out.stem + '_profile.png'))}")
     return 0
 
 

@@ -2,8 +2,10 @@
 each under its own supervisord, then a summary table and a learning-curve plot per variant.
 
 A grid directory ``<runs_dir>/grid_<name>_<stamp>`` holds the runs (each named by its
-variant and seed, plus the stamp and random suffix every run id has), ``summary.md`` and
-one PNG per variant (its seeds) plus ``all.png`` (every variant).
+variant and seed, plus the stamp and random suffix every run id has), ``summary.md`` (a row a
+run), ``stats.md`` (each variant's final returns over its seeds: IQM and mean with 95%
+stratified bootstrap intervals, ``stats.py``), one PNG per variant (its seeds) plus ``all.png``
+(every variant), and ``profile.png`` (performance profiles) where the grid varies ``env.id``.
 """
 
 from __future__ import annotations
@@ -22,12 +24,17 @@ from pathlib import Path
 
 from shared.config import checks, endpoints, loading
 from shared.launch import backend, follow, rundirs, supervisor
-from shared.launch import runs
+from shared.launch import runs, stats
 from shared.config.schema import ConfigError, Experiment
+from shared.runtime.process import RUN_CONFIG
 
 SUMMARY = "summary.md"
 SUMMARY_COLUMNS = ("variant", "seed", "reason", "steps_to_target", "wall_s_to_target", "final_return", "env_steps",
                    "wall_s", "run")
+FINISHED = ("target", "budget", "wall")
+"""Reasons of runs that ended as configured: their final returns enter the statistics."""
+STATS = "stats.md"
+PROFILE = "profile.png"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +43,11 @@ class Variant:
     """What sets it apart, e.g. ``lr=0.001,count=2`` (empty without --vary)."""
     overrides: tuple[str, ...]
     """``section.key=value`` strings applied over the base config."""
+
+    @property
+    def method(self) -> str:
+        """The label without its env.id part: across envs (tasks) a grid compares its other axes."""
+        return ",".join(part for part, o in zip(self.label.split(","), self.overrides) if not o.startswith("env.id="))
 
 
 def parse_vary(items: list[str]) -> list[Variant]:
@@ -116,6 +128,7 @@ class Grid:
         stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
         self.dir = Path(base.run.runs_dir).resolve() / f"grid_{rundirs.safe_name(base.run.name)}_{stamp}"
         self.config, self.overrides, self.variants, self.seeds = config, overrides, variants, seeds
+        self.name = base.run.name
         self.parallel = parallel or default_parallel(checks.resolve_inference(base)[0])
         self.out = out
         self.ports = Ports()
@@ -125,8 +138,8 @@ class Grid:
 
     def run(self) -> list[dict]:
         """Every run, K at a time; a run that fails is reported and the others go on. Writes
-        and returns the summary rows (SUMMARY_COLUMNS) and draws the plots. Ctrl-C stops the
-        runs that are live and starts no more."""
+        and returns the summary rows (SUMMARY_COLUMNS), writes the statistics (write_stats) and
+        draws the plots. Ctrl-C stops the runs that are live and starts no more."""
         self.dir.mkdir(parents=True)
         jobs = [(v, s) for v in self.variants for s in self.seeds]
         self._say(f"grid {self.dir}: {len(self.variants)} variant(s) x {len(self.seeds)} seed(s), "
@@ -153,6 +166,9 @@ class Grid:
         (self.dir / SUMMARY).write_text(table + "\n")
         self._say(table)
         self._plot(rows)
+        methods = {v.label: v.method or self.name for v in self.variants}
+        for line in write_stats(self.dir, final_scores(self.dir, rows, methods)):
+            self._say(line)
         return rows
 
     def _run_one(self, variant: Variant, seed: int) -> dict:
@@ -188,7 +204,7 @@ class Grid:
         exp = loading.load(self.config, [*self.overrides, *variant.overrides])
         run = dataclasses.replace(exp.run, seed=seed, name=variant.label or exp.run.name, runs_dir=str(self.dir))
         exp = dataclasses.replace(exp, run=run)
-        exp, _ = checks.resolve_inference(exp)
+        exp, _ = checks.resolve_inference(checks.resolve_max_count(exp))
         check_buildable(exp)
         return exp
 
@@ -232,6 +248,35 @@ class Grid:
 
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
+
+
+def final_scores(grid_dir: Path, rows: list[dict], methods: dict[str, str]) -> dict[str, dict[str, list[float]]]:
+    """``{method: {env.id: final returns}}`` of the summary ``rows`` whose runs ended as
+    configured (FINISHED); ``methods``: variant label -> method (``Variant.method``)."""
+    scores: dict[str, dict[str, list[float]]] = {}
+    for r in rows:
+        value = stats.final_return(r)
+        if r.get("reason") in FINISHED and value is not None:
+            task = loading.load(Path(grid_dir) / r["run"] / RUN_CONFIG).env.id
+            scores.setdefault(methods[r["variant"]], {}).setdefault(task, []).append(value)
+    return scores
+
+
+def write_stats(grid_dir: Path, scores: dict[str, dict[str, list[float]]]) -> list[str]:
+    """Write STATS (``stats.summary_rows`` of ``scores``), and PROFILE where there are several
+    tasks, into ``grid_dir``; the lines to show (none without a finished run)."""
+    rows = stats.summary_rows(scores)
+    if not rows:
+        return []
+    text = ("Final returns over seeds (runs that ended as configured): IQM and mean with 95% stratified "
+            f"bootstrap intervals ({stats.REPS} resamples)\n\n" + runs.markdown_table(rows, stats.COLUMNS))
+    (Path(grid_dir) / STATS).write_text(text + "\n")
+    lines = [text]
+    if len({task for by_task in scores.values() for task in by_task}) > 1:
+        from shared.launch.plots import plot_profiles
+
+        lines.append(f"plot: {plot_profiles(scores, Path(grid_dir) / PROFILE)}")
+    return lines
 
 
 def parse_seeds(text: str) -> list[int]:

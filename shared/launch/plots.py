@@ -1,5 +1,6 @@
 """Learning curves from run directories: mean return against env steps or wall time, one
-curve per config, seeds drawn as their mean with a min–max band.
+curve per config, seeds drawn as their mean with a min–max band; and performance profiles of
+several tasks' final returns (``shared/launch/stats.py``).
 
 matplotlib is imported only when a plot is drawn (Agg backend: no display needed).
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.config import loading, schema
+from shared.launch import runs, stats
 from shared.launch.rundirs import read_progress
 from shared.runtime.process import RUN_CONFIG
 
@@ -108,6 +110,56 @@ def plot_runs(run_dirs, out, x: str = "steps", group_by: str | None = None) -> P
         ax.set_title(f"mean return of the last episodes on {', '.join(names)}")
         ax.set_xlabel(X_AXES[x][1])
         ax.set_ylabel("mean episode return")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize="small")
+        fig.tight_layout()
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=DPI)
+    finally:
+        plt.close(fig)
+    return out
+
+
+def final_scores(run_dirs, group_by: str | None = None) -> dict[str, dict[str, list[float]]]:
+    """``{method: {task (env.id): final returns}}`` of the runs, for ``stats.summary_rows``.
+    Runs of one env are grouped as their curves are (``group_runs``); across several envs a
+    method is the value of ``group_by``, or the algorithm, since the rest of a config
+    (model, horizon, target) changes with the env. Runs without a final return are left out."""
+    configs = {Path(d): flat_config(d) for d in run_dirs}
+    several = len({c["env.id"] for c in configs.values()}) > 1
+    groups = group_runs(configs, group_by or "algo.name") if several else group_runs(configs, group_by)
+    scores: dict[str, dict[str, list[float]]] = {}
+    for label, dirs in groups.items():
+        for d in dirs:
+            value = stats.final_return(runs.summary(d))
+            if value is not None:
+                scores.setdefault(label, {}).setdefault(configs[d]["env.id"], []).append(value)
+    return scores
+
+
+def plot_profiles(scores: dict[str, dict[str, list[float]]], out) -> Path:
+    """Draw each method's performance profile over the tasks' min-max normalised final returns
+    (``stats.normalise``) into the PNG ``out`` (800 x 500 px), with its 95% stratified bootstrap
+    band (``stats.PROFILE_REPS`` resamples); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=FIGSIZE_IN, dpi=DPI)
+    try:
+        tasks = set()
+        for i, (method, by_task) in enumerate(stats.normalise(scores).items()):
+            m = stats.matrix(by_task)
+            tasks.update(by_task)
+            low, high = stats.bootstrap_ci(m, stats.profile, reps=stats.PROFILE_REPS)
+            ax.plot(stats.TAUS, stats.profile(m), color=f"C{i}", label=f"{method} ({m.shape[0]} runs x {m.shape[1]} tasks)")
+            ax.fill_between(stats.TAUS, low, high, color=f"C{i}", alpha=BAND_ALPHA, linewidth=0)
+        ax.set_title(f"performance profile over {len(tasks)} tasks (bands: 95% stratified bootstrap)")
+        ax.set_xlabel("final return, min-max normalised per task over the runs shown (tau)")
+        ax.set_ylabel("fraction of runs with score > tau")
+        ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
         fig.tight_layout()

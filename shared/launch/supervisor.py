@@ -107,7 +107,8 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     for service, n in counts.items():
         most = schema.most_count(getattr(exp, service))
         if not 1 <= n <= most:
-            raise ScaleError(f"{service}={n}: this run takes 1 to {most} (its {service}.max_count, set at launch)")
+            raise ScaleError(f"{service}={n}: this run takes 1 to {most} (its {service}.max_count, set at launch: "
+                             f"launch with --set {service}.max_count=N for room up to N)")
     try:  # ConfigError names a conflict (e.g. learner.batch_segments with fewer samplers)
         new = loading.load(path, [f"{service}.count={n}" for service, n in counts.items()])
     except schema.ConfigError as e:
