@@ -12,6 +12,8 @@ import traceback
 from pathlib import Path
 from typing import Callable, NoReturn
 from shared.config import loading, schema
+from shared.config.endpoints import socket_dir
+from shared.runtime import heartbeat
 from shared.transport import shm
 from shared.runtime.process import CONFIG_ERROR, RUN_CONFIG, install_signal_handlers, setup_logging
 
@@ -24,8 +26,9 @@ def service_args(service: str, argv=None) -> argparse.Namespace:
 
 
 def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int]:
-    """Parse args, set up logging and signals, one BLAS thread (``torch_device``), read the
-    run's resolved config."""
+    """Parse args, set up logging and signals, one BLAS thread (``torch_device``), publish the
+    process's heartbeat (``shared.runtime.heartbeat``: its loops beat it), read the run's
+    resolved config."""
     from threadpoolctl import threadpool_limits
 
     args = service_args(service, argv)
@@ -36,6 +39,7 @@ def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int
     install_signal_handlers()
     threadpool_limits(1, user_api="blas")  # torch-free services too: a numpy acting step is numpy's BLAS
     run_dir = Path(args.run_dir)
+    heartbeat.start(socket_dir(run_dir) / heartbeat.DIR / f"{service}{args.instance}")  # no beat yet: start-up grace
     exp = loading.load(run_dir / RUN_CONFIG)
     if exp.network.transport == "tcp":
         from shared.transport import auth

@@ -31,6 +31,7 @@ from shared.transport.doorbell import PeerGone, ServerBell
 from shared.data.namedarraytuple import drop_leading_dims, leading_len, map_leaves, zip_map
 from shared.transport.params import ParamAnnouncements, ParamStream
 from shared.transport.sockets import Endpoint, Rejected
+from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
 POLL_MS = 100
@@ -232,6 +233,7 @@ class ActionServer:
     def run(self, should_stop=lambda: False) -> None:
         last_check = time.monotonic()
         while not should_stop():
+            heartbeat.beat()
             self.poll(0 if self.pending else POLL_MS)
             if self.pending:
                 self._gather()

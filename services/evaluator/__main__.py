@@ -18,6 +18,7 @@ from services.build import env_probe, make_agent
 from shared.transport.params import ParamFollower
 from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
+from shared.runtime import heartbeat
 
 log = logging.getLogger("services.evaluator")
 NICE = 10  # scheduling priority below the run's other processes (which keep the default 0)
@@ -30,7 +31,7 @@ def run(exp, run_dir, instance: int) -> None:
     if cfg.every_s == 0:
         log.warning("eval.every_s = 0: evaluation is off; this evaluator only waits")
         while True:
-            time.sleep(IDLE_S)
+            heartbeat.sleep(IDLE_S)
     torch_device("cpu")  # one thread: evaluation must not take the samplers' and learner's cores
     os.nice(NICE)  # and it yields to them: on a busy machine evaluations take longer, learning does not
     probe = env_probe(exp)
@@ -55,7 +56,7 @@ def run(exp, run_dir, instance: int) -> None:
                 log.info("version %d (%d env steps): return %.1f +- %.1f over %d episodes in %.2f s", version,
                          env_steps, result["mean_return"], result["std_return"], result["episodes"],
                          time.monotonic() - t0)
-            time.sleep(max(0.0, cfg.every_s - (time.monotonic() - t0)))
+            heartbeat.sleep(max(0.0, cfg.every_s - (time.monotonic() - t0)))
     finally:
         params.close()
         reports.close()

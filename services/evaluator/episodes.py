@@ -25,6 +25,7 @@ from shared.envs.group import EnvGroup, EpisodeTracker, make_env
 from services.build import env_probe, example_step, make_agent
 from shared.data.layout import slot_spec
 from shared.data.namedarraytuple import from_spec, numpify, torchify
+from shared.runtime import heartbeat
 
 MakeEnv = Callable[..., tuple[gym.Env, EpisodeTracker]]
 
@@ -47,6 +48,7 @@ def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make
         group.reset(slot.observation)
         first = np.ones(n, bool)  # per-env state (recurrent agents) resets at each episode start
         while len(returns) < episodes:
+            heartbeat.beat()
             with torch.inference_mode():
                 action, _ = agent.step(torchify(slot.observation), replace(EVALUATE, first=first, reward=reward))
             slot.action[:] = numpify(action)

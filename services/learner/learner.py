@@ -41,6 +41,7 @@ from shared.algos.update import Update
 from services.learner.checkpoints import CHECKPOINT, PREVIOUS_CHECKPOINT, Checkpoints  # noqa: F401 (the run's files)
 from services.learner.progress import COUNTERS, PROGRESS, PROGRESS_FIELDS, Progress  # noqa: F401
 from services.learner.stopping import Stopping
+from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
 LOCK = "learner{rank}.lock"
@@ -292,6 +293,7 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
         source.request(i, learner.min_version())
     try:
         while True:
+            heartbeat.beat()
             reason = learner.finished()
             if reason is not None:
                 break

@@ -9,7 +9,6 @@ instance counts show the processes that run now.
 import logging
 import os
 import re
-import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -17,6 +16,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from shared.runtime.process import pid_alive
 from services.process import serve
+from shared.runtime import heartbeat
 
 log = logging.getLogger("services.metrics")
 _PID = re.compile(r"_(\d+)\.db$")
@@ -41,7 +41,7 @@ def run(exp, run_dir, instance: int) -> None:
     try:
         while True:
             reap_dead(directory)
-            time.sleep(1.0)
+            heartbeat.sleep(1.0)
     finally:
         # Not server.shutdown(): it waits for the serving thread's next poll (every 0.5 s),
         # which was most of `rlpipe stop`. The listening socket is closed here, and the

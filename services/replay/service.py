@@ -47,6 +47,7 @@ from shared.data.namedarraytuple import drop_leading_dims, from_leaves, from_spe
 from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.data.batches import column_share
 from shared.transport.sockets import Endpoint, Rejected
+from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
@@ -420,6 +421,7 @@ class ReplayService:
         last_check = last_snapshot = time.monotonic()
         every = self.cfg.snapshot_interval_s
         while not should_stop():
+            heartbeat.beat()
             item = self.router.recv(POLL_MS)
             if item is not None:
                 self.router.serve(self.handle, *item)

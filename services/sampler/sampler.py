@@ -27,6 +27,7 @@ from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
 
 from services.topology import Topology
+from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -201,4 +202,5 @@ class Sampler:
 def run_loop(sampler: Sampler, actions: ActionSource, sink: SegmentSink, should_stop=lambda: False) -> None:
     sampler.start(actions)
     while not should_stop():
+        heartbeat.beat()
         sampler.collect_segment(actions, sink)

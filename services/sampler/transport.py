@@ -18,6 +18,7 @@ from shared.transport.doorbell import STEP_MOD, PeerGone, SamplerBell
 from shared.runtime.metrics import bad_message_counter
 from shared.data.namedarraytuple import leaves
 from shared.transport.sockets import Endpoint
+from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
 HELLO_BACKOFF_S = 1.0
@@ -57,6 +58,7 @@ class RemoteActions:
         ``give_up_s`` without a welcome, RuntimeError (supervisord restarts the sampler)."""
         t0, refusals = time.monotonic(), 0
         while True:
+            heartbeat.beat()
             self.ep.send("hello_actor", self.hello)
             reply = self.ep.recv(self.timeout_ms)
             if reply is not None and reply[1].type == "welcome":
@@ -95,6 +97,7 @@ class RemoteActions:
     def wait(self, group: int) -> int:
         t0 = time.perf_counter()
         while group not in self.ready:
+            heartbeat.beat()
             try:
                 replies = self.bell.wait(self.timeout_ms)
             except PeerGone as e:
@@ -184,6 +187,7 @@ class RemoteSink:
         t0 = time.perf_counter()
         last_release, attempt = time.monotonic(), 0
         while index in self.in_flight:
+            heartbeat.beat()
             wait_ms = self.timeout_ms * min(2 ** attempt, self.MAX_BACKOFF)
             if self._take_releases(wait_ms):
                 last_release, attempt = time.monotonic(), 0

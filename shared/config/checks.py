@@ -29,6 +29,9 @@ def check(exp: Experiment, check_ports: bool) -> None:
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
+    for name, value in (("run.watchdog_s", exp.run.watchdog_s), ("run.watchdog_startup_s", exp.run.watchdog_startup_s)):
+        if not value >= 0:
+            raise ConfigError(f"{name} = {value}: must be >= 0 (seconds; run.watchdog_s = 0 turns the watchdog off)")
     for name, section in (("sampler", exp.sampler), ("action_server", exp.action_server)):
         if section.max_count and section.max_count < section.count:
             raise ConfigError(f"{name}.count = {section.count}: above {name}.max_count = {section.max_count}")

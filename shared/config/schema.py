@@ -42,6 +42,14 @@ class RunConfig:
     """Wall-clock budget in seconds (a safety net for tests and unattended runs)."""
     log_interval_s: float = 2.0
     """Seconds between progress rows (terminal and progress.csv)."""
+    watchdog_s: float = 60.0
+    """A service whose loops have not turned (its heartbeat, ``shared.runtime.heartbeat``) for this
+    many seconds is hung (an env stuck in ``step()``, a stopped process): the run's watchdog kills it
+    with SIGKILL and supervisord restarts it (``shared.launch.watchdog``, supervisord runs only). It
+    must exceed the longest turn of a service's loop (a learner's update, a replay snapshot). 0: off."""
+    watchdog_startup_s: float = 300.0
+    """Start-up grace: how long the watchdog lets a service run before its loops first turn
+    (imports, building the agent, restoring a checkpoint or a replay table)."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,24 @@ environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",PY
 """
 
 
+WATCHDOG = """
+[eventlistener:watchdog]
+command={python} -m shared.launch.watchdog --run-dir {run_dir}
+events=TICK_5
+priority=1
+autorestart=true
+startsecs=1
+stopsignal=TERM
+stopwaitsecs=5
+stderr_logfile={run_dir}/logs/watchdog.log
+stderr_logfile_maxbytes=20MB
+stderr_logfile_backups=1
+environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",PYTHONPATH="{pythonpath}"
+"""
+"""The run's watchdog (``shared.launch.watchdog``), where ``run.watchdog_s`` > 0: an event listener
+(its stdout is supervisord's protocol, its log is its stderr), woken every 5 s by TICK_5."""
+
+
 SCALABLE = ("sampler", "action_server")
 """Services ``rlpipe scale`` changes the count of: one supervisord program (and group) per
 instance, so that adding or removing one leaves the others running."""
@@ -63,6 +81,9 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
         else:
             programs_.append(PROGRAM.format(program=service, process=f"{service}%(process_num)d",
                                             instance="%(process_num)d", count=count, **common))
+    if exp.run.watchdog_s:
+        programs_.append(WATCHDOG.format(run_dir=run_dir, python=sys.executable,
+                                         pythonpath=python_path().replace("%", "%%")))
     return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=endpoints.socket_dir(run_dir)) + "".join(programs_)
 
 

@@ -76,6 +76,9 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "evaluations": ("counter", "evaluations_total", "Evaluations finished", ()),
         "eval_time": ("counter", "eval_seconds_total", "Seconds spent evaluating (the rest it sleeps)", ()),
     },
+    "watchdog": {
+        "kills": ("counter", "kills_total", "Services killed for a heartbeat older than run.watchdog_s, by process", ("process",)),
+    },
 }
 _COMMON = {
     "up": ("gauge", "up", "1 while the process runs", ()),
