@@ -92,11 +92,12 @@ def test_kill9_learner_then_clean_leaves_nothing_and_lost_samplers_are_noticed(r
 def test_an_idle_pipeline_waits_without_spinning_and_only_networks_load_torch(runs):
     """With the learner stopped nothing can move: every process must sleep in its bounded
     waits (< 5% of a core each), not spin. Replay, metrics and server-mode samplers never
-    load torch (it costs seconds of start-up); the action-server does."""
+    load torch (it costs seconds of start-up), nor does the watchdog; the action-server does."""
     run = runs("cartpole_ppo.toml", "sampler.inference=server", "sampler.count=2", "run.target_return=1000.0")
     run.wait_steps(3_000)
     pids = {name: pid for name, (state, pid) in run.status().items() if state == "RUNNING"}
-    assert {name for name in pids if not maps_torch(pids[name])} == {"replay0", "metrics0", "sampler0", "sampler1"}
+    assert {name for name in pids if not maps_torch(pids[name])} == {"replay0", "metrics0", "sampler0", "sampler1",
+                                                                     "watchdog"}
     launch.supervisorctl(run.dir, "stop", "learner:learner0", capture=True)
     time.sleep(2.0)
     del pids["learner0"]
