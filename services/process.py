@@ -39,7 +39,8 @@ def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int
     install_signal_handlers()
     threadpool_limits(1, user_api="blas")  # torch-free services too: a numpy acting step is numpy's BLAS
     run_dir = Path(args.run_dir)
-    heartbeat.start(socket_dir(run_dir) / heartbeat.DIR / f"{service}{args.instance}")  # no beat yet: start-up grace
+    if socket_dir(run_dir).is_dir():  # made by the launch on this host (a Ray node may have none: no watchdog there)
+        heartbeat.start(socket_dir(run_dir) / heartbeat.DIR / f"{service}{args.instance}")  # no beat yet: start-up grace
     exp = loading.load(run_dir / RUN_CONFIG)
     if exp.network.transport == "tcp":
         from shared.transport import auth

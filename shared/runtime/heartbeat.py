@@ -28,9 +28,10 @@ _map: mmap.mmap | None = None
 
 
 def start(path: Path) -> None:
-    """Publish this process's heartbeat at ``path``, replacing a previous incarnation's (no beat yet)."""
+    """Publish this process's heartbeat at ``path`` (its folder is made, not its parent),
+    replacing a previous incarnation's (no beat yet)."""
     global _map
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_bytes(_RECORD.pack(os.getpid(), math.nan))
     with tmp.open("r+b") as f:
