@@ -68,7 +68,7 @@ class PPOConfig(PgTargetsConfig):
     anneal_clip: bool = False
     """Decay the clip range linearly to 0 over the run, as the learning rate (rl-zoo's lin_0.2)."""
     value_clip: float = 0.2
-    """Clip range of the value change around the V(s_t) used for GAE; 0 = no value clipping."""
+    """Clip range of the value change around the V(s_t) the targets were computed with; 0 = no value clipping."""
     value_coef: float = 0.5
     """Weight of the value loss 0.5 * (V - R)^2."""
     entropy_coef: float = 0.01

@@ -41,9 +41,9 @@ def vtrace(
           the advantage too, since no v-trace target exists past the episode's last step;
         - the sum is cut at every done, so nothing leaks across an episode boundary;
         - at t = T-1, v_T is the bootstrap value next_value[T-1] (the recursion starts at 0).
-    rho_bar bounds the fixed point (rho_bar = inf: the value function of pi; smaller: a
-    policy between mu and pi); c_bar bounds the variance of the traces (the contraction rate),
-    not the fixed point.
+    rho_bar chooses the fixed point (rho_bar = inf: the value function of pi; smaller: that of
+    a policy between mu and pi); c_bar only sets how fast the traces contract and how much
+    variance they carry, not the fixed point.
 
     Identities (tests/test_vtrace.py): on-policy (log_rho = 0) with rho_bar, c_bar >= 1,
     v_s is the GAE(lambda) return exactly, for every lambda; the advantage is
