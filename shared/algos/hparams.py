@@ -11,8 +11,49 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+ADVANTAGES = ("gae", "vtrace")
+"""How A2C and PPO turn a segment batch into advantages and value targets (``PgTargetsConfig.advantages``)."""
+
+
 @dataclass(frozen=True)
-class PPOConfig:
+class PgTargetsConfig:
+    """What A2C, PPO and IMPALA share: the advantages and value targets of a segment batch
+    (``shared.algos.gae.pg_targets``)."""
+
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 1.0
+    """lambda of the targets (1 = n-step / Monte-Carlo returns bootstrapped at the segment end,
+    0 = TD(0)): GAE's lambda, or with V-trace the lambda of the traces c_t = lambda min(c_bar, pi/mu)."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before the targets (the value net learns scaled returns)."""
+    recompute_values: bool = True
+    """Targets from the current value net's V(s_t) instead of the stale behaviour values."""
+    advantages: str = "gae"
+    """gae: GAE(lambda) (no correction for policy lag); vtrace: V-trace (Espeholt et al. 2018),
+    which corrects lagged segments with the truncated ratios of the current policy to the
+    behaviour one (``shared/algos/vtrace.py``). PPO with vtrace is APPO as in Sample Factory:
+    the clipped objective on V-trace advantages and value targets."""
+    vtrace_rho_bar: float = 1.0
+    """V-trace: the importance weights of the temporal differences are min(rho_bar, pi/mu); they
+    fix what the targets estimate (inf: V of the current policy; smaller: nearer mu's)."""
+    vtrace_c_bar: float = 1.0
+    """V-trace: the traces are lambda min(c_bar, pi/mu); they bound the variance, not the fixed point."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.advantages not in ADVANTAGES:
+            raise ValueError(f"{name}.advantages = {self.advantages!r}: allowed: {', '.join(ADVANTAGES)}")
+        if not 0.0 <= self.gae_lambda <= 1.0 or not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"{name}: need 0 <= gamma <= 1 and 0 <= gae_lambda <= 1, got {self.gamma} and "
+                             f"{self.gae_lambda}")
+        if not (self.vtrace_rho_bar > 0 and self.vtrace_c_bar > 0):  # also refuses NaN
+            raise ValueError(f"{name}: vtrace_rho_bar and vtrace_c_bar must be > 0 (inf: no truncation), got "
+                             f"{self.vtrace_rho_bar} and {self.vtrace_c_bar}")
+
+
+@dataclass(frozen=True)
+class PPOConfig(PgTargetsConfig):
     """PPO hyperparameters (defaults: CleanRL's ppo.py)."""
 
     lr: float = 2.5e-4
@@ -21,20 +62,13 @@ class PPOConfig:
     """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
     adam_eps: float = 1e-5
     """Adam epsilon."""
-    gamma: float = 0.99
-    """Discount factor."""
     gae_lambda: float = 0.95
-    """GAE lambda (1 = Monte-Carlo returns, 0 = TD(0))."""
-    reward_scale: float = 1.0
-    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
-    recompute_values: bool = True
-    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
     clip_eps: float = 0.2
     """Clip range of the probability ratio."""
     anneal_clip: bool = False
     """Decay the clip range linearly to 0 over the run, as the learning rate (rl-zoo's lin_0.2)."""
     value_clip: float = 0.2
-    """Clip range of the value change around the V(s_t) used for GAE; 0 = no value clipping."""
+    """Clip range of the value change around the V(s_t) the targets were computed with; 0 = no value clipping."""
     value_coef: float = 0.5
     """Weight of the value loss 0.5 * (V - R)^2."""
     entropy_coef: float = 0.01
@@ -55,7 +89,7 @@ _OPTIMIZERS = ("rmsprop", "adam")
 
 
 @dataclass(frozen=True)
-class A2CConfig:
+class A2CConfig(PgTargetsConfig):
     """A2C hyperparameters (defaults: Stable-Baselines3's A2C)."""
 
     lr: float = 7e-4
@@ -68,14 +102,6 @@ class A2CConfig:
     """RMSprop smoothing constant."""
     optimizer_eps: float = 1e-5
     """Epsilon of RMSprop or Adam."""
-    gamma: float = 0.99
-    """Discount factor."""
-    gae_lambda: float = 1.0
-    """GAE lambda; 1 = n-step returns bootstrapped at the segment end."""
-    reward_scale: float = 1.0
-    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
-    recompute_values: bool = True
-    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
     value_coef: float = 1.0
     """Weight of the value loss 0.5 * (V - R)^2 (1.0 here = SB3's vf_coef 0.5 on a plain MSE)."""
     entropy_coef: float = 0.0
@@ -86,8 +112,23 @@ class A2CConfig:
     """Clip the global gradient norm to this; 0 = no clipping."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.optimizer not in _OPTIMIZERS:
-            raise ValueError(f"A2CConfig.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
+            raise ValueError(f"{type(self).__name__}.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
+
+
+@dataclass(frozen=True)
+class ImpalaConfig(A2CConfig):
+    """IMPALA's learner (Espeholt et al. 2018) in one process: A2C's single gradient step on V-trace
+    targets and rho-weighted advantages (defaults: the paper's Atari settings, rho_bar = c_bar = 1,
+    lambda 1, RMSprop lr 6e-4 with epsilon 0.01, baseline cost 0.5, entropy 0.01, gradient clip 40)."""
+
+    advantages: str = "vtrace"
+    lr: float = 6e-4
+    optimizer_eps: float = 0.01
+    value_coef: float = 0.5
+    entropy_coef: float = 0.01
+    max_grad_norm: float = 40.0
 
 
 C51_PRIORITIES = ("kl", "cross_entropy")

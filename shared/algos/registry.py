@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from shared.agents import registry as agents
 from shared.agents.registry import AgentSpec
-from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, R2D1Config, SACConfig, TD3Config
+from shared.algos.hparams import (A2CConfig, DDPGConfig, DQNConfig, ImpalaConfig, PPOConfig, R2D1Config, SACConfig,
+                                  TD3Config)
 from shared.runtime.plugins import is_reference, load_attribute
 
 BATCHES = {"segments": ("queue",), "transitions": ("uniform", "prioritized"), "sequences": ("sequence",)}
@@ -67,7 +68,7 @@ def _ppo(agent, cfg):
     return PPO(agent, cfg)
 
 
-def _a2c(agent, cfg):
+def _a2c(agent, cfg):  # IMPALA is A2C with ImpalaConfig's V-trace targets and the paper's settings
     from shared.algos.a2c import A2C
 
     return A2C(agent, cfg)
@@ -100,6 +101,7 @@ def _sac(agent, cfg):
 ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
     AlgoSpec("ppo", PPOConfig, agents.PG, "segments", _ppo, recurrent=True),
     AlgoSpec("a2c", A2CConfig, agents.PG, "segments", _a2c, recurrent=True),
+    AlgoSpec("impala", ImpalaConfig, agents.PG, "segments", _a2c, recurrent=True),
     AlgoSpec("dqn", DQNConfig, agents.Q, "transitions", _dqn),
     AlgoSpec("r2d1", R2D1Config, agents.Q, "sequences", _r2d1, recurrent=True),
     AlgoSpec("ddpg", DDPGConfig, agents.DETERMINISTIC, "transitions", _ddpg),
