@@ -223,3 +223,20 @@ def test_a_stopped_run_resumes_with_its_replay_table_and_checkpoint(runs):
     run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > steps + 2_000, 60, "the resumed run to go on")
     again = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
     assert again.returncode == 2 and "is running: nothing to resume" in again.stderr
+
+
+def test_a_truncated_table_segment_under_a_live_run_is_discarded_and_the_run_goes_on(runs):
+    """Replay's table segment cut short while it is down: the restarted replay starts an empty
+    table (it refused every sampler's hello before, and the run made no progress again)."""
+    run = runs("cartpole_dqn.toml", "run.target_return=1e9")
+    run.wait_steps(3_000, timeout=60)
+    stopped = run.stop_replay_between_operations()
+    ring = shm.SHM_DIR / f"rlpipe-{run.id}-replay0-t.ring"
+    os.truncate(ring, ring.stat().st_size // 2)
+    os.kill(stopped["pid"], 9)
+    run.wait_for(lambda: re.search(r"not used \(segment \S+t\.ring holds \d+ bytes, the layout needs \d+\): "
+                                   r"starting empty", run.logs("replay")), 30, "the restarted replay to discard the table")
+    last = run.progress()[-1]
+    run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > int(last["env_steps"]) + 3_000
+                 and int(run.progress()[-1]["updates"]) > int(last["updates"]), 60,
+                 "the run to go on: env steps, and updates once the new table holds enough to sample")
