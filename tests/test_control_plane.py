@@ -64,7 +64,7 @@ def test_a_stopped_supervisord_does_not_hang_status_stop_or_clean(runs, command)
     print(f"status {t1 - t0:.1f} s, {command} {took:.1f} s")
 
 
-def test_a_killed_supervisord_under_a_foreground_launch_leaves_nothing_and_resume_starts_one_set(tmp_path):
+def test_a_killed_supervisord_leaves_no_orphans_and_resume_starts_one_set(tmp_path):
     args = ["launch", str(CONFIGS / "cartpole_ppo.toml")]
     for s in (f"run.runs_dir='{tmp_path / 'runs'}'", f"network.metrics_port={free_port()}", "run.log_interval_s=0.5",
               "run.target_return=1e9"):
@@ -91,6 +91,15 @@ def test_a_killed_supervisord_under_a_foreground_launch_leaves_nothing_and_resum
         assert out.returncode == 0, out.stdout + out.stderr
         run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > steps + 500, 60, "the resumed run to go on")
         assert services_running(run.dir) == expected  # one process a service instance, each once
+        # Detached, nothing follows the run: its orphans stay until a stop, and no resume starts beside them.
+        os.kill(supervisor.supervisord_pid(run.dir), signal.SIGKILL)
+        status = rlpipe("status", str(run.dir))
+        assert status.returncode == 1 and "supervisord is gone" in status.stdout, status.stdout + status.stderr
+        again = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+        assert again.returncode == 2 and "without their supervisor" in again.stderr, again.stdout + again.stderr
+        assert services_running(run.dir) == expected
+        stop = rlpipe("stop", str(run.dir))
+        assert stop.returncode == 0 and supervisor.service_pids(run.dir) == [], stop.stdout + stop.stderr
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -232,7 +232,11 @@ def supervised(run_dir: Path) -> bool:
 
 def status(run_dir: Path) -> int:
     """``supervisorctl status`` of the run (one line a process, printed by supervisorctl); its
-    exit status. A supervisord that does not answer is one line saying so, exit status 1."""
+    exit status. A supervisord that is gone or does not answer is one line saying so, exit status 1."""
+    if not supervised(run_dir):
+        print(f"{run_dir.name}: supervisord is gone; {len(service_pids(run_dir))} process(es) of the run go on "
+              f"without it: `rlpipe stop {run_dir}` ends them")
+        return 1
     try:
         rpc(run_dir).supervisor.getState()
         return supervisorctl(run_dir, "status").returncode
