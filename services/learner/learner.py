@@ -7,8 +7,8 @@ run's counters (env steps, episodes, versions) and checkpoints them with the mod
 optimizer, so a learner killed and restarted resumes where its last checkpoint stood. The
 checkpoint before that is kept beside it: a latest one that cannot be loaded (truncated by
 a full disk, say) is reported and the previous one is used. A lock file in the run
-directory keeps a second learner of the same run and rank from starting (it would take over
-the first one's segments).
+directory (``runtime.process.lock_service``) keeps a second learner of the same run and rank
+from starting (it would take over the first one's segments).
 
 Data-parallel ranks (``learner.count`` > 1, ``shared.transport.ranks``): each rank trains on its share
 of every batch, and their gradient steps average the gradients, so all hold the same
@@ -20,12 +20,10 @@ from the same checkpoint.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Protocol
@@ -43,7 +41,6 @@ from services.learner.progress import COUNTERS, PROGRESS, PROGRESS_FIELDS, Progr
 from services.learner.stopping import Stopping
 
 log = logging.getLogger(__name__)
-LOCK = "learner{rank}.lock"
 RESULT = "result.json"
 # While no batch comes, the current version is re-announced this often: a PUB message sent
 # before an action-server's SUB finished connecting is lost, and with stale parameters
@@ -262,24 +259,6 @@ def non_finite(state, prefix: str = "") -> list[str]:
     else:
         return []
     return [name for key, value in items for name in non_finite(value, f"{prefix}.{key}" if prefix else str(key))]
-
-
-def lock_run(run_dir: Path, rank: int = 0):
-    """Hold ``<run_dir>/learner<rank>.lock`` for this process's life; RuntimeError if another
-    learner of the run holds it. Returns the open lock file (keep a reference)."""
-    f = open(run_dir / LOCK.format(rank=rank), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise RuntimeError(f"another learner (pid {holder}) runs for {run_dir}: one learner per run; "
-                           "stop it first (rlpipe stop)") from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
 
 
 def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:
