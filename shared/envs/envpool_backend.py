@@ -37,6 +37,10 @@ here. What still differs from the gymnasium backend's wrappers:
   kwargs (what the gymnasium backend's ``atari`` needs) is accepted and means nothing here.
 - The truncation limit counts agent steps (27000 by default, ALE v5's 108k frames) in both.
 
+Any env: a step that both ends the episode and reaches ``max_episode_steps`` is a truncation
+only (EnvPool reports ``terminated = done and not truncated``; gymnasium reports both), so
+that one step bootstraps from the final observation where gymnasium's would not.
+
 Seeds. EnvPool takes one seed per env: env i gets ``base_seed + i``, the numbers the gymnasium
 backend uses, but EnvPool's own generators, so start states differ from gymnasium's for the
 same seed; two pools with the same seeds play the same episodes for the same actions. Later
@@ -55,9 +59,8 @@ from typing import Any, Callable
 import numpy as np
 from gymnasium import spaces
 
-from shared.envs.group import (MAX_ABS_REWARD, EnvConfig, EnvError, _example, _leaf_arrays, _leaf_dtype,
+from shared.envs.group import (MAX_ABS_REWARD, EnvConfig, EnvError, _example, _first_line, _leaf_arrays, _leaf_dtype,
                                check_common)
-from shared.runtime.plugins import first_line
 
 ALE_PREFIX = "ALE/"
 ALE_V5_STICKY = 0.25
@@ -133,7 +136,8 @@ def pool_options(cfg: EnvConfig) -> tuple[str, dict[str, Any], bool]:
     own = envpool.make_spec(task).config._fields
     for key in kwargs:
         if key in _SET_HERE:
-            raise ValueError(f"env.kwargs: {key!r} is set by rlpipe ({_SET_HERE[key]}), not by kwargs")
+            raise ValueError(f"env.kwargs: {key!r} is set by rlpipe on env.backend = 'envpool' ({_SET_HERE[key]}), "
+                             "not by kwargs")
         if key not in own:
             allowed = ", ".join(k for k in own if k not in _SET_HERE) or "none"
             raise ValueError(f"env.kwargs: env.backend = 'envpool' has no option {key!r} for {task}; its options: "
@@ -154,7 +158,7 @@ def validate_envpool(cfg: EnvConfig) -> None:
     try:
         spec = envpool.make_spec(task, **options)
     except (AssertionError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"env.kwargs: EnvPool refuses the options of {task}: {first_line(e)}") from None
+        raise ValueError(f"env.kwargs: EnvPool refuses the options of {task}: {_first_line(e)}") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # EnvPool's float64 bounds cast to float32 Boxes
         obs_space, act_space = spec.gymnasium_observation_space, spec.gymnasium_action_space
@@ -293,7 +297,7 @@ class EnvPoolGroup:
         try:
             obs, info = self._pool.reset()
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
-            self._pool_failed(f"reset raised {first_line(e)}", [])
+            self._pool_failed(f"reset raised {_first_line(e)}", [])
         (obs,) = self._in_order(info, obs)
         dst[:] = obs
         bad = self._bad_rows(obs)
@@ -323,7 +327,7 @@ class EnvPoolGroup:
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
             final_dst[:] = obs_dst
             reward_out[:], terminated_out[:], truncated_out[:] = 0.0, False, True
-            self._pool_failed(f"step raised {first_line(e)}", [])
+            self._pool_failed(f"step raised {_first_line(e)}", [])
         game_over = info["terminated"].astype(bool) if self._episodic_life else None
         obs, reward, terminated, truncated, game_over = self._in_order(info, obs, reward, terminated, truncated,
                                                                        game_over)
@@ -376,7 +380,7 @@ class EnvPoolGroup:
             obs, _, _, _, info = self._pool.step(self._env_actions[ended], ended)
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
             for i in ended:
-                failures[int(i)] = f"reset raised {first_line(e)}"
+                failures[int(i)] = f"reset raised {_first_line(e)}"
             return
         ids = info["env_id"]
         bad = self._bad_rows(obs)
@@ -406,7 +410,7 @@ class EnvPoolGroup:
                 obs, info = self._pool.reset()
             except Exception as e:  # noqa: BLE001 - reported as the env's failure
                 self._pool = None
-                raise EnvError(self._describe(i, f"after recreate: rebuilding the pool raised {first_line(e)}"),
+                raise EnvError(self._describe(i, f"after recreate: rebuilding the pool raised {_first_line(e)}"),
                                (i,), []) from None
             (self._fresh,) = self._in_order(info, obs)
             self._unclaimed = set(range(self.n_envs))
@@ -417,7 +421,7 @@ class EnvPoolGroup:
             try:
                 obs, _ = self._pool.reset(np.array([i], np.int32))
             except Exception as e:  # noqa: BLE001 - reported as the env's failure
-                raise EnvError(self._describe(i, f"after recreate: reset raised {first_line(e)}"), (i,), []) from None
+                raise EnvError(self._describe(i, f"after recreate: reset raised {_first_line(e)}"), (i,), []) from None
         if self._bad_rows(obs) is not None:
             raise EnvError(self._describe(i, "after recreate: observation contains NaN or an infinity"), (i,), [])
         dst[i] = obs[0]
