@@ -1,5 +1,6 @@
 """Gymnasium environments for rlpipe: their config, how one is built, and a group of them
-stepped inside one sampler process straight into preallocated ``[B, ...]`` arrays.
+stepped inside one sampler process straight into preallocated ``[B, ...]`` arrays (the
+``gymnasium`` backend; ``EnvGroup``'s contract is every backend's, see ``shared.envs.backends``).
 
 Observation dtypes written by ``EnvGroup`` (stable, whatever the env returns):
 
