@@ -7,7 +7,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from shared.envs.group import validate_env_config
+from shared.envs.backends import validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
 from shared.replay.selectors import WEIGHT_NORMS
