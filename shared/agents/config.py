@@ -16,7 +16,7 @@ from shared.data.namedarraytuple import namedarraytuple
 from shared.runtime.plugins import is_reference
 
 ACTIVATIONS = ("tanh", "relu")
-ENCODERS = ("auto", "mlp", "nature_cnn")
+ENCODERS = ("auto", "mlp", "nature_cnn", "minatar_cnn")
 
 AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
 """Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
@@ -48,10 +48,12 @@ class ModelConfig:
     hidden_sizes: tuple[int, ...] = (64, 64)
     """Widths of the MLP trunk after the (CNN-)flattened observation; () = no trunk."""
     activation: str = "tanh"
-    """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
+    """Nonlinearity of the MLP trunk: tanh | relu (the CNNs always use relu)."""
     encoder: str = "auto"
-    """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn,
-    or ``"module:attribute"`` naming your own encoder (``shared.agents.models.CustomEncoder``)."""
+    """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn
+    | minatar_cnn (the MinAtar paper's 16-filter 3x3 conv on [H, W, C] maps; with hidden_sizes = [128]
+    and activation = "relu" it is Young & Tian's network), or ``"module:attribute"`` naming your own
+    encoder (``shared.agents.models.CustomEncoder``)."""
     uint8_scale: float = 1.0 / 255.0
     """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
     normalize_observations: bool = False

@@ -1,8 +1,8 @@
 """Observation encoders: any (nested) observation to one feature vector per sample.
 
 ``make_encoder(obs_example, cfg)`` builds a module that flattens and concatenates the
-leaves of an observation tree (image leaves go through a Nature CNN first) and runs the
-result through an MLP trunk. Agents put their heads on top of it. Initialisation follows
+leaves of an observation tree (image leaves go through a Nature CNN, or MinAtar's one-layer
+CNN, first) and runs the result through an MLP trunk. Agents put their heads on top of it. Initialisation follows
 CleanRL: orthogonal weights, zero biases, gain sqrt(2) for hidden layers.
 """
 
@@ -210,6 +210,33 @@ class NatureCNN(nn.Module):
         return self.fc(self.conv(x.float() * self.scale))
 
 
+class MinAtarCNN(nn.Module):
+    """Young & Tian (2019), MinAtar's torso: 16 filters 3x3, stride 1, no padding, relu, flattened.
+
+    Input [N, H, W, C] channels last (MinAtar's maps; C is 4 to 10 by game, so the
+    ``channels_last`` guess of the Nature CNN cannot tell), multiplied by ``scale`` (1.0 for
+    0/1 maps). Output [N, 16 (H - 2) (W - 2)]: 1024 on 10x10. The paper's 128-unit hidden
+    layer is the encoder's trunk, ``model.hidden_sizes = [128]`` with ``activation = "relu"``.
+    """
+
+    FILTERS = 16
+
+    def __init__(self, image_shape: tuple[int, ...], scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+        h, w, c = image_shape
+        if min(h, w) < 3:
+            raise ValueError(f"model.encoder: a {h}x{w}x{c} map is smaller than minatar_cnn's 3x3 kernel")
+        self.conv = init_layer(nn.Conv2d(c, self.FILTERS, 3, stride=1))
+        self.out_dim = self.FILTERS * (h - 2) * (w - 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 3, 1, 2).float()
+        if self.scale != 1.0:
+            x = x * self.scale
+        return torch.relu(self.conv(x)).flatten(1)
+
+
 class _Flatten(nn.Module):
     """One non-image leaf [N, ...] -> float32 [N, prod(shape)], multiplied by ``scale``."""
 
@@ -267,7 +294,7 @@ class Encoder(nn.Module):
     """Observation tree with any leading dims [*L, ...] -> features [*L, out_dim].
 
     Built by ``make_encoder``; leaves are read in the tree's field order (depth first),
-    each by its own part (``NatureCNN`` or flatten), concatenated, then the MLP trunk.
+    each by its own part (``NatureCNN``, ``MinAtarCNN`` or flatten), concatenated, then the MLP trunk.
     """
 
     def __init__(self, leaf_shapes: list[tuple[int, ...]], parts: list[nn.Module], trunk: MLP) -> None:
@@ -295,11 +322,11 @@ class Encoder(nn.Module):
 
 
 def _is_image(arr: np.ndarray, encoder: str) -> bool:
-    """Whether a leaf goes through the Nature CNN: every 3-D leaf for "nature_cnn"; for
-    "auto" only uint8 images big enough for its kernels (smaller ones are flattened)."""
+    """Whether a leaf goes through a CNN: every 3-D leaf for "nature_cnn" and "minatar_cnn";
+    for "auto" only uint8 images big enough for the Nature CNN (smaller ones are flattened)."""
     if encoder == "mlp" or arr.ndim != 3:
         return False
-    if encoder == "nature_cnn":
+    if encoder in ("nature_cnn", "minatar_cnn"):
         return True
     _, h, w = _chw(arr.shape, _channels_last(arr.shape))
     return arr.dtype == np.uint8 and min(h, w) >= NatureCNN.MIN_SIDE
@@ -316,7 +343,7 @@ def _channels_last(shape: tuple[int, ...]) -> bool:
 
 def has_cnn(obs_example, cfg: ModelConfig) -> bool:
     """Whether ``make_encoder`` gives observations like ``obs_example`` learned parameters
-    before the trunk: a Nature CNN, or the user's own encoder."""
+    before the trunk: a CNN, or the user's own encoder."""
     if is_reference(cfg.encoder):
         return True
     return any(_is_image(np.asarray(leaf), cfg.encoder) for _, leaf in leaves(obs_example))
@@ -358,9 +385,10 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
     namedarraytuple of them. The module maps a torch tree with leading dims [*L] to
     float32 features [*L, out_dim]. Floats (and ints, bools) are flattened as is, uint8
     leaves scaled by ``cfg.uint8_scale``; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
-    go through a ``NatureCNN`` first. With ``hidden_sizes=()`` out_dim is the width of the
-    concatenation (512 per image leaf), as in CleanRL's Atari agents. ``cfg.encoder`` may name
-    the user's own encoder as ``module:attribute`` (``CustomEncoder``).
+    go through a ``NatureCNN`` first, or with ``encoder = "minatar_cnn"`` ([H, W, C] leaves) a
+    ``MinAtarCNN``. With ``hidden_sizes=()`` out_dim is the width of the concatenation (512 per
+    Nature CNN leaf, as in CleanRL's Atari agents; 16 (H - 2) (W - 2) per MinAtar CNN leaf).
+    ``cfg.encoder`` may name the user's own encoder as ``module:attribute`` (``CustomEncoder``).
 
     ``obs_space``, the env's gymnasium observation space, tells which leaves are Discrete or
     MultiDiscrete: those are one-hot encoded (``OneHot``: a category is not a magnitude).
@@ -381,13 +409,15 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
         if categories is not None:
             parts.append(OneHot(*categories))
         elif _is_image(arr, cfg.encoder):
-            parts.append(NatureCNN(tuple(arr.shape), _channels_last(tuple(arr.shape)), cfg.uint8_scale))
+            shape = tuple(arr.shape)
+            parts.append(MinAtarCNN(shape, cfg.uint8_scale if arr.dtype == np.uint8 else 1.0)
+                         if cfg.encoder == "minatar_cnn" else NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
         else:
             parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
     if not parts:
         raise ValueError("make_encoder: obs_example has no array leaves")
-    if cfg.encoder == "nature_cnn" and not any(isinstance(p, NatureCNN) for p in parts):
-        raise ValueError("ModelConfig.encoder='nature_cnn' needs a 3-D image leaf in the observation")
+    if cfg.encoder in ("nature_cnn", "minatar_cnn") and not any(isinstance(p, (NatureCNN, MinAtarCNN)) for p in parts):
+        raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
     trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation)
     encoder = Encoder(shapes, parts, trunk)
