@@ -228,11 +228,10 @@ def test_config_errors_name_the_field():
 # ---------------------------------------------------------------- learning
 
 
-@pytest.mark.parametrize("name, cfg", [
-    ("qr_dqn", QRDQNConfig(n_quantiles=8)),
-    ("iqn", IQNConfig(n_taus=8, n_target_taus=8, n_acting_taus=16, n_cosines=16)),
+@pytest.mark.parametrize("name, cfg, dueling", [
+    ("qr_dqn", QRDQNConfig(n_quantiles=8), False),
+    ("iqn", IQNConfig(n_taus=8, n_target_taus=8, n_acting_taus=16, n_cosines=16), True),
 ])
-@pytest.mark.parametrize("dueling", [False, True])
 def test_learns_optimal_q_of_a_small_mdp(name, cfg, dueling):
     """test_dqn's deterministic 3-state MDP: every quantile of the return is Q*, so is their mean."""
     torch.manual_seed(0)
