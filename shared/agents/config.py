@@ -169,6 +169,36 @@ class QAgentConfig:
 
 
 @dataclass(frozen=True)
+class QuantileHead:
+    """The return head of QR-DQN and IQN (Dabney et al. 2017, 2018): per action, values of the
+    return's quantiles at fractions tau in (0, 1); Q is their mean. The algorithm's ``[algo]``
+    section sets it (``qr_dqn``: fixed fractions, ``iqn``: sampled ones), not ``[agent]``.
+    Exactly one of ``n_quantiles`` and ``n_cosines`` is > 0."""
+
+    n_quantiles: int = 0
+    """QR-DQN: the head outputs N quantiles per action at the fixed fractions (2i + 1) / 2N."""
+    n_cosines: int = 0
+    """IQN: a fraction tau enters as cos(pi i tau), i = 0..n-1, then a ReLU linear layer to the
+    feature width, multiplied into the encoder's features; the head maps each product to one
+    quantile value per action."""
+    acting_samples: int = 32
+    """IQN: fractions drawn U(0, 1) per observation to estimate Q for acting and for double-Q's
+    bootstrap action (K)."""
+
+    def __post_init__(self) -> None:
+        if (self.n_quantiles > 0) == (self.n_cosines > 0) or min(self.n_quantiles, self.n_cosines) < 0:
+            raise ValueError(f"QuantileHead: exactly one of n_quantiles (QR-DQN) and n_cosines (IQN) must be > 0, got "
+                             f"{self.n_quantiles} and {self.n_cosines}")
+        if self.acting_samples < 1:
+            raise ValueError(f"QuantileHead.acting_samples: must be >= 1, got {self.acting_samples}")
+
+    @property
+    def implicit(self) -> bool:
+        """IQN's head: quantile values at fractions given with each call."""
+        return self.n_cosines > 0
+
+
+@dataclass(frozen=True)
 class QpgAgentConfig:
     """Q-policy-gradient agent options (DDPG, TD3, SAC) beyond the encoder shape, exploration included.
 

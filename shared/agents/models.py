@@ -80,6 +80,19 @@ def init_layer(layer: nn.Module, gain: float = HIDDEN_GAIN) -> nn.Module:
     return layer
 
 
+class CosineEmbedding(nn.Module):
+    """IQN's embedding of quantile fractions (Dabney et al. 2018, eq. 4):
+    phi_j(tau) = ReLU(sum_{i=0}^{n-1} cos(pi i tau) w_ij + b_j), tau [*L] -> [*L, out_dim]."""
+
+    def __init__(self, n_cosines: int, out_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("frequencies", math.pi * torch.arange(n_cosines, dtype=torch.float32))
+        self.linear = init_layer(nn.Linear(n_cosines, out_dim))
+
+    def forward(self, taus: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.linear(torch.cos(taus.unsqueeze(-1) * self.frequencies)))
+
+
 class MLP(nn.Module):
     """Fully connected layers ``in_dim -> hidden_sizes...``, each followed by the activation.
 

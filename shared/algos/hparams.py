@@ -154,7 +154,9 @@ class DQNConfig:
     target_tau: float = 1.0
     """Every period: target <- tau * online + (1 - tau) * target (1 = hard copy; period 1, tau < 1 = Polyak)."""
     huber_delta: float = 1.0
-    """Huber loss threshold on the TD error (scalar Q only); 0 = squared error 0.5 * td^2."""
+    """Huber loss threshold on the TD error; 0 = squared error 0.5 * td^2. QR-DQN and IQN: kappa of
+    the quantile Huber loss (Dabney et al.: 1); 0 = the plain quantile loss |tau - 1{u < 0}| |u|.
+    C51 has none."""
     max_grad_norm: float = 10.0
     """Clip the global gradient norm to this; 0 = no clipping."""
     c51_priority: str = "kl"
@@ -172,6 +174,46 @@ class DQNConfig:
             raise ValueError(f"DQNConfig.c51_priority = {self.c51_priority!r}: allowed: {', '.join(C51_PRIORITIES)}")
         if not 0.0 < self.target_tau <= 1.0:
             raise ValueError(f"DQNConfig.target_tau: must be in (0, 1], got {self.target_tau}")
+
+
+@dataclass(frozen=True)
+class QRDQNConfig(DQNConfig):
+    """QR-DQN (Dabney et al. 2017): DQN on N return quantiles per action at the fixed fractions
+    (2i + 1) / 2N, learned with the quantile Huber loss (kappa = ``huber_delta``); Q is their
+    mean. Double, dueling (``agent.dueling``), n-step and prioritized replay combine as for C51;
+    an item's priority is its quantile Huber loss."""
+
+    n_quantiles: int = 200
+    """Quantiles per action (N; the paper: 200)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_quantiles < 1:
+            raise ValueError(f"QRDQNConfig.n_quantiles: must be >= 1, got {self.n_quantiles}")
+
+
+@dataclass(frozen=True)
+class IQNConfig(DQNConfig):
+    """IQN (Dabney et al. 2018): the quantile Huber loss (kappa = ``huber_delta``) of N online
+    quantiles against N' target quantiles, each at fractions drawn U(0, 1) afresh per item and
+    update; a fraction enters the network as a cosine embedding multiplied into the features.
+    Acting (and double-Q's bootstrap action) takes Q as the mean of K sampled quantiles.
+    Combines with double, dueling, n-step and prioritized replay as QR-DQN does."""
+
+    n_taus: int = 64
+    """Online quantile fractions per item in the loss (N; the paper: 64)."""
+    n_target_taus: int = 64
+    """Target quantile fractions per item in the loss (N'; the paper: 64)."""
+    n_acting_taus: int = 32
+    """Fractions per observation that estimate Q for acting and the double-Q action (K; the paper: 32)."""
+    n_cosines: int = 64
+    """Cosine features of a fraction, cos(pi i tau) for i = 0..n-1 (the paper: 64)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if min(self.n_taus, self.n_target_taus, self.n_acting_taus, self.n_cosines) < 1:
+            raise ValueError(f"IQNConfig: n_taus, n_target_taus, n_acting_taus and n_cosines must be >= 1, got "
+                             f"{self.n_taus}, {self.n_target_taus}, {self.n_acting_taus}, {self.n_cosines}")
 
 
 @dataclass(frozen=True)

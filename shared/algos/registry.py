@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from shared.agents import registry as agents
 from shared.agents.registry import AgentSpec
-from shared.algos.hparams import (A2CConfig, DDPGConfig, DQNConfig, ImpalaConfig, PPOConfig, R2D1Config, SACConfig,
-                                  TD3Config)
+from shared.algos.hparams import (A2CConfig, DDPGConfig, DQNConfig, ImpalaConfig, IQNConfig, PPOConfig, QRDQNConfig,
+                                  R2D1Config, SACConfig, TD3Config)
 from shared.runtime.plugins import is_reference, load_attribute
 
 BATCHES = {"segments": ("queue",), "transitions": ("uniform", "prioritized"), "sequences": ("sequence",)}
@@ -74,7 +74,7 @@ def _a2c(agent, cfg):  # IMPALA is A2C with ImpalaConfig's V-trace targets and t
     return A2C(agent, cfg)
 
 
-def _dqn(agent, cfg):
+def _dqn(agent, cfg):  # QR-DQN and IQN too: the agent's head picks the loss (shared/algos/dqn.py)
     from shared.algos.dqn import DQN
 
     return DQN(agent, cfg)
@@ -103,6 +103,8 @@ ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
     AlgoSpec("a2c", A2CConfig, agents.PG, "segments", _a2c, recurrent=True),
     AlgoSpec("impala", ImpalaConfig, agents.PG, "segments", _a2c, recurrent=True),
     AlgoSpec("dqn", DQNConfig, agents.Q, "transitions", _dqn),
+    AlgoSpec("qr_dqn", QRDQNConfig, agents.QUANTILE, "transitions", _dqn),
+    AlgoSpec("iqn", IQNConfig, agents.IMPLICIT_QUANTILE, "transitions", _dqn),
     AlgoSpec("r2d1", R2D1Config, agents.Q, "sequences", _r2d1, recurrent=True),
     AlgoSpec("ddpg", DDPGConfig, agents.DETERMINISTIC, "transitions", _ddpg),
     AlgoSpec("td3", TD3Config, agents.DETERMINISTIC, "transitions", _ddpg),
