@@ -154,22 +154,24 @@ class BatchRenorm(nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return (x - self.running_mean) * torch.rsqrt(self.running_var + self.eps) * self.scale + self.bias
-        mean = x.mean(1, keepdim=True)
-        var = x.var(1, keepdim=True, unbiased=False)
-        std = (var + self.eps).sqrt()
-        x_hat = (x - mean) / std
-        with torch.no_grad():
-            running_std = (self.running_var + self.eps).sqrt()
-            # A tensor condition, not a Python branch: no device sync each pass.
-            renorm = self.steps >= self.warmup_steps
-            r = torch.where(renorm, (std / running_std).clamp(1.0 / self.R_MAX, self.R_MAX), 1.0)
-            d = torch.where(renorm, ((mean - self.running_mean) / running_std).clamp(-self.D_MAX, self.D_MAX), 0.0)
-            self.running_mean.lerp_(mean, self.momentum)
-            self.running_var.lerp_(var, self.momentum)
-            self.steps += 1
-        return (x_hat * r + d) * self.scale + self.bias
+        if self.training:
+            var, mean = torch.var_mean(x, dim=1, keepdim=True, unbiased=False)
+            std = (var + self.eps).sqrt()
+            with torch.no_grad():
+                running_std = (self.running_var + self.eps).sqrt()
+                # A tensor condition, not a Python branch: no device sync each pass.
+                renorm = self.steps >= self.warmup_steps
+                r = torch.where(renorm, (std / running_std).clamp(1.0 / self.R_MAX, self.R_MAX), 1.0)
+                d = torch.where(renorm, ((mean - self.running_mean) / running_std).clamp(-self.D_MAX, self.D_MAX), 0.0)
+                self.running_mean.lerp_(mean, self.momentum)
+                self.running_var.lerp_(var, self.momentum)
+                self.steps += 1
+            a = r / std  # (x - mean) / std * r + d = x * a + b: one multiply-add on x (as torch's batch_norm)
+            b = d - mean * a
+        else:
+            a = torch.rsqrt(self.running_var + self.eps)
+            b = -self.running_mean * a
+        return torch.addcmul(self.bias + self.scale * b, x, self.scale * a)
 
 
 class EnsembleMLP(nn.Module):
