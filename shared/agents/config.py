@@ -237,6 +237,37 @@ class QpgAgentConfig:
                              f"({self.log_std_max})")
 
 
+@dataclass(frozen=True)
+class CriticConfig:
+    """The Q-critics of a Q-policy-gradient agent, as its algorithm asks for them
+    (``QpgConfig.critic()``: they are part of the algorithm's design, so its ``[algo]``
+    section sets them)."""
+
+    n: int = 1
+    """Q-networks side by side (one ``EnsembleMLP``)."""
+    hidden_sizes: tuple[int, ...] = ()
+    """Widths of each critic's MLP on the encoded observation and the action; () = ``model.hidden_sizes``."""
+    outputs: int = 1
+    """Outputs of each critic: 1 = a Q-value, more = that many quantiles of the return (TQC)."""
+    batch_renorm: bool = False
+    """Batch renormalization (Ioffe 2017) before every linear layer of the critics, the input's
+    included (CrossQ, Bhatt et al. 2024; ``shared.agents.models.BatchRenorm``)."""
+    renorm_momentum: float = 0.01
+    """Running statistics <- (1 - momentum) * running + momentum * batch statistics."""
+    renorm_eps: float = 1e-3
+    """Added to the variance before its square root."""
+    renorm_warmup_steps: int = 100_000
+    """Training forward passes that normalise with the batch's statistics alone (plain batch
+    norm) before the running statistics correct them (r clipped to [1/3, 3], d to [-5, 5])."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.outputs < 1 or any(int(h) <= 0 for h in self.hidden_sizes):
+            raise ValueError(f"CriticConfig: need n >= 1, outputs >= 1 and positive widths, got n={self.n}, "
+                             f"outputs={self.outputs}, hidden_sizes={self.hidden_sizes}")
+        if not 0.0 < self.renorm_momentum <= 1.0 or self.renorm_eps <= 0 or self.renorm_warmup_steps < 0:
+            raise ValueError("CriticConfig: need 0 < renorm_momentum <= 1, renorm_eps > 0 and renorm_warmup_steps >= 0")
+
+
 def lstm_cores(family: str, agent) -> int:
     """LSTM cores of a recurrent agent: a policy-gradient agent without ``shared_encoder`` has
     one for the policy and one for the value (as SB3-contrib's RecurrentPPO and rl_games'

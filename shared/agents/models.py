@@ -9,6 +9,7 @@ CleanRL: orthogonal weights, zero biases, gain sqrt(2) for hidden layers.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -139,16 +140,66 @@ class MLP(nn.Module):
         return x
 
 
+class BatchRenorm(nn.Module):
+    """Batch renormalization (Ioffe 2017) of each ensemble member's features [n, N, width]:
+    per member and feature, over the N samples, as CrossQ's critics use it (Bhatt et al. 2024;
+    sb3-contrib's BatchRenorm1d, with its defaults).
+
+    Training: x_hat = (x - mu_B) / sigma_B * r + d, with sigma_B = sqrt(var_B + eps) the batch's
+    (biased) statistics, r = sigma_B / sigma and d = (mu_B - mu) / sigma from the running
+    statistics (mu, sigma = sqrt(var + eps)), held constant in the gradient and clipped to
+    [1/R_MAX, R_MAX] and [-D_MAX, D_MAX]; during the first ``warmup_steps`` training passes r = 1,
+    d = 0 (batch norm). The running statistics then move: mu <- mu + momentum (mu_B - mu), var
+    likewise. Evaluation (``eval()``): x_hat = (x - mu) / sigma. Output scale * x_hat + bias,
+    both learned, one per member and feature. The pass count is a buffer, so a resumed run goes
+    on where it was.
+    """
+
+    R_MAX, D_MAX = 3.0, 5.0
+
+    def __init__(self, n: int, width: int, momentum: float, eps: float, warmup_steps: int) -> None:
+        super().__init__()
+        self.momentum, self.eps, self.warmup_steps = momentum, eps, warmup_steps
+        self.scale = nn.Parameter(torch.ones(n, 1, width))
+        self.bias = nn.Parameter(torch.zeros(n, 1, width))
+        self.register_buffer("running_mean", torch.zeros(n, 1, width))
+        self.register_buffer("running_var", torch.ones(n, 1, width))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            var, mean = torch.var_mean(x, dim=1, keepdim=True, unbiased=False)
+            std = (var + self.eps).sqrt()
+            with torch.no_grad():
+                running_std = (self.running_var + self.eps).sqrt()
+                # A tensor condition, not a Python branch: no device sync each pass.
+                renorm = self.steps >= self.warmup_steps
+                r = torch.where(renorm, (std / running_std).clamp(1.0 / self.R_MAX, self.R_MAX), 1.0)
+                d = torch.where(renorm, ((mean - self.running_mean) / running_std).clamp(-self.D_MAX, self.D_MAX), 0.0)
+                self.running_mean.lerp_(mean, self.momentum)
+                self.running_var.lerp_(var, self.momentum)
+                self.steps += 1
+            a = r / std  # (x - mean) / std * r + d = x * a + b: one multiply-add on x (as torch's batch_norm)
+            b = d - mean * a
+        else:
+            a = torch.rsqrt(self.running_var + self.eps)
+            b = -self.running_mean * a
+        return torch.addcmul(self.bias + self.scale * b, x, self.scale * a)
+
+
 class EnsembleMLP(nn.Module):
     """``n`` independent MLPs of one shape run as one: each layer is a batched matmul
     (``torch.baddbmm``) over weights [n, in, out], so twin critics cost one critic's kernel
     launches, which is what small networks on a CPU pay for. Each member is initialised
     like ``MLP`` (orthogonal, gain sqrt(2) for hidden layers, ``output_gain`` for the last:
-    one for all members, or one each). Input [n, N, in_dim] -> output [n, N, out_dim].
+    one for all members, or one each). ``norm(width)``, when given, makes a layer over
+    [n, N, width] (``BatchRenorm``) that runs before every linear layer, the first included.
+    Input [n, N, in_dim] -> output [n, N, out_dim].
     """
 
     def __init__(self, n: int, in_dim: int, hidden_sizes: tuple[int, ...], activation: str = "tanh",
-                 output_size: int = 1, output_gain: float | tuple[float, ...] = 1.0) -> None:
+                 output_size: int = 1, output_gain: float | tuple[float, ...] = 1.0,
+                 norm: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.fn = _ACTIVATIONS[activation][1]
         self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
@@ -161,6 +212,7 @@ class EnsembleMLP(nn.Module):
             members = [nn.init.orthogonal_(torch.empty(b, a), gain).T for gain in gains]  # nn.Linear's [out, in], transposed
             self.weights.append(nn.Parameter(torch.stack(members)))
             self.biases.append(nn.Parameter(torch.zeros(n, 1, b)))
+        self.norms = nn.ModuleList([norm(a) for a in sizes[:-1]]) if norm is not None else None
         self.out_dim = output_size
 
     @property
@@ -169,6 +221,8 @@ class EnsembleMLP(nn.Module):
 
     def member(self, m: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``m`` alone on input [*L, in_dim] -> [*L, out_dim] (the others' work skipped)."""
+        if self.norms is not None:  # its statistics are over the whole ensemble's batch
+            raise ValueError("EnsembleMLP.member: not for an ensemble with normalization layers")
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         last = len(self.weights) - 1
@@ -181,6 +235,8 @@ class EnsembleMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.weights) - 1
         for k, (w, b) in enumerate(zip(self.weights, self.biases)):
+            if self.norms is not None:
+                x = self.norms[k](x)
             x = torch.baddbmm(b, x, w)
             if k < last:
                 x = self.fn(x)

@@ -70,14 +70,14 @@ def _implicit_quantile(obs_example, action_space, model_cfg, agent_cfg, algo_cfg
 def _deterministic(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.qpg import DeterministicAgent
 
-    return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics,
+    return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, critic=algo_cfg.critic(),
                               obs_space=obs_space)
 
 
 def _sac(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.qpg import SacAgent
 
-    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics, obs_space=obs_space)
+    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, critic=algo_cfg.critic(), obs_space=obs_space)
 
 
 PG = AgentSpec("pg", PgAgentConfig, "pg", _pg)
@@ -89,6 +89,7 @@ QUANTILE = AgentSpec("quantile", QAgentConfig, "q", _quantile)
 IMPLICIT_QUANTILE = AgentSpec("implicit_quantile", QAgentConfig, "q", _implicit_quantile)
 """Q-network with quantiles at sampled fractions (cosine embedding, ``algo.n_cosines``): IQN."""
 DETERMINISTIC = AgentSpec("deterministic", QpgAgentConfig, "qpg", _deterministic)
-"""Deterministic actor and ``algo.n_critics`` Q-critics: DDPG, TD3."""
+"""Deterministic actor and the Q-critics ``algo_cfg.critic()`` describes (``QpgConfig``): DDPG, TD3."""
 SAC = AgentSpec("sac", QpgAgentConfig, "qpg", _sac)
-"""Squashed-Gaussian actor and ``algo.n_critics`` Q-critics: SAC."""
+"""Squashed-Gaussian actor and the Q-critics ``algo_cfg.critic()`` describes: SAC, TQC (quantile
+critics), CrossQ (batch-renormalized critics)."""

@@ -7,8 +7,11 @@ their own class (``from shared.algos.ppo import PPOConfig`` keeps working).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
+
+from shared.agents.config import CriticConfig
 
 
 ADVANTAGES = ("gae", "vtrace")
@@ -218,38 +221,51 @@ class IQNConfig(DQNConfig):
 
 @dataclass(frozen=True)
 class QpgConfig:
-    """What DDPG, TD3 and SAC share: critics regressed on n-step TD targets from target
-    networks that trail by Polyak averaging, an actor that climbs the critic."""
+    """What DDPG, TD3, SAC, TQC and CrossQ share: critics regressed on n-step TD targets from
+    target networks that trail by Polyak averaging, an actor that climbs the critics."""
 
     actor_lr: float = 1e-3
     """Adam learning rate of the actor."""
     critic_lr: float = 1e-3
     """Adam learning rate of the critics (one optimizer for all of them)."""
+    adam_beta1: float = 0.9
+    """Adam beta1 of the actor's and the critics' optimizers (CrossQ: 0.5)."""
     anneal_lr: bool = False
     """Decay the learning rates linearly to 0 over the run (progress 0 -> 1)."""
     batch_size: int = 256
     """Transitions in one batch (the learner asks replay for this many per update)."""
     n_critics: int = 1
-    """Q-networks; with 2 the TD target takes their minimum (clipped double Q, Fujimoto et al. 2018)."""
+    """Q-networks; with more than one the TD target takes their minimum (2: clipped double Q,
+    Fujimoto et al. 2018); TQC pools their quantiles instead."""
+    critic_hidden_sizes: tuple[int, ...] = ()
+    """Widths of each critic's MLP; () = ``model.hidden_sizes`` (the actor's)."""
+    policy_delay: int = 1
+    """Critic updates per actor update (DDPG/TD3: and per target move; SAC: and per temperature step)."""
     tau: float = 0.005
-    """Polyak rate: target <- tau * online + (1 - tau) * target after every actor update."""
+    """Polyak rate: target <- tau * online + (1 - tau) * target (DDPG/TD3: after every actor
+    update; SAC: after every update)."""
     max_grad_norm: float = 0.0
     """Clip each network's global gradient norm to this; 0 = no clipping."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.n_critics not in (1, 2):
-            raise ValueError(f"{type(self).__name__}: need batch_size >= 1 and n_critics 1 or 2, got "
-                             f"{self.batch_size} and {self.n_critics}")
+        if self.batch_size < 1 or self.n_critics < 1 or self.policy_delay < 1:
+            raise ValueError(f"{type(self).__name__}: need batch_size, n_critics and policy_delay >= 1, got "
+                             f"{self.batch_size}, {self.n_critics} and {self.policy_delay}")
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"{type(self).__name__}.tau: must be in (0, 1], got {self.tau}")
+        if not 0.0 <= self.adam_beta1 < 1.0:
+            raise ValueError(f"{type(self).__name__}.adam_beta1: must be in [0, 1), got {self.adam_beta1}")
+        self.critic()  # its own checks (widths)
+
+    def critic(self) -> CriticConfig:
+        """The critics the agent builds for this algorithm."""
+        return CriticConfig(n=self.n_critics, hidden_sizes=tuple(self.critic_hidden_sizes))
 
 
 @dataclass(frozen=True)
 class DDPGConfig(QpgConfig):
     """DDPG (Lillicrap et al. 2016) with a deterministic actor; TD3 is this with its three changes on."""
 
-    policy_delay: int = 1
-    """Critic updates per actor (and target) update."""
     target_noise: float = 0.0
     """Target policy smoothing: std of the Gaussian noise on the target actor's action (units of half the range)."""
     target_noise_clip: float = 0.5
@@ -257,9 +273,8 @@ class DDPGConfig(QpgConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.policy_delay < 1 or self.target_noise < 0 or self.target_noise_clip < 0:
-            raise ValueError(f"{type(self).__name__}: need policy_delay >= 1, target_noise >= 0 and "
-                             "target_noise_clip >= 0")
+        if self.target_noise < 0 or self.target_noise_clip < 0:
+            raise ValueError(f"{type(self).__name__}: need target_noise >= 0 and target_noise_clip >= 0")
 
 
 @dataclass(frozen=True)
@@ -286,11 +301,62 @@ class SACConfig(QpgConfig):
     """Tune alpha so that the policy's entropy tracks target_entropy; false = fixed init_alpha."""
     target_entropy: Optional[float] = None
     """Entropy the temperature steers towards; None = -|A| (minus the action dimensions)."""
+    target_networks: bool = True
+    """Bootstrap from Polyak-averaged target critics; false = from the critics themselves, in
+    one forward pass with the batch's own state-actions (CrossQ; tau is then unused)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.init_alpha <= 0:
-            raise ValueError(f"SACConfig.init_alpha: must be > 0, got {self.init_alpha}")
+            raise ValueError(f"{type(self).__name__}.init_alpha: must be > 0, got {self.init_alpha}")
+
+
+@dataclass(frozen=True)
+class TQCConfig(SACConfig):
+    """TQC (Kuznetsov et al. 2020): SAC with ``n_critics`` quantile critics whose pooled target
+    atoms lose the top ``drop_per_net * n_critics`` (defaults: the paper's M = 5, N = 25, d = 2)."""
+
+    n_critics: int = 5
+    n_quantiles: int = 25
+    """Quantiles each critic outputs (N), at fractions (2i + 1) / 2N."""
+    drop_per_net: int = 2
+    """Target atoms dropped per critic (d): of the n_critics * n_quantiles pooled atoms, sorted,
+    the top n_critics * drop_per_net go (the knob on the overestimation bias)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_quantiles < 1 or not 0 <= self.drop_per_net < self.n_quantiles:
+            raise ValueError(f"TQCConfig: need n_quantiles >= 1 and 0 <= drop_per_net < n_quantiles, got "
+                             f"{self.n_quantiles} and {self.drop_per_net}")
+
+    def critic(self) -> CriticConfig:
+        return dataclasses.replace(super().critic(), outputs=self.n_quantiles)
+
+
+@dataclass(frozen=True)
+class CrossQConfig(SACConfig):
+    """CrossQ (Bhatt et al. 2024): SAC without target networks, with batch-renormalized wide
+    critics that see the batch's and the next state-actions in one forward pass, delayed
+    actor updates and Adam beta1 0.5 (defaults: the paper's, as sb3-contrib ships them but
+    the paper's 2048-wide critics)."""
+
+    actor_lr: float = 1e-3
+    critic_lr: float = 1e-3
+    alpha_lr: float = 1e-3
+    adam_beta1: float = 0.5
+    policy_delay: int = 3
+    target_networks: bool = False
+    critic_hidden_sizes: tuple[int, ...] = (2048, 2048)
+    renorm_momentum: float = 0.01
+    """Batch renorm: running statistics <- (1 - momentum) * running + momentum * batch's (flax's 0.99 = 1 - this)."""
+    renorm_eps: float = 1e-3
+    """Batch renorm: added to the variance before its square root."""
+    renorm_warmup_steps: int = 100_000
+    """Batch renorm: critic updates of plain batch norm before the running statistics correct the batch's."""
+
+    def critic(self) -> CriticConfig:
+        return dataclasses.replace(super().critic(), batch_renorm=True, renorm_momentum=self.renorm_momentum,
+                                   renorm_eps=self.renorm_eps, renorm_warmup_steps=self.renorm_warmup_steps)
 
 
 @dataclass(frozen=True)

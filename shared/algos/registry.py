@@ -20,8 +20,8 @@ from typing import Any, Callable
 
 from shared.agents import registry as agents
 from shared.agents.registry import AgentSpec
-from shared.algos.hparams import (A2CConfig, DDPGConfig, DQNConfig, ImpalaConfig, IQNConfig, PPOConfig, QRDQNConfig,
-                                  R2D1Config, SACConfig, TD3Config)
+from shared.algos.hparams import (A2CConfig, CrossQConfig, DDPGConfig, DQNConfig, ImpalaConfig, IQNConfig, PPOConfig,
+                                  QRDQNConfig, R2D1Config, SACConfig, TD3Config, TQCConfig)
 from shared.runtime.plugins import is_reference, load_attribute
 
 BATCHES = {"segments": ("queue",), "transitions": ("uniform", "prioritized"), "sequences": ("sequence",)}
@@ -92,10 +92,16 @@ def _ddpg(agent, cfg):  # TD3 is DDPG with TD3Config's twin critics, target smoo
     return DDPG(agent, cfg)
 
 
-def _sac(agent, cfg):
+def _sac(agent, cfg):  # CrossQ is SAC with CrossQConfig's batch-renormalized critics and no target networks
     from shared.algos.qpg import SAC
 
     return SAC(agent, cfg)
+
+
+def _tqc(agent, cfg):
+    from shared.algos.qpg import SAC, TruncatedQuantiles
+
+    return SAC(agent, cfg, TruncatedQuantiles(cfg.drop_per_net))
 
 
 ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
@@ -109,6 +115,8 @@ ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
     AlgoSpec("ddpg", DDPGConfig, agents.DETERMINISTIC, "transitions", _ddpg),
     AlgoSpec("td3", TD3Config, agents.DETERMINISTIC, "transitions", _ddpg),
     AlgoSpec("sac", SACConfig, agents.SAC, "transitions", _sac),
+    AlgoSpec("tqc", TQCConfig, agents.SAC, "transitions", _tqc),
+    AlgoSpec("crossq", CrossQConfig, agents.SAC, "transitions", _sac),
 )}
 """The built-in algorithms by ``algo.name``."""
 
