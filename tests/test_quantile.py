@@ -17,7 +17,7 @@ from shared.agents.config import ModelConfig, QAgentConfig, QuantileHead
 from shared.agents.models import CosineEmbedding
 from shared.agents.q import QAgent
 from shared.algos import registry
-from shared.algos.distributional import quantile_huber_loss
+from shared.algos.quantiles import quantile_huber
 from shared.algos.hparams import IQNConfig, QRDQNConfig
 from shared.config import loading
 from shared.config.schema import ConfigError
@@ -48,7 +48,7 @@ def make(name: str, cfg, agent_cfg=QAgentConfig(), model=LINEAR, obs_dim=2, acti
                                          (2.0, 0.2578125 + 0.3828125)])
 def test_quantile_huber_loss_by_hand(kappa, want):
     values = torch.tensor([[0.0, 1.0]], requires_grad=True)
-    loss = quantile_huber_loss(values, torch.tensor([[0.25, 0.75]]), torch.tensor([[0.5, 3.0]]), kappa)
+    loss = quantile_huber(values, torch.tensor([[0.5, 3.0]]), kappa, torch.tensor([[0.25, 0.75]])).mean(-1).sum(-1)
     assert loss.shape == (1,)
     np.testing.assert_allclose(loss.item(), want, rtol=1e-6)
     if kappa == 0.0:
@@ -67,7 +67,7 @@ def test_quantile_loss_minimum_is_the_quantile_of_the_targets():
     optimizer = torch.optim.Adam([values], lr=0.05)
     for _ in range(800):
         optimizer.zero_grad()
-        quantile_huber_loss(values, taus, targets, 0.0).sum().backward()
+        quantile_huber(values, targets, 0.0, taus).mean(-1).sum().backward()
         optimizer.step()
     want = torch.quantile(targets[0], taus[0])
     np.testing.assert_allclose(values.detach()[0].numpy(), want.numpy(), atol=0.05)

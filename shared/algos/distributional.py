@@ -1,32 +1,10 @@
-"""The pieces of the distributional DQN losses, vectorised over the batch: the categorical
-(C51) projection of Bellemare, Dabney & Munos (2017), "A Distributional Perspective on
-Reinforcement Learning", Algorithm 1; and the quantile Huber loss of QR-DQN and IQN (Dabney
-et al. 2017, "Distributional Reinforcement Learning with Quantile Regression", eq. 10; 2018,
-"Implicit Quantile Networks for Distributional Reinforcement Learning", eq. 3)."""
+"""The categorical (C51) projection of Bellemare, Dabney & Munos (2017), "A Distributional
+Perspective on Reinforcement Learning", Algorithm 1, vectorised over the batch. The quantile
+Huber loss of QR-DQN, IQN and TQC is in ``shared.algos.quantiles``."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-
-def quantile_huber_loss(values: torch.Tensor, taus: torch.Tensor, targets: torch.Tensor, kappa: float) -> torch.Tensor:
-    """Per-item loss [N] of quantile values [N, T] at fractions taus [N, T] against target
-    samples [N, T'] (computed without gradient by the caller):
-
-        loss = sum_i mean_j |tau_i - 1{u_ij < 0}| * L_kappa(u_ij) / kappa,   u_ij = target_j - value_i
-
-    with L_kappa the Huber loss (0.5 u^2 for |u| <= kappa, kappa (|u| - kappa / 2) beyond);
-    kappa = 0 is its limit, the plain quantile loss |tau_i - 1{u_ij < 0}| * |u_ij|. Summing over
-    the online quantiles i and averaging over the target samples j is both papers' form (QR-DQN:
-    T = T' = N, IQN: N and N')."""
-    u = targets.unsqueeze(-2) - values.unsqueeze(-1)  # [N, T, T']
-    if kappa > 0:
-        loss = F.huber_loss(u, torch.zeros_like(u), reduction="none", delta=kappa) / kappa
-    else:
-        loss = u.abs()
-    weight = (taus.unsqueeze(-1) - (u.detach() < 0).to(u.dtype)).abs()
-    return (weight * loss).mean(-1).sum(-1)
 
 
 def project_distribution(

@@ -26,9 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.algos.distributional import project_distribution, quantile_huber_loss
+from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
 from shared.algos.optim import set_lr
+from shared.algos.quantiles import quantile_huber
 from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
 from shared.agents.q import QAgent
@@ -96,7 +97,7 @@ class DQN(TargetNetworkAlgo):
                 target = returns[:, None] + discount[:, None] * target_z[rows, a_star]  # [N, T']
             z, taus = agent.quantiles(batch.observation, online_taus)
             z_taken = z[rows, action]  # [N, T]
-            per_item = quantile_huber_loss(z_taken, taus, target, cfg.huber_delta)
+            per_item = quantile_huber(z_taken, target, cfg.huber_delta, taus).mean(-1).sum(-1)
             q_taken = z_taken.detach().mean(-1)
             target_value = target.mean(-1)
             td_abs = (target_value - q_taken).abs()
