@@ -247,9 +247,9 @@ class Learner:
         result = {"reason": reason, "env_steps": p.env_steps, "updates": p.updates, "policy_version": self.version,
                   "mean_return": p.mean_return(), "episodes": p.episodes_seen, "wall_s": round(p.wall_s(), 2),
                   "first_batch_to_end_s": to_target}
+        p.close()  # first: with result.json there, TensorBoard's and W&B's files are complete
         if self.run_dir is not None and self.leads:
             (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
-        p.close()
         return result
 
 
