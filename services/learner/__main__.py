@@ -71,6 +71,7 @@ def run(exp, run_dir, instance: int) -> None:
         result = run_loop(learner, slots, source, params)
         log.info("run finished: %s", result)
     finally:
+        learner.progress.close()  # also when stopped: the W&B run ends here, not in an exit hook
         source.close()
         params.close()
         for seg in segments:

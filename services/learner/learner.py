@@ -37,6 +37,7 @@ from shared.algos import optim
 from shared.algos.update import Update
 
 from services.learner.checkpoints import CHECKPOINT, PREVIOUS_CHECKPOINT, Checkpoints  # noqa: F401 (the run's files)
+from services.learner.wandb_run import WandbRun
 from services.learner.progress import COUNTERS, PROGRESS, PROGRESS_FIELDS, Progress  # noqa: F401
 from services.learner.stopping import Stopping
 
@@ -81,7 +82,9 @@ class Learner:
         self.log_interval_s, self.checkpoint_interval_s = exp.run.log_interval_s, exp.learner.checkpoint_interval_s
         self.run_dir = run_dir
         self.leads = group is None or group.rank == 0  # publishes, reports, checkpoints
-        self.progress = Progress(exp.run.return_window, run_dir if self.leads else None)
+        reports = run_dir if self.leads else None
+        wandb = WandbRun(exp.logging, reports) if reports is not None and exp.logging.to_wandb else None
+        self.progress = Progress(exp.run.return_window, reports, wandb)
         self.stopping = Stopping(exp.run, self.progress, group)
         self.checkpoints = None if run_dir is None else Checkpoints(run_dir)
         self.identical_at: tuple[int, int] | None = None  # (update, checksum) of the ranks' last comparison
@@ -241,9 +244,9 @@ class Learner:
         result = {"reason": reason, "env_steps": p.env_steps, "updates": p.updates, "policy_version": self.version,
                   "mean_return": p.mean_return(), "episodes": p.episodes_seen, "wall_s": round(p.wall_s(), 2),
                   "first_batch_to_end_s": to_target}
+        p.close()  # first: with result.json there, TensorBoard's and W&B's files are complete
         if self.run_dir is not None and self.leads:
             (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
-        p.close()
         return result
 
 
