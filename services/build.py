@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared.agents.config import info_example
 from shared.config.schema import ConfigError, Experiment
 from shared.runtime.plugins import first_line
-from shared.envs.group import EnvGroup
+from shared.envs.backends import AnyEnvGroup, make_env_group
 from shared.data.layout import segment_spec, step_example
 
 
@@ -18,12 +18,12 @@ def on_policy(exp: Experiment) -> bool:
     return exp.algo_spec.on_policy
 
 
-def env_probe(exp: Experiment) -> EnvGroup:
+def env_probe(exp: Experiment) -> AnyEnvGroup:
     """One env of the experiment, for its spaces and example observation/action."""
-    return EnvGroup(exp.env, 1, exp.run.seed)
+    return make_env_group(exp.env, 1, exp.run.seed)
 
 
-def make_agent(exp: Experiment, probe: EnvGroup):
+def make_agent(exp: Experiment, probe: AnyEnvGroup):
     """The run's agent, initialised from ``run.seed``: every process that builds it (learner,
     local samplers acting in torch, action-servers) holds the same version-0 parameters, so
     those can act before the learner has published anything. ConfigError (one line) for an
@@ -65,7 +65,7 @@ def agent_info(exp: Experiment):
     return info
 
 
-def example_step(exp: Experiment, probe: EnvGroup):
+def example_step(exp: Experiment, probe: AnyEnvGroup):
     """One step of samples of the experiment (the layout of every buffer that holds steps)."""
     action = probe.example_action()
     return step_example(probe.example_observation(), action, agent_info(exp)(action))

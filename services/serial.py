@@ -26,7 +26,7 @@ from pathlib import Path
 
 from services.build import (agent_info, batch_items, batch_spec, env_probe, example_step, make_agent, make_algo,
                             on_policy)
-from services.learner.learner import Learner, lock_run, run_loop
+from services.learner.learner import Learner, run_loop
 from services.replay.tables import PRIORITIZED, make_table, sample_batch
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
@@ -35,7 +35,7 @@ from shared.config.schema import ConfigError, Experiment
 from shared.data.layout import segment_spec
 from shared.data.namedarraytuple import from_spec
 from shared.data.obs_stats import NO_MOMENTS, Moments
-from shared.runtime.process import torch_device
+from shared.runtime.process import lock_service, torch_device
 from services.topology import topology
 
 
@@ -133,7 +133,7 @@ def train_serial(exp: Experiment, run_dir: Path | None = None) -> dict:
     if exp.learner.count > 1:
         raise ConfigError(f"learner.count = {exp.learner.count}: serial mode runs one learner in this process; "
                           "launch the run for data-parallel ranks")
-    lock = None if run_dir is None else lock_run(run_dir)
+    lock = None if run_dir is None else lock_service(run_dir, "learner")
     try:
         return _train(exp, run_dir)
     finally:

@@ -1,4 +1,7 @@
-"""EnvGroup and EnvConfig: episode ends, final observations, seeding, spaces, errors, Atari."""
+"""EnvGroup and EnvConfig: episode ends, final observations, seeding, spaces, errors, Atari.
+
+The contract tests that apply to every env backend run on each (``backend``); EnvPool's own
+checks are in tests/test_envpool_backend.py."""
 
 from __future__ import annotations
 
@@ -7,7 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.envs.group import EnvConfig, EnvError, EnvGroup, validate_env_config
+from dataclasses import replace
+
+from shared.envs.backends import make_env_group, validate_env_config
+from shared.envs.group import EnvConfig, EnvError, EnvGroup
 from shared.data.namedarraytuple import buffer_from_example
 
 try:
@@ -17,6 +23,14 @@ except ImportError:  # plain `pytest` puts tests/ (not the repo root) on sys.pat
 
 torch.set_num_threads(1)
 HELPERS = envs_for_tests.__name__
+BACKENDS = ["gymnasium", "envpool"]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> str:
+    if request.param == "envpool":
+        pytest.importorskip("envpool")
+    return request.param
 
 
 class Buffers:
@@ -35,38 +49,57 @@ class Buffers:
         return group.step(self.actions, self.obs, self.reward, self.terminated, self.truncated, self.final_obs)
 
 
-def cartpole_reference(seed: int, max_episode_steps: int):
+def cartpole_reference(backend: str, seed: int, start: np.ndarray, max_episode_steps: int) -> gym.Env:
+    """gymnasium's CartPole-v1 in the state ``start``: seeded like env i of the gymnasium backend
+    (its start must then be ``start``); set to it for EnvPool, whose CartPole has the same dynamics
+    but its own random start states."""
     env = gym.make("CartPole-v1", max_episode_steps=max_episode_steps)
     obs, _ = env.reset(seed=seed)
-    return env, obs
+    if backend == "gymnasium":
+        np.testing.assert_array_equal(obs, start)
+    else:
+        env.unwrapped.state = start.astype(np.float64)
+    return env
+
+
+def reset_reference(backend: str, env: gym.Env, got: np.ndarray) -> None:
+    """Reset ``env`` as the backend's env i was reset (to the start it got, for EnvPool)."""
+    reset_obs, _ = env.reset()
+    if backend == "gymnasium":
+        np.testing.assert_array_equal(got, reset_obs)
+    else:
+        env.unwrapped.state = got.astype(np.float64)
+
+
+def assert_same_state(backend: str, got: np.ndarray, want: np.ndarray) -> None:
+    """Exact for gymnasium; for EnvPool the reference started from the float32 rounding of its float64 state."""
+    np.testing.assert_allclose(got, want, rtol=0, atol=0 if backend == "gymnasium" else 1e-5)
 
 
 @pytest.mark.parametrize("max_steps,expect", [(5, "truncated"), (0, "terminated")])
-def test_cartpole_episode_end_kind_and_final_observation(max_steps, expect):
+def test_cartpole_episode_end_kind_and_final_observation(backend, max_steps, expect):
     B, base_seed = 2, 7
-    group = EnvGroup(EnvConfig(max_episode_steps=max_steps), B, base_seed)
+    group = make_env_group(EnvConfig(max_episode_steps=max_steps, backend=backend), B, base_seed)
     buf = Buffers(group)
     group.reset(buf.obs)
-    refs = [cartpole_reference(base_seed + i, max_steps or 500) for i in range(B)]
-    np.testing.assert_array_equal(buf.obs, np.stack([o for _, o in refs]))
+    refs = [cartpole_reference(backend, base_seed + i, buf.obs[i], max_steps or 500) for i in range(B)]
     buf.actions[:] = 1  # always push right: the pole falls in about 10 steps
     ended_at, games, kinds = {}, [], set()
     for t in range(1, 40):
         games += buf.step(group)
-        for i, (env, _) in enumerate(refs):
+        for i, env in enumerate(refs):
             obs, reward, terminated, truncated, _ = env.step(1)
             assert (buf.terminated[i], buf.truncated[i], buf.reward[i]) == (terminated, truncated, reward)
             if (terminated or truncated) and i not in ended_at:
                 ended_at[i] = t
                 kinds.add("terminated" if terminated else "truncated")
-                np.testing.assert_array_equal(buf.final_obs[i], obs)
-                reset_obs, _ = env.reset()
-                np.testing.assert_array_equal(buf.obs[i], reset_obs)
+                assert_same_state(backend, buf.final_obs[i], obs)
+                reset_reference(backend, env, buf.obs[i])
                 assert not np.array_equal(buf.obs[i], buf.final_obs[i])
                 if terminated:  # the pole fell or the cart left the track
                     assert abs(obs[2]) > 0.2095 or abs(obs[0]) > 2.4
             elif i not in ended_at:
-                np.testing.assert_array_equal(buf.obs[i], obs)
+                assert_same_state(backend, buf.obs[i], obs)
         if len(ended_at) == B:
             break
     assert kinds == {expect}
@@ -75,8 +108,8 @@ def test_cartpole_episode_end_kind_and_final_observation(max_steps, expect):
     assert sorted(games) == [(i, float(ended_at[i]), ended_at[i]) for i in range(B)]
 
 
-def run_cartpole(base_seed: int, actions: np.ndarray, B: int = 3) -> np.ndarray:
-    group = EnvGroup(EnvConfig(), B, base_seed)
+def run_cartpole(base_seed: int, actions: np.ndarray, B: int = 3, backend: str = "gymnasium") -> np.ndarray:
+    group = make_env_group(EnvConfig(backend=backend), B, base_seed)
     buf = Buffers(group)
     group.reset(buf.obs)
     trajectory = [buf.obs.copy()]
@@ -87,13 +120,14 @@ def run_cartpole(base_seed: int, actions: np.ndarray, B: int = 3) -> np.ndarray:
     return np.stack(trajectory)
 
 
-def test_seeding_is_deterministic_and_distinct_per_env():
+def test_seeding_is_deterministic_and_distinct_per_env(backend):
     actions = np.random.default_rng(0).integers(0, 2, (60, 3))
-    a, b = run_cartpole(11, actions), run_cartpole(11, actions)
+    a, b = run_cartpole(11, actions, backend=backend), run_cartpole(11, actions, backend=backend)
     np.testing.assert_array_equal(a, b)  # 60 steps include auto-resets: reset streams too
     assert not np.array_equal(a[0, 0], a[0, 1])
-    assert not np.array_equal(a[0], run_cartpole(12, actions)[0])
-    np.testing.assert_array_equal(a[0, 1], run_cartpole(12, actions)[0, 0])  # env i gets base_seed + i
+    assert not np.array_equal(a[0], run_cartpole(12, actions, backend=backend)[0])
+    # env i gets base_seed + i
+    np.testing.assert_array_equal(a[0, 1], run_cartpole(12, actions, backend=backend)[0, 0])
 
 
 def test_dict_observation_tuple_action_round_trip_and_box_clipping():
@@ -197,10 +231,10 @@ def test_misbehaving_env_raises_env_error_and_recreate_recovers(mode, problem):
     np.testing.assert_array_equal(buf.obs.x[:, 0], [7, 4, 7])
 
 
-def test_atari_pong_preprocessing_and_a_whole_game():
+def test_atari_pong_preprocessing_and_a_whole_game(backend):
     pytest.importorskip("ale_py")
     pytest.importorskip("cv2")
-    group = EnvGroup(EnvConfig(id="ALE/Pong-v5", wrappers=("atari",)), 1, 0)
+    group = make_env_group(EnvConfig(id="ALE/Pong-v5", wrappers=("atari",), backend=backend), 1, 0)
     example = group.example_observation()
     assert (example.dtype, example.shape) == (np.uint8, (4, 84, 84))  # channels first
     buf = Buffers(group)
@@ -217,7 +251,8 @@ def test_atari_pong_preprocessing_and_a_whole_game():
     assert buf.terminated[0] and not buf.truncated[0]
     (i, score, length), = games
     assert score == sum(rewards) and -21 <= score < 21  # Pong's points are already +-1
-    assert length == t + 2 and length > 300  # + FIRE and RIGHT pressed by the first reset
+    # + FIRE and RIGHT pressed by the gymnasium backend's first reset; EnvPool's count in no length.
+    assert length == t + (2 if backend == "gymnasium" else 0) and length > 300
     assert buf.final_obs[0].max() > 0 and buf.obs[0].max() > 0
 
 

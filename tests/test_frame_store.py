@@ -15,7 +15,8 @@ from services.replay.tables import make_table
 from shared.config import loading, schema
 from shared.transport import shm
 from shared.agents.config import QAgentInfo
-from shared.envs.group import EnvConfig, EnvGroup
+from shared.envs.backends import make_env_group
+from shared.envs.group import EnvConfig
 from shared.data.layout import segment_spec, step_example
 from shared.data.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
 from shared.replay.arena import ShmArena, fingerprint
@@ -142,9 +143,10 @@ def test_frame_store_returns_the_stacks_a_naive_store_returns(K, T, n, widths, e
         assert (ret, disc) == want[action][2:]
 
 
-def _pong_segments(T: int, B: int, n_segments: int):
-    envs = EnvGroup(EnvConfig(id="ALE/Pong-v5", kwargs='{"repeat_action_probability": 0.0}', wrappers=("atari", "episodic_life"),
-                              max_episode_steps=45), B, base_seed=3)
+def _pong_segments(T: int, B: int, n_segments: int, backend: str):
+    envs = make_env_group(EnvConfig(id="ALE/Pong-v5", kwargs='{"repeat_action_probability": 0.0}',
+                                    wrappers=("atari", "episodic_life"), max_episode_steps=45, backend=backend),
+                          B, base_seed=3)
     example = step_example(envs.example_observation(), np.int64(0), QAgentInfo(value=np.float32(0)))
     obs = buffer_from_example(example.observation, [B])
     envs.reset(obs)
@@ -163,9 +165,12 @@ def _pong_segments(T: int, B: int, n_segments: int):
     return example, segments
 
 
-def test_pong_stacks_come_back_exactly_also_from_a_table_reattached_in_shared_memory():
+@pytest.mark.parametrize("backend", ["gymnasium", "envpool"])
+def test_pong_stacks_come_back_exactly_also_from_a_table_reattached_in_shared_memory(backend):
+    if backend == "envpool":
+        pytest.importorskip("envpool")
     T, B = 16, 2
-    example, segments = _pong_segments(T, B, 12)  # 384 steps, a truncation every 45
+    example, segments = _pong_segments(T, B, 12, backend)  # 384 steps, a truncation every 45
     spec = with_leading_dims(spec_of(example), [T, B])
     cfg = TransitionStorageConfig(capacity=B * 150, n_step=3, gamma=0.99, frame_store=True)
     naive = Table(TransitionStorage(spec, {0: B}, TransitionStorageConfig(capacity=B * 150, n_step=3, gamma=0.99)),

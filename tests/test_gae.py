@@ -12,6 +12,7 @@ from shared.agents.config import AgentInfo
 from shared.agents.pg import PgAgent
 from shared.data.batches import OnPolicyBatch, Samples
 from shared.algos.gae import batch_advantages, explained_variance, gae
+from shared.algos.hparams import PgTargetsConfig
 
 torch.set_num_threads(1)
 
@@ -143,9 +144,8 @@ def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
     )
     agent = sum_value_agent()
     bootstrap = torch.tensor([7.0, 8.0])
-    adv, ret, used = batch_advantages(
-        agent, OnPolicyBatch(samples, bootstrap, torch.zeros(B, 2)), gamma, lam, reward_scale=0.5, recompute_values=False
-    )
+    cfg = PgTargetsConfig(gamma=gamma, gae_lambda=lam, reward_scale=0.5, recompute_values=False)
+    adv, ret, used = batch_advantages(agent, OnPolicyBatch(samples, bootstrap, torch.zeros(B, 2)), cfg)
 
     assert len(agent.calls) == 1 and agent.calls[0].tolist() == [[0.25, 0.5]]
     next_value = torch.tensor([[3.0, 4.0], [0.75, 6.0], [7.0, 8.0]])
@@ -171,7 +171,7 @@ def test_batch_advantages_recomputes_values_and_the_bootstrap_with_the_current_n
     stale_bootstrap = torch.tensor([7.0, 8.0])  # the acting network's: unused
     bootstrap_observation = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
     adv, ret, used = batch_advantages(sum_value_agent(), OnPolicyBatch(samples, stale_bootstrap, bootstrap_observation),
-                                      gamma, lam)
+                                      PgTargetsConfig(gamma=gamma, gae_lambda=lam))
     fresh = observation.sum(-1)
     torch.testing.assert_close(used, fresh)
     next_value = torch.cat([fresh[1:], bootstrap_observation.sum(-1)[None]])
@@ -191,7 +191,8 @@ def test_batch_advantages_skips_the_value_pass_without_truncation():
         policy_version=torch.zeros(T, B, dtype=torch.int64),
     )
     agent = sum_value_agent(1)
-    _, ret, _ = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B), torch.zeros(B, 1)), 1.0, 1.0, recompute_values=False)
+    _, ret, _ = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B), torch.zeros(B, 1)),
+                                 PgTargetsConfig(gamma=1.0, gae_lambda=1.0, recompute_values=False))
     assert agent.calls == []
     np.testing.assert_allclose(ret.numpy(), [[2.0, 2.0], [1.0, 1.0]])
 

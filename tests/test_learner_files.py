@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from services.learner.learner import CHECKPOINT, PREVIOUS_CHECKPOINT, Learner, lock_run
+from services.learner.learner import CHECKPOINT, PREVIOUS_CHECKPOINT, Learner
 from shared.config import loading as config
 from shared.transport import shm
 from services.build import env_probe, make_agent, make_algo
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.process import RUN_CONFIG, lock_service
 from tests.pipeline import CONFIGS, REPO
 
 
@@ -70,9 +70,9 @@ def test_a_second_learner_of_the_run_stops_before_touching_the_live_segments(tmp
     run_dir = tmp_path / run_id
     run_dir.mkdir()
     (run_dir / RUN_CONFIG).write_text(config.dumps(config.load(CONFIGS / "cartpole_ppo.toml")))
-    held = lock_run(run_dir)
+    held = lock_service(run_dir, "learner")
     with pytest.raises(RuntimeError, match="another learner .* runs for"):
-        lock_run(run_dir)
+        lock_service(run_dir, "learner")
     seg = shm.Segment.create(shm.segment_name(run_id, "learner", 0, "params"), 64)  # the live learner's
     try:
         out = subprocess.run([sys.executable, "-m", "services.learner", "--run-dir", str(run_dir)], cwd=REPO,
@@ -83,4 +83,4 @@ def test_a_second_learner_of_the_run_stops_before_touching_the_live_segments(tmp
         seg.unlink()
         seg.close()
         held.close()
-    lock_run(run_dir).close()  # free again once the holder is gone
+    lock_service(run_dir, "learner").close()  # free again once the holder is gone

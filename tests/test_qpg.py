@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.agents.config import ModelConfig, QpgAgentConfig
+from shared.agents.config import CriticConfig, ModelConfig, QpgAgentConfig
 from shared.agents import EVALUATE, StepContext
 from shared.agents.qpg import DeterministicAgent, SacAgent, tanh_gaussian_log_prob
 from shared.algos.qpg import DDPG, SAC, DDPGConfig, SACConfig, TD3Config
@@ -167,7 +167,7 @@ def test_polyak_moves_targets_by_tau():
 
 def test_td3_target_uses_clipped_smoothing_noise_and_the_smaller_critic():
     torch.manual_seed(0)
-    agent = DeterministicAgent(OBS, box(), MODEL, n_critics=2)
+    agent = DeterministicAgent(OBS, box(), MODEL, critic=CriticConfig(n=2))
     algo = DDPG(agent, TD3Config(target_noise=10.0, target_noise_clip=0.3))
     s = torch.randn(5000, 3)
     mu = algo.target.policy(s).detach()
@@ -193,7 +193,7 @@ def test_ddpg_has_no_smoothing_and_td3_delays_actor_and_targets():
     s = torch.randn(10, 3)
     torch.testing.assert_close(ddpg.target_action(s), ddpg.target.policy(s))
 
-    agent = DeterministicAgent(OBS, box(), MODEL, n_critics=2)
+    agent = DeterministicAgent(OBS, box(), MODEL, critic=CriticConfig(n=2))
     td3 = DDPG(agent, TD3Config(policy_delay=2))
     actor0 = [p.clone() for p in agent.actor_head.parameters()]
     target0 = [p.clone() for p in td3.target.parameters()]
@@ -231,7 +231,7 @@ def test_updates_return_priorities_and_checkpoints_round_trip():
         assert stats["td_abs_mean"] == pytest.approx(float(priorities.mean()), rel=1e-5)
         assert all(math.isfinite(v) for v in stats.values())
         state = algo.state_dict()
-        clone = type(algo)(type(algo.agent)(OBS, box(), MODEL, n_critics=algo.cfg.n_critics), algo.cfg)
+        clone = type(algo)(type(algo.agent)(OBS, box(), MODEL, critic=algo.cfg.critic()), algo.cfg)
         clone.load_state_dict(state)
         assert clone.updates == algo.updates
         for a, b in zip(clone.target.parameters(), algo.target.parameters()):

@@ -25,6 +25,7 @@ from shared.replay.arena import HEAP, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from shared.transport import shm
 from tests.pipeline import rlpipe_here
 from tests.test_tables import Reference, _check_batch, _segment
 
@@ -150,6 +151,41 @@ def test_a_table_of_another_layout_is_not_attached(run_id, caplog):
     other.unlink()
 
 
+def test_a_truncated_table_segment_is_discarded_and_the_table_starts_empty(run_id, caplog):
+    """A segment cut short (a full /dev/shm, another process's ftruncate): the restarted replay
+    does not refuse every sampler on it, it starts over."""
+    _run(_table(ShmArena(run_id, 0, LAYOUT)), 6)
+    ring = shm.SHM_DIR / f"rlpipe-{run_id}-replay0-t.ring"
+    size = ring.stat().st_size
+    os.truncate(ring, size // 2)
+    table = ShmArena(run_id, 0, LAYOUT).build(_table)
+    assert not table.arena.restored and table.size == 0
+    assert re.search(r"not used \(segment \S+t\.ring holds \d+ bytes, the layout needs \d+\): starting empty", caplog.text)
+    assert ring.stat().st_size == size  # made again whole
+    _run(table, 6)  # and serves as a fresh table
+    assert table.size > 0
+    table.arena.unlink()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_half_written_snapshot_is_discarded_and_the_table_starts_empty(run_id, tmp_path, caplog, damage):
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    _run(table, 12)
+    table.arena.snapshot(tmp_path / "replay")
+    table.arena.unlink()
+    part = tmp_path / "replay" / "t.sumtree.sum"
+    if damage == "truncated":
+        os.truncate(part, part.stat().st_size - 100)
+    else:
+        part.unlink()
+    again = ShmArena(run_id, 0, LAYOUT, snapshot=tmp_path / "replay").build(_table)
+    assert not again.arena.restored and again.size == 0
+    assert re.search(r"not used \(.*t\.sumtree\.sum.*\): starting empty", caplog.text), caplog.text
+    _run(again, 6)
+    assert again.size > 0
+    again.arena.unlink()
+
+
 def test_a_snapshot_brings_the_table_back_after_shared_memory_is_gone(run_id, tmp_path):
     """A machine restart empties /dev/shm: the snapshot in the run directory restores the table."""
     table = _table(ShmArena(run_id, 0, LAYOUT))
@@ -187,3 +223,20 @@ def test_a_stopped_run_resumes_with_its_replay_table_and_checkpoint(runs):
     run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > steps + 2_000, 60, "the resumed run to go on")
     again = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
     assert again.returncode == 2 and "is running: nothing to resume" in again.stderr
+
+
+def test_a_truncated_table_segment_under_a_live_run_is_discarded_and_the_run_goes_on(runs):
+    """Replay's table segment cut short while it is down: the restarted replay starts an empty
+    table (it refused every sampler's hello before, and the run made no progress again)."""
+    run = runs("cartpole_dqn.toml", "run.target_return=1e9")
+    run.wait_steps(3_000, timeout=60)
+    stopped = run.stop_replay_between_operations()
+    ring = shm.SHM_DIR / f"rlpipe-{run.id}-replay0-t.ring"
+    os.truncate(ring, ring.stat().st_size // 2)
+    os.kill(stopped["pid"], 9)
+    run.wait_for(lambda: re.search(r"not used \(segment \S+t\.ring holds \d+ bytes, the layout needs \d+\): "
+                                   r"starting empty", run.logs("replay")), 30, "the restarted replay to discard the table")
+    last = run.progress()[-1]
+    run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > int(last["env_steps"]) + 3_000
+                 and int(run.progress()[-1]["updates"]) > int(last["updates"]), 60,
+                 "the run to go on: env steps, and updates once the new table holds enough to sample")

@@ -21,6 +21,7 @@ import torch
 from services.learner.learner import CHECKPOINT
 from shared.agents import EVALUATE
 from shared.config.schema import Experiment
+from shared.envs.backends import make_env_group
 from shared.envs.group import EnvGroup, EpisodeTracker, make_env
 from services.build import env_probe, example_step, make_agent
 from shared.data.layout import slot_spec
@@ -34,11 +35,13 @@ class CannotRender(ValueError):
     """The env cannot render RGB frames, so no video can be recorded of it."""
 
 
-def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make: MakeEnv = make_env) -> np.ndarray:
+def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make: MakeEnv | None = None) -> np.ndarray:
     """Returns [episodes] (float64) of ``episodes`` greedy episodes of ``agent``, played in
-    ``min(envs, episodes)`` envs side by side (built by ``make``) on the held-out seeds."""
+    ``min(envs, episodes)`` envs side by side on the held-out seeds: on the run's env backend,
+    or gymnasium envs built by ``make`` when given."""
     n = max(1, min(envs, episodes))
-    group = EnvGroup(exp.env, n, exp.run.seed + exp.eval.seed_offset, make=make)
+    seed = exp.run.seed + exp.eval.seed_offset
+    group = make_env_group(exp.env, n, seed) if make is None else EnvGroup(exp.env, n, seed, make=make)
     try:
         example = example_step(exp, group)
         slot = from_spec(slot_spec(example, n))
@@ -109,5 +112,7 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None =
     if video is None:
         returns = play(exp, agent, episodes, exp.eval.envs)
     else:
-        returns = play(exp, agent, episodes, 1, recording(Path(video)))
+        # Frames come from gymnasium's env (EnvPool renders none): the policy plays the same task there.
+        on_gymnasium = replace(exp, env=replace(exp.env, backend="gymnasium", threads=0))
+        returns = play(on_gymnasium, agent, episodes, 1, recording(Path(video)))
     return summary(returns, state["version"], state["env_steps"])

@@ -4,7 +4,7 @@ import logging
 
 import zmq
 
-from services.learner.learner import Learner, lock_run, run_loop
+from services.learner.learner import Learner, run_loop
 from services.learner.transport import PublishedParams, RemoteBatches, Unpublished
 from shared.runtime import metrics as metrics_mod
 from shared.transport import ranks
@@ -15,7 +15,7 @@ from shared.transport.auth import read_secret
 from shared.config.endpoints import endpoint
 from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.transport.params import ParamWriter
-from shared.runtime.process import run_id_of, torch_device
+from shared.runtime.process import lock_service, run_id_of, torch_device
 from services.process import serve
 
 log = logging.getLogger("services.learner")
@@ -24,7 +24,8 @@ JOIN_TIMEOUT_S = 120.0
 
 
 def run(exp, run_dir, instance: int) -> None:
-    lock = lock_run(run_dir, instance)  # noqa: F841 (held until exit): a second learner would unlink our segments
+    # Held until exit: a second learner would unlink our segments.
+    lock = lock_service(run_dir, "learner", instance)  # noqa: F841
     m = metrics_mod.for_service("learner", instance, exp.placement.node("learner"))
     device = torch_device(exp.run.device)
     group = None
@@ -70,6 +71,7 @@ def run(exp, run_dir, instance: int) -> None:
         result = run_loop(learner, slots, source, params)
         log.info("run finished: %s", result)
     finally:
+        learner.progress.close()  # also when stopped: the W&B run ends here, not in an exit hook
         source.close()
         params.close()
         for seg in segments:

@@ -7,8 +7,8 @@ run's counters (env steps, episodes, versions) and checkpoints them with the mod
 optimizer, so a learner killed and restarted resumes where its last checkpoint stood. The
 checkpoint before that is kept beside it: a latest one that cannot be loaded (truncated by
 a full disk, say) is reported and the previous one is used. A lock file in the run
-directory keeps a second learner of the same run and rank from starting (it would take over
-the first one's segments).
+directory (``runtime.process.lock_service``) keeps a second learner of the same run and rank
+from starting (it would take over the first one's segments).
 
 Data-parallel ranks (``learner.count`` > 1, ``shared.transport.ranks``): each rank trains on its share
 of every batch, and their gradient steps average the gradients, so all hold the same
@@ -20,12 +20,10 @@ from the same checkpoint.
 
 from __future__ import annotations
 
-import fcntl
 import itertools
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Protocol
@@ -39,12 +37,12 @@ from shared.algos import optim
 from shared.algos.update import Update
 
 from services.learner.checkpoints import CHECKPOINT, PREVIOUS_CHECKPOINT, Checkpoints  # noqa: F401 (the run's files)
+from services.learner.wandb_run import WandbRun
 from services.learner.progress import COUNTERS, PROGRESS, PROGRESS_FIELDS, Progress  # noqa: F401
 from services.learner.stopping import Stopping
 from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
-LOCK = "learner{rank}.lock"
 RESULT = "result.json"
 # While no batch comes, the current version is re-announced this often: a PUB message sent
 # before an action-server's SUB finished connecting is lost, and with stale parameters
@@ -85,7 +83,9 @@ class Learner:
         self.log_interval_s, self.checkpoint_interval_s = exp.run.log_interval_s, exp.learner.checkpoint_interval_s
         self.run_dir = run_dir
         self.leads = group is None or group.rank == 0  # publishes, reports, checkpoints
-        self.progress = Progress(exp.run.return_window, run_dir if self.leads else None)
+        reports = run_dir if self.leads else None
+        wandb = WandbRun(exp.logging, reports) if reports is not None and exp.logging.to_wandb else None
+        self.progress = Progress(exp.run.return_window, reports, wandb)
         self.stopping = Stopping(exp.run, self.progress, group)
         self.checkpoints = None if run_dir is None else Checkpoints(run_dir)
         self.identical_at: tuple[int, int] | None = None  # (update, checksum) of the ranks' last comparison
@@ -245,9 +245,9 @@ class Learner:
         result = {"reason": reason, "env_steps": p.env_steps, "updates": p.updates, "policy_version": self.version,
                   "mean_return": p.mean_return(), "episodes": p.episodes_seen, "wall_s": round(p.wall_s(), 2),
                   "first_batch_to_end_s": to_target}
+        p.close()  # first: with result.json there, TensorBoard's and W&B's files are complete
         if self.run_dir is not None and self.leads:
             (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
-        p.close()
         return result
 
 
@@ -263,24 +263,6 @@ def non_finite(state, prefix: str = "") -> list[str]:
     else:
         return []
     return [name for key, value in items for name in non_finite(value, f"{prefix}.{key}" if prefix else str(key))]
-
-
-def lock_run(run_dir: Path, rank: int = 0):
-    """Hold ``<run_dir>/learner<rank>.lock`` for this process's life; RuntimeError if another
-    learner of the run holds it. Returns the open lock file (keep a reference)."""
-    f = open(run_dir / LOCK.format(rank=rank), "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise RuntimeError(f"another learner (pid {holder}) runs for {run_dir}: one learner per run; "
-                           "stop it first (rlpipe stop)") from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
-    return f
 
 
 def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:

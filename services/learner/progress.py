@@ -3,7 +3,8 @@
 The counters (env steps, updates, episodes and their returns, dropped items, wall time of
 earlier incarnations) come from replay's batch metadata and the learner's updates; they are
 checkpointed with the model. A progress row goes to progress.csv, to TensorBoard (with the
-means of the algorithm's diagnostics since the last row) and to the log.
+means of the algorithm's diagnostics since the last row), to W&B when configured (the same
+scalars: ``services/learner/wandb_run.py``) and to the log.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from shared.runtime import evaluation
 from shared.runtime.process import TB_DIR, append_csv
+from services.learner.wandb_run import WandbRun
 
 log = logging.getLogger("services.learner.learner")
 PROGRESS = "progress.csv"
@@ -28,8 +30,9 @@ COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
 
 
 class Progress:
-    def __init__(self, return_window: int, run_dir: Path | None):
-        self.run_dir = run_dir
+    def __init__(self, return_window: int, run_dir: Path | None, wandb: WandbRun | None = None):
+        """``wandb``: where the scalars also go (None: TensorBoard only)."""
+        self.run_dir, self.wandb = run_dir, wandb
         self.env_steps = 0
         self.updates = 0
         self.episodes_seen = 0
@@ -84,13 +87,15 @@ class Progress:
                 "replay_size": self.replay_size}
 
     def write(self, row: dict) -> None:
-        """``row`` to TensorBoard (``progress/<field>``, and ``algo/<term>``: the means of the
-        algorithm's diagnostics since the last row, at the run's env steps), progress.csv (with
-        the evaluator's latest result) and the log."""
+        """``row`` to TensorBoard and W&B (``progress/<field>``, and ``algo/<term>``: the means of
+        the algorithm's diagnostics since the last row, at the run's env steps), progress.csv
+        (with the evaluator's latest result) and the log."""
         scalars = {f"progress/{field}": value for field, value in row.items() if field != "env_steps"}
         scalars.update({f"algo/{term}": total / self.diag_updates for term, total in self.diag_sums.items()})
         self.diag_sums.clear()
         self.diag_updates = 0
+        # No mean return before the first episode ends.
+        scalars = {tag: value for tag, value in scalars.items() if np.isfinite(value)}
         if self.run_dir is not None:
             if self.tb is None:
                 from torch.utils.tensorboard import SummaryWriter
@@ -98,9 +103,10 @@ class Progress:
                 # Events are flushed at each progress row, not per update.
                 self.tb = SummaryWriter(str(self.run_dir / TB_DIR), max_queue=10_000, flush_secs=3600)
             for tag, value in scalars.items():
-                if np.isfinite(value):  # no mean return before the first episode ends
-                    self.tb.add_scalar(tag, value, self.env_steps)
+                self.tb.add_scalar(tag, value, self.env_steps)
             self.tb.flush()
+            if self.wandb is not None:
+                self.wandb.log(scalars, self.env_steps)
             row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
             append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, row)
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
@@ -124,3 +130,5 @@ class Progress:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.close()

@@ -24,7 +24,14 @@ def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_sp
                seed: int = 0, arena: Arena = HEAP) -> Table:
     """``segment_spec``: one sampler segment (OnPolicyBatch, samples [T, B]); ``sample_size``:
     items per learner request (segments on-policy, transitions or sequences off-policy);
-    ``arena``: where the table's state lives (``table_arena``; the heap by default)."""
+    ``arena``: where the table's state lives (``table_arena``; the heap by default). A table
+    persisted there that does not fit this layout is discarded and the table made empty
+    (``Arena.build``)."""
+    return arena.build(lambda a: _compose(cfg, columns_per_writer, segment_spec, sample_size, seed, a))
+
+
+def _compose(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, sample_size: int, seed: int,
+             arena: Arena) -> Table:
     samples_spec = segment_spec["fields"][0][1]
     if cfg.table == "queue":
         # On-policy: each segment once, in order; back-pressure comes from the queue's capacity.

@@ -21,7 +21,8 @@ import numpy as np
 
 from shared.transport import shm
 from shared.config.schema import SamplerConfig
-from shared.envs.group import EnvConfig, EnvError, EnvGroup
+from shared.envs.backends import AnyEnvGroup, make_env_group
+from shared.envs.group import EnvConfig, EnvError
 from shared.transport.wire import MAX_RETURN
 from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
@@ -69,7 +70,7 @@ class Sampler:
         # Alternating pays only while another process computes the actions.
         self.groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
         seed = topo.env_seed(instance)
-        self.envs = [EnvGroup(env, g.stop - g.start, seed + g.start) for g in self.groups]
+        self.envs = [make_env_group(env, g.stop - g.start, seed + g.start) for g in self.groups]
         action = self.envs[0].example_action()
         self.example = step_example(self.envs[0].example_observation(), action, agent_info(action))
         self.segments: list[shm.Segment] = []
@@ -159,12 +160,12 @@ class Sampler:
         sink.announce(k, {"serial": self.serial, "steps": self.cfg.horizon * self.cfg.envs, "episodes": episodes,
                           "version_min": int(vmin), "version_max": int(vmax)})
 
-    def _step_envs(self, g: int, env: EnvGroup, slot, step) -> None:
+    def _step_envs(self, g: int, env: AnyEnvGroup, slot, step) -> None:
         try:
             ended = env.step(slot.action, slot.observation, step.reward, step.terminated, step.truncated,
                              step.final_observation)
         except EnvError as e:
-            # EnvGroup marked the failed envs' transitions as truncations, so no return crosses them.
+            # The group marked the failed envs' transitions as truncations, so no return crosses them.
             log.error("sampler %d: %s; recreating %d environment(s)", self.instance, e, len(e.env_indices))
             for i in e.env_indices:
                 if self.metrics is not None:

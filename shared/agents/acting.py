@@ -14,9 +14,12 @@ biases of which layer, the activations, the action
 space's shape, where the observation statistics are. ``shared.agents.actor.acting_plan``
 makes it from a torch agent, for the agents whose acting is a plain stack of linear layers
 on one vector observation: ``PgAgent`` (categorical: Discrete, MultiDiscrete; diagonal
-Gaussian: Box) and ``QAgent`` (scalar or C51 head, plain or dueling), feed-forward, with or
-without observation normalisation, on the CPU. Every other agent (recurrent, image or dict
-observations, DDPG/TD3/SAC) has no plan and acts in torch.
+Gaussian: Box) and ``QAgent`` (scalar, C51 or QR-DQN head, plain or dueling), feed-forward,
+with or without observation normalisation, on the CPU. Every other agent (recurrent, image
+or dict observations, IQN, DDPG/TD3/SAC) has no plan and acts in torch. IQN's step is not a
+stack of linear layers on the observation: it draws K fractions per row, embeds them with
+cosines and multiplies them into the features, so its head runs on K rows per observation;
+the plan format does not describe that, and IQN acts in torch.
 
 Where the torch agent is at hand (action-server, serial mode) the arrays are views of its
 tensors, so versions loaded into the agent in place are the ones acted with. The learner
@@ -156,8 +159,8 @@ class NumpyQActor(NumpyActor):
         out = self.advantage(features).reshape(n, self.n_actions, self.n_atoms)
         if self.value is not None:
             out = self.value(features)[:, None, :] + out - out.mean(1, keepdims=True)
-        if self.support is None:
-            q = out[..., 0]
+        if self.support is None:  # scalar Q (one atom) or QR-DQN's quantiles: their mean
+            q = out.mean(-1)
         else:
             p = np.exp(out - out.max(-1, keepdims=True))
             q = (p * self.support).sum(-1) / p.sum(-1)

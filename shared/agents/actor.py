@@ -26,8 +26,8 @@ def seed_torch(seed: np.random.SeedSequence) -> None:
 def acting_plan(agent) -> dict | None:
     """The numpy acting plan of ``agent`` (``shared.agents.acting``), or None where it must act in torch
     (on the CPU, that is: the plan says nothing of the device ``agent`` is on)."""
-    if getattr(agent, "core", None) is not None:
-        return None
+    if getattr(agent, "core", None) is not None or getattr(agent, "tau_embedding", None) is not None:
+        return None  # recurrent, or IQN's sampled fractions (shared.agents.acting's docstring)
     fields = {id(t): field_name(k) for k, t in agent.state_dict(keep_vars=True).items()}
 
     def layers(mlp: MLP) -> list | None:

@@ -16,7 +16,7 @@ from shared.data.namedarraytuple import namedarraytuple
 from shared.runtime.plugins import is_reference
 
 ACTIVATIONS = ("tanh", "relu")
-ENCODERS = ("auto", "mlp", "nature_cnn")
+ENCODERS = ("auto", "mlp", "nature_cnn", "minatar_cnn")
 
 AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
 """Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
@@ -48,10 +48,12 @@ class ModelConfig:
     hidden_sizes: tuple[int, ...] = (64, 64)
     """Widths of the MLP trunk after the (CNN-)flattened observation; () = no trunk."""
     activation: str = "tanh"
-    """Nonlinearity of the MLP trunk: tanh | relu (the CNN always uses relu)."""
+    """Nonlinearity of the MLP trunk: tanh | relu (the CNNs always use relu)."""
     encoder: str = "auto"
-    """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn,
-    or ``"module:attribute"`` naming your own encoder (``shared.agents.models.CustomEncoder``)."""
+    """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn
+    | minatar_cnn (the MinAtar paper's 16-filter 3x3 conv on [H, W, C] maps; with hidden_sizes = [128]
+    and activation = "relu" it is Young & Tian's network), or ``"module:attribute"`` naming your own
+    encoder (``shared.agents.models.CustomEncoder``)."""
     uint8_scale: float = 1.0 / 255.0
     """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
     normalize_observations: bool = False
@@ -167,6 +169,36 @@ class QAgentConfig:
 
 
 @dataclass(frozen=True)
+class QuantileHead:
+    """The return head of QR-DQN and IQN (Dabney et al. 2017, 2018): per action, values of the
+    return's quantiles at fractions tau in (0, 1); Q is their mean. The algorithm's ``[algo]``
+    section sets it (``qr_dqn``: fixed fractions, ``iqn``: sampled ones), not ``[agent]``.
+    Exactly one of ``n_quantiles`` and ``n_cosines`` is > 0."""
+
+    n_quantiles: int = 0
+    """QR-DQN: the head outputs N quantiles per action at the fixed fractions (2i + 1) / 2N."""
+    n_cosines: int = 0
+    """IQN: a fraction tau enters as cos(pi i tau), i = 0..n-1, then a ReLU linear layer to the
+    feature width, multiplied into the encoder's features; the head maps each product to one
+    quantile value per action."""
+    acting_samples: int = 32
+    """IQN: fractions drawn U(0, 1) per observation to estimate Q for acting and for double-Q's
+    bootstrap action (K)."""
+
+    def __post_init__(self) -> None:
+        if (self.n_quantiles > 0) == (self.n_cosines > 0) or min(self.n_quantiles, self.n_cosines) < 0:
+            raise ValueError(f"QuantileHead: exactly one of n_quantiles (QR-DQN) and n_cosines (IQN) must be > 0, got "
+                             f"{self.n_quantiles} and {self.n_cosines}")
+        if self.acting_samples < 1:
+            raise ValueError(f"QuantileHead.acting_samples: must be >= 1, got {self.acting_samples}")
+
+    @property
+    def implicit(self) -> bool:
+        """IQN's head: quantile values at fractions given with each call."""
+        return self.n_cosines > 0
+
+
+@dataclass(frozen=True)
 class QpgAgentConfig:
     """Q-policy-gradient agent options (DDPG, TD3, SAC) beyond the encoder shape, exploration included.
 
@@ -203,6 +235,37 @@ class QpgAgentConfig:
         if not self.log_std_min < self.log_std_max:
             raise ValueError(f"QpgAgentConfig: log_std_min ({self.log_std_min}) must be below log_std_max "
                              f"({self.log_std_max})")
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The Q-critics of a Q-policy-gradient agent, as its algorithm asks for them
+    (``QpgConfig.critic()``: they are part of the algorithm's design, so its ``[algo]``
+    section sets them)."""
+
+    n: int = 1
+    """Q-networks side by side (one ``EnsembleMLP``)."""
+    hidden_sizes: tuple[int, ...] = ()
+    """Widths of each critic's MLP on the encoded observation and the action; () = ``model.hidden_sizes``."""
+    outputs: int = 1
+    """Outputs of each critic: 1 = a Q-value, more = that many quantiles of the return (TQC)."""
+    batch_renorm: bool = False
+    """Batch renormalization (Ioffe 2017) before every linear layer of the critics, the input's
+    included (CrossQ, Bhatt et al. 2024; ``shared.agents.models.BatchRenorm``)."""
+    renorm_momentum: float = 0.01
+    """Running statistics <- (1 - momentum) * running + momentum * batch statistics."""
+    renorm_eps: float = 1e-3
+    """Added to the variance before its square root."""
+    renorm_warmup_steps: int = 100_000
+    """Training forward passes that normalise with the batch's statistics alone (plain batch
+    norm) before the running statistics correct them (r clipped to [1/3, 3], d to [-5, 5])."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.outputs < 1 or any(int(h) <= 0 for h in self.hidden_sizes):
+            raise ValueError(f"CriticConfig: need n >= 1, outputs >= 1 and positive widths, got n={self.n}, "
+                             f"outputs={self.outputs}, hidden_sizes={self.hidden_sizes}")
+        if not 0.0 < self.renorm_momentum <= 1.0 or self.renorm_eps <= 0 or self.renorm_warmup_steps < 0:
+            raise ValueError("CriticConfig: need 0 < renorm_momentum <= 1, renorm_eps > 0 and renorm_warmup_steps >= 0")
 
 
 def lstm_cores(family: str, agent) -> int:

@@ -1,14 +1,15 @@
 """Observation encoders: any (nested) observation to one feature vector per sample.
 
 ``make_encoder(obs_example, cfg)`` builds a module that flattens and concatenates the
-leaves of an observation tree (image leaves go through a Nature CNN first) and runs the
-result through an MLP trunk. Agents put their heads on top of it. Initialisation follows
+leaves of an observation tree (image leaves go through a Nature CNN, or MinAtar's one-layer
+CNN, first) and runs the result through an MLP trunk. Agents put their heads on top of it. Initialisation follows
 CleanRL: orthogonal weights, zero biases, gain sqrt(2) for hidden layers.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -80,6 +81,19 @@ def init_layer(layer: nn.Module, gain: float = HIDDEN_GAIN) -> nn.Module:
     return layer
 
 
+class CosineEmbedding(nn.Module):
+    """IQN's embedding of quantile fractions (Dabney et al. 2018, eq. 4):
+    phi_j(tau) = ReLU(sum_{i=0}^{n-1} cos(pi i tau) w_ij + b_j), tau [*L] -> [*L, out_dim]."""
+
+    def __init__(self, n_cosines: int, out_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("frequencies", math.pi * torch.arange(n_cosines, dtype=torch.float32))
+        self.linear = init_layer(nn.Linear(n_cosines, out_dim))
+
+    def forward(self, taus: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.linear(torch.cos(taus.unsqueeze(-1) * self.frequencies)))
+
+
 class MLP(nn.Module):
     """Fully connected layers ``in_dim -> hidden_sizes...``, each followed by the activation.
 
@@ -126,16 +140,66 @@ class MLP(nn.Module):
         return x
 
 
+class BatchRenorm(nn.Module):
+    """Batch renormalization (Ioffe 2017) of each ensemble member's features [n, N, width]:
+    per member and feature, over the N samples, as CrossQ's critics use it (Bhatt et al. 2024;
+    sb3-contrib's BatchRenorm1d, with its defaults).
+
+    Training: x_hat = (x - mu_B) / sigma_B * r + d, with sigma_B = sqrt(var_B + eps) the batch's
+    (biased) statistics, r = sigma_B / sigma and d = (mu_B - mu) / sigma from the running
+    statistics (mu, sigma = sqrt(var + eps)), held constant in the gradient and clipped to
+    [1/R_MAX, R_MAX] and [-D_MAX, D_MAX]; during the first ``warmup_steps`` training passes r = 1,
+    d = 0 (batch norm). The running statistics then move: mu <- mu + momentum (mu_B - mu), var
+    likewise. Evaluation (``eval()``): x_hat = (x - mu) / sigma. Output scale * x_hat + bias,
+    both learned, one per member and feature. The pass count is a buffer, so a resumed run goes
+    on where it was.
+    """
+
+    R_MAX, D_MAX = 3.0, 5.0
+
+    def __init__(self, n: int, width: int, momentum: float, eps: float, warmup_steps: int) -> None:
+        super().__init__()
+        self.momentum, self.eps, self.warmup_steps = momentum, eps, warmup_steps
+        self.scale = nn.Parameter(torch.ones(n, 1, width))
+        self.bias = nn.Parameter(torch.zeros(n, 1, width))
+        self.register_buffer("running_mean", torch.zeros(n, 1, width))
+        self.register_buffer("running_var", torch.ones(n, 1, width))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            var, mean = torch.var_mean(x, dim=1, keepdim=True, unbiased=False)
+            std = (var + self.eps).sqrt()
+            with torch.no_grad():
+                running_std = (self.running_var + self.eps).sqrt()
+                # A tensor condition, not a Python branch: no device sync each pass.
+                renorm = self.steps >= self.warmup_steps
+                r = torch.where(renorm, (std / running_std).clamp(1.0 / self.R_MAX, self.R_MAX), 1.0)
+                d = torch.where(renorm, ((mean - self.running_mean) / running_std).clamp(-self.D_MAX, self.D_MAX), 0.0)
+                self.running_mean.lerp_(mean, self.momentum)
+                self.running_var.lerp_(var, self.momentum)
+                self.steps += 1
+            a = r / std  # (x - mean) / std * r + d = x * a + b: one multiply-add on x (as torch's batch_norm)
+            b = d - mean * a
+        else:
+            a = torch.rsqrt(self.running_var + self.eps)
+            b = -self.running_mean * a
+        return torch.addcmul(self.bias + self.scale * b, x, self.scale * a)
+
+
 class EnsembleMLP(nn.Module):
     """``n`` independent MLPs of one shape run as one: each layer is a batched matmul
     (``torch.baddbmm``) over weights [n, in, out], so twin critics cost one critic's kernel
     launches, which is what small networks on a CPU pay for. Each member is initialised
     like ``MLP`` (orthogonal, gain sqrt(2) for hidden layers, ``output_gain`` for the last:
-    one for all members, or one each). Input [n, N, in_dim] -> output [n, N, out_dim].
+    one for all members, or one each). ``norm(width)``, when given, makes a layer over
+    [n, N, width] (``BatchRenorm``) that runs before every linear layer, the first included.
+    Input [n, N, in_dim] -> output [n, N, out_dim].
     """
 
     def __init__(self, n: int, in_dim: int, hidden_sizes: tuple[int, ...], activation: str = "tanh",
-                 output_size: int = 1, output_gain: float | tuple[float, ...] = 1.0) -> None:
+                 output_size: int = 1, output_gain: float | tuple[float, ...] = 1.0,
+                 norm: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.fn = _ACTIVATIONS[activation][1]
         self.weights, self.biases = nn.ParameterList(), nn.ParameterList()
@@ -148,6 +212,7 @@ class EnsembleMLP(nn.Module):
             members = [nn.init.orthogonal_(torch.empty(b, a), gain).T for gain in gains]  # nn.Linear's [out, in], transposed
             self.weights.append(nn.Parameter(torch.stack(members)))
             self.biases.append(nn.Parameter(torch.zeros(n, 1, b)))
+        self.norms = nn.ModuleList([norm(a) for a in sizes[:-1]]) if norm is not None else None
         self.out_dim = output_size
 
     @property
@@ -156,6 +221,8 @@ class EnsembleMLP(nn.Module):
 
     def member(self, m: int, x: torch.Tensor) -> torch.Tensor:
         """Member ``m`` alone on input [*L, in_dim] -> [*L, out_dim] (the others' work skipped)."""
+        if self.norms is not None:  # its statistics are over the whole ensemble's batch
+            raise ValueError("EnsembleMLP.member: not for an ensemble with normalization layers")
         lead = x.shape[:-1]
         x = x.reshape(-1, x.shape[-1])
         last = len(self.weights) - 1
@@ -168,6 +235,8 @@ class EnsembleMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         last = len(self.weights) - 1
         for k, (w, b) in enumerate(zip(self.weights, self.biases)):
+            if self.norms is not None:
+                x = self.norms[k](x)
             x = torch.baddbmm(b, x, w)
             if k < last:
                 x = self.fn(x)
@@ -208,6 +277,33 @@ class NatureCNN(nn.Module):
         if self.channels_last:
             x = x.permute(0, 3, 1, 2)
         return self.fc(self.conv(x.float() * self.scale))
+
+
+class MinAtarCNN(nn.Module):
+    """Young & Tian (2019), MinAtar's torso: 16 filters 3x3, stride 1, no padding, relu, flattened.
+
+    Input [N, H, W, C] channels last (MinAtar's maps; C is 4 to 10 by game, so the
+    ``channels_last`` guess of the Nature CNN cannot tell), multiplied by ``scale`` (1.0 for
+    0/1 maps). Output [N, 16 (H - 2) (W - 2)]: 1024 on 10x10. The paper's 128-unit hidden
+    layer is the encoder's trunk, ``model.hidden_sizes = [128]`` with ``activation = "relu"``.
+    """
+
+    FILTERS = 16
+
+    def __init__(self, image_shape: tuple[int, ...], scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+        h, w, c = image_shape
+        if min(h, w) < 3:
+            raise ValueError(f"model.encoder: a {h}x{w}x{c} map is smaller than minatar_cnn's 3x3 kernel")
+        self.conv = init_layer(nn.Conv2d(c, self.FILTERS, 3, stride=1))
+        self.out_dim = self.FILTERS * (h - 2) * (w - 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 3, 1, 2).float()
+        if self.scale != 1.0:
+            x = x * self.scale
+        return torch.relu(self.conv(x)).flatten(1)
 
 
 class _Flatten(nn.Module):
@@ -267,7 +363,7 @@ class Encoder(nn.Module):
     """Observation tree with any leading dims [*L, ...] -> features [*L, out_dim].
 
     Built by ``make_encoder``; leaves are read in the tree's field order (depth first),
-    each by its own part (``NatureCNN`` or flatten), concatenated, then the MLP trunk.
+    each by its own part (``NatureCNN``, ``MinAtarCNN`` or flatten), concatenated, then the MLP trunk.
     """
 
     def __init__(self, leaf_shapes: list[tuple[int, ...]], parts: list[nn.Module], trunk: MLP) -> None:
@@ -295,11 +391,11 @@ class Encoder(nn.Module):
 
 
 def _is_image(arr: np.ndarray, encoder: str) -> bool:
-    """Whether a leaf goes through the Nature CNN: every 3-D leaf for "nature_cnn"; for
-    "auto" only uint8 images big enough for its kernels (smaller ones are flattened)."""
+    """Whether a leaf goes through a CNN: every 3-D leaf for "nature_cnn" and "minatar_cnn";
+    for "auto" only uint8 images big enough for the Nature CNN (smaller ones are flattened)."""
     if encoder == "mlp" or arr.ndim != 3:
         return False
-    if encoder == "nature_cnn":
+    if encoder in ("nature_cnn", "minatar_cnn"):
         return True
     _, h, w = _chw(arr.shape, _channels_last(arr.shape))
     return arr.dtype == np.uint8 and min(h, w) >= NatureCNN.MIN_SIDE
@@ -316,7 +412,7 @@ def _channels_last(shape: tuple[int, ...]) -> bool:
 
 def has_cnn(obs_example, cfg: ModelConfig) -> bool:
     """Whether ``make_encoder`` gives observations like ``obs_example`` learned parameters
-    before the trunk: a Nature CNN, or the user's own encoder."""
+    before the trunk: a CNN, or the user's own encoder."""
     if is_reference(cfg.encoder):
         return True
     return any(_is_image(np.asarray(leaf), cfg.encoder) for _, leaf in leaves(obs_example))
@@ -358,9 +454,10 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
     namedarraytuple of them. The module maps a torch tree with leading dims [*L] to
     float32 features [*L, out_dim]. Floats (and ints, bools) are flattened as is, uint8
     leaves scaled by ``cfg.uint8_scale``; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
-    go through a ``NatureCNN`` first. With ``hidden_sizes=()`` out_dim is the width of the
-    concatenation (512 per image leaf), as in CleanRL's Atari agents. ``cfg.encoder`` may name
-    the user's own encoder as ``module:attribute`` (``CustomEncoder``).
+    go through a ``NatureCNN`` first, or with ``encoder = "minatar_cnn"`` ([H, W, C] leaves) a
+    ``MinAtarCNN``. With ``hidden_sizes=()`` out_dim is the width of the concatenation (512 per
+    Nature CNN leaf, as in CleanRL's Atari agents; 16 (H - 2) (W - 2) per MinAtar CNN leaf).
+    ``cfg.encoder`` may name the user's own encoder as ``module:attribute`` (``CustomEncoder``).
 
     ``obs_space``, the env's gymnasium observation space, tells which leaves are Discrete or
     MultiDiscrete: those are one-hot encoded (``OneHot``: a category is not a magnitude).
@@ -381,13 +478,15 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
         if categories is not None:
             parts.append(OneHot(*categories))
         elif _is_image(arr, cfg.encoder):
-            parts.append(NatureCNN(tuple(arr.shape), _channels_last(tuple(arr.shape)), cfg.uint8_scale))
+            shape = tuple(arr.shape)
+            parts.append(MinAtarCNN(shape, cfg.uint8_scale if arr.dtype == np.uint8 else 1.0)
+                         if cfg.encoder == "minatar_cnn" else NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
         else:
             parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
     if not parts:
         raise ValueError("make_encoder: obs_example has no array leaves")
-    if cfg.encoder == "nature_cnn" and not any(isinstance(p, NatureCNN) for p in parts):
-        raise ValueError("ModelConfig.encoder='nature_cnn' needs a 3-D image leaf in the observation")
+    if cfg.encoder in ("nature_cnn", "minatar_cnn") and not any(isinstance(p, (NatureCNN, MinAtarCNN)) for p in parts):
+        raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
     trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation)
     encoder = Encoder(shapes, parts, trunk)

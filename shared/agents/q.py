@@ -1,11 +1,13 @@
 """Q-learning agent: observations -> epsilon-greedy actions, Q-values, return distributions.
 
 One ``QAgent`` serves the action-server (``step``: epsilon-greedy with each env's epsilon
-from ``cfg.epsilon``), the learner (``q_values``, ``dist``) and evaluation (``step`` with a
-greedy context: epsilon ``eps_eval``). Variants are
-parameters: a plain or dueling head (Wang et al. 2016), scalar Q or a C51 categorical
-return distribution (Bellemare et al. 2017). The target network is not part of the agent
-(the algorithm owns it), so ``state_dict()`` is exactly what the learner publishes.
+from ``cfg.epsilon``), the learner (``q_values``, ``dist``, ``quantiles``) and evaluation
+(``step`` with a greedy context: epsilon ``eps_eval``). Variants are parameters: a plain or
+dueling head (Wang et al. 2016); scalar Q, a C51 categorical return distribution (Bellemare
+et al. 2017), or return quantiles (``QuantileHead``) at fixed fractions (QR-DQN, Dabney et
+al. 2017) or at sampled ones through a cosine embedding (IQN, Dabney et al. 2018). The
+target network is not part of the agent (the algorithm owns it), so ``state_dict()`` is
+exactly what the learner publishes.
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from shared.agents.config import Memory, ModelConfig, QAgentConfig, QAgentInfo, RecurrentQAgentInfo
+from shared.agents.config import Memory, ModelConfig, QAgentConfig, QAgentInfo, QuantileHead, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
 from shared.agents.memory import ActingMemory, core_memory, make_core
-from shared.agents.models import MLP, make_encoder, make_obs_norm, obs_to
+from shared.agents.models import MLP, CosineEmbedding, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import leading_len, map_leaves
 
 
@@ -26,8 +28,11 @@ class QAgent(nn.Module):
     """Q-network on ``make_encoder``'s features for a Discrete action space of A actions.
 
     Actions are indices 0..A-1 (the env adapter adds the space's ``start``). The head gives
-    Q [N, A], or C51 logits [N, A, atoms] over the fixed ``support`` buffer [atoms].
-    All inputs are moved to the device the module is on; outputs live there too.
+    Q [N, A], C51 logits [N, A, atoms] over the fixed ``support`` buffer [atoms], or with a
+    ``quantiles`` head the return's quantile values [N, A, T] at fractions [N, T] (QR-DQN: the
+    fixed ``taus`` buffer [T]; IQN: fractions given with each call, the features multiplied by
+    their ``CosineEmbedding``). All inputs are moved to the device the module is on; outputs
+    live there too.
 
     Recurrent (``ModelConfig.lstm_size``, R2D1): an ``LstmCore`` sits between encoder and
     head; ``step`` keeps each env's state and returns it in ``RecurrentQAgentInfo``, and
@@ -41,20 +46,27 @@ class QAgent(nn.Module):
         model_cfg: ModelConfig = ModelConfig(),
         cfg: QAgentConfig = QAgentConfig(),
         obs_space: gym.Space | None = None,
+        quantiles: QuantileHead | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(action_space, gym.spaces.Discrete):
             raise ValueError(f"QAgent: action space {action_space} not supported; Q-learning needs Discrete")
-        self.cfg = cfg
+        if quantiles is not None and cfg.distributional:
+            raise ValueError("agent.distributional = true: C51's categorical head; QR-DQN and IQN have a quantile "
+                             "head of their own, set it to false")
+        self.cfg, self.quantile_head = cfg, quantiles
         self.n_actions = int(action_space.n)
-        self.n_atoms = cfg.n_atoms if cfg.distributional else 1
+        # Atoms a head row outputs per action: C51's, QR-DQN's quantiles; 1 for scalar Q and IQN
+        # (whose quantiles are rows of their own, one per fraction).
+        self.n_atoms = cfg.n_atoms if cfg.distributional else (quantiles.n_quantiles if quantiles else 0) or 1
+        self.per_atom = cfg.distributional or (quantiles is not None and not quantiles.implicit)
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
         self.encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
         self.core = make_core(feat_dim, model_cfg, action_space)
         if self.core is not None:
-            if cfg.distributional:
+            if cfg.distributional or quantiles is not None:
                 raise ValueError("QAgent: a recurrent agent (model.lstm_size) has a scalar Q head; "
-                                 "set agent.distributional = false")
+                                 "set agent.distributional = false and train it with r2d1")
             feat_dim = self.core.out_dim
             self.acting = ActingMemory(1, model_cfg.lstm_size, torch.zeros((), dtype=torch.int64))
         hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
@@ -64,6 +76,13 @@ class QAgent(nn.Module):
             self.register_buffer("support", torch.linspace(cfg.v_min, cfg.v_max, cfg.n_atoms))
         else:
             self.support = None
+        implicit = quantiles is not None and quantiles.implicit
+        self.tau_embedding = CosineEmbedding(quantiles.n_cosines, feat_dim) if implicit else None
+        if quantiles is not None and not implicit:
+            n = quantiles.n_quantiles
+            self.register_buffer("taus", (2 * torch.arange(n, dtype=torch.float32) + 1) / (2 * n))
+        else:
+            self.taus = None
 
     @property
     def device(self) -> torch.device:
@@ -74,12 +93,12 @@ class QAgent(nn.Module):
         return self._from_features(self.encoder(obs_to(obs, self.device, self.obs_norm)))
 
     def _from_features(self, features: torch.Tensor) -> torch.Tensor:
-        """The head on features [*L, F]: Q [*L, A] or C51 logits [*L, A, atoms]."""
+        """The head on features [*L, F]: Q [*L, A], or C51 logits / QR-DQN quantiles [*L, A, atoms]."""
         lead = features.shape[:-1]
         out = self.advantage(features).reshape(*lead, self.n_actions, self.n_atoms)
         if self.value is not None:
             out = self.value(features).unsqueeze(-2) + out - out.mean(dim=-2, keepdim=True)
-        return out if self.cfg.distributional else out.squeeze(-1)
+        return out if self.per_atom else out.squeeze(-1)
 
     def q_sequence(self, obs, memory: Memory, reset: torch.Tensor | None = None) -> torch.Tensor:
         """Recurrent agents: Q [T, B, A] over whole sequences, with grad: obs tree [T, B, ...],
@@ -89,11 +108,32 @@ class QAgent(nn.Module):
         return self._from_features(h)
 
     def q_values(self, obs) -> torch.Tensor:
-        """Q(obs, .) float32 [N, A] for obs tree [N, ...]; the expectation over the support for C51."""
+        """Q(obs, .) float32 [N, A] for obs tree [N, ...]: the expectation over the support for C51,
+        the mean of the quantiles for QR-DQN and IQN (IQN: at ``acting_samples`` fresh fractions)."""
+        if self.quantile_head is not None:
+            return self.quantiles(obs)[0].mean(-1)
         out = self._head(obs)
         if not self.cfg.distributional:
             return out
         return (out.softmax(-1) * self.support).sum(-1)
+
+    def quantiles(self, obs, taus: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantile heads only: the return's quantile values [N, A, T] at fractions taus [N, T] in
+        (0, 1), and those fractions. QR-DQN: its fixed ``taus`` (``taus`` must be None); IQN: the
+        ``taus`` given, or ``acting_samples`` fresh U(0, 1) draws per row if None."""
+        head = self.quantile_head
+        if head is None:
+            raise ValueError("QAgent.quantiles: the agent has no quantile head (algo.name = 'qr_dqn' or 'iqn')")
+        if not head.implicit:
+            if taus is not None:
+                raise ValueError("QAgent.quantiles: a QR-DQN head has fixed fractions; pass taus = None")
+            values = self._head(obs)
+            return values, self.taus.expand(values.shape[0], -1)
+        features = self.encoder(obs_to(obs, self.device, self.obs_norm))  # [N, F]
+        if taus is None:
+            taus = torch.rand(features.shape[0], head.acting_samples, device=features.device)
+        mixed = features.unsqueeze(-2) * self.tau_embedding(taus)  # [N, T, F]
+        return self._from_features(mixed).transpose(-1, -2), taus
 
     def dist(self, obs) -> torch.Tensor:
         """C51 only: log-probabilities [N, A, atoms] of the return distribution on ``support``."""

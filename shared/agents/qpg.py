@@ -14,6 +14,7 @@ exactly what the learner publishes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import gymnasium as gym
@@ -22,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.agents.config import ModelConfig, QpgAgentConfig, QpgAgentInfo
+from shared.agents.config import CriticConfig, ModelConfig, QpgAgentConfig, QpgAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
-from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
+from shared.agents.models import MLP, BatchRenorm, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import leading_len
 
 ACTOR_HEAD_GAIN = 0.01  # actions start near the middle of the Box
@@ -43,26 +44,35 @@ def tanh_gaussian_log_prob(u: torch.Tensor, mean: torch.Tensor, log_std: torch.T
 
 class Critics(nn.Module):
     """n Q-functions Q_i(s, a) side by side: the observation's encoder features (no trunk)
-    and the unit action through an ``EnsembleMLP``. Encoders with parameters (images) are
-    one per critic; a parameter-free one (flatten) is shared."""
+    and the unit action through an ``EnsembleMLP`` of ``critic.hidden_sizes`` (the model's
+    widths when empty), with ``critic.outputs`` outputs each (a Q-value, or quantiles of the
+    return) and, with ``critic.batch_renorm``, a ``BatchRenorm`` before each layer. Encoders
+    with parameters (images) are one per critic; a parameter-free one (flatten) is shared."""
 
-    def __init__(self, obs_example, model_cfg: ModelConfig, action_dim: int, n: int, obs_space=None) -> None:
+    def __init__(self, obs_example, model_cfg: ModelConfig, action_dim: int, critic: CriticConfig,
+                 obs_space=None) -> None:
         super().__init__()
+        n = critic.n
         cfg = dataclasses.replace(model_cfg, hidden_sizes=())
         encoder, feat_dim = make_encoder(obs_example, cfg, obs_space)
         self.encoders = nn.ModuleList([encoder, *(make_encoder(obs_example, cfg, obs_space)[0] for _ in range(n - 1))]
                                       if has_cnn(obs_example, cfg) else [encoder])
-        self.n = n
-        self.mlp = EnsembleMLP(n, feat_dim + action_dim, tuple(model_cfg.hidden_sizes), model_cfg.activation)
+        self.n, self.outputs = n, critic.outputs
+        norm = (functools.partial(BatchRenorm, n, momentum=critic.renorm_momentum, eps=critic.renorm_eps,
+                                  warmup_steps=critic.renorm_warmup_steps) if critic.batch_renorm else None)
+        self.mlp = EnsembleMLP(n, feat_dim + action_dim, tuple(critic.hidden_sizes or model_cfg.hidden_sizes),
+                               model_cfg.activation, output_size=critic.outputs, norm=norm)
 
     def forward(self, obs, unit_action: torch.Tensor) -> torch.Tensor:
-        """Q [n, N] for obs tree [N, ...] and unit actions [N, A]."""
+        """Q [n, N] (quantiles [n, N, outputs] with more than one output) for obs tree [N, ...]
+        and unit actions [N, A]."""
         if len(self.encoders) == 1:
             features = self.encoders[0](obs).expand(self.n, -1, -1)
         else:
             features = torch.stack([encoder(obs) for encoder in self.encoders])
         x = torch.cat([features, unit_action.expand(self.n, -1, -1)], dim=-1)
-        return self.mlp(x).squeeze(-1)
+        out = self.mlp(x)
+        return out.squeeze(-1) if self.outputs == 1 else out
 
 
 class QpgAgent(nn.Module):
@@ -72,7 +82,7 @@ class QpgAgent(nn.Module):
     """
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig, cfg: QpgAgentConfig,
-                 n_critics: int, actor_outputs: int, obs_space: gym.Space | None = None) -> None:
+                 critic: CriticConfig, actor_outputs: int, obs_space: gym.Space | None = None) -> None:
         super().__init__()
         if not isinstance(action_space, gym.spaces.Box):
             raise ValueError(f"{type(self).__name__}: action space {action_space} not supported; "
@@ -89,7 +99,7 @@ class QpgAgent(nn.Module):
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
         self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
         self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN)
-        self.critics = Critics(obs_example, model_cfg, self.action_dim, n_critics, obs_space)
+        self.critics = Critics(obs_example, model_cfg, self.action_dim, critic, obs_space)
 
     @property
     def device(self) -> torch.device:
@@ -99,7 +109,8 @@ class QpgAgent(nn.Module):
         return self.actor_head(self.actor_encoder(obs_to(obs, self.device, self.obs_norm)))
 
     def q(self, obs, unit_action: torch.Tensor) -> torch.Tensor:
-        """Q_i(obs, a) of every critic: float32 [n_critics, N] for unit actions [N, A], with grad."""
+        """Q_i(obs, a) of every critic: float32 [n_critics, N] for unit actions [N, A], with grad
+        (quantile critics: [n_critics, N, quantiles])."""
         return self.critics(obs_to(obs, self.device, self.obs_norm), unit_action)
 
     def to_env(self, unit: torch.Tensor) -> torch.Tensor:
@@ -142,8 +153,9 @@ class DeterministicAgent(QpgAgent):
     """
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
-                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 1, obs_space: gym.Space | None = None) -> None:
-        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=1, obs_space=obs_space)
+                 cfg: QpgAgentConfig = QpgAgentConfig(), critic: CriticConfig = CriticConfig(n=1),
+                 obs_space: gym.Space | None = None) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, critic, actor_outputs=1, obs_space=obs_space)
         self.ou_state: torch.Tensor | None = None  # [envs_total, A], not a parameter: acting state
 
     def policy(self, obs) -> torch.Tensor:
@@ -182,8 +194,9 @@ class SacAgent(QpgAgent):
     [log_std_min, log_std_max] by a tanh (Haarnoja et al. 2018; CleanRL's bounds)."""
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
-                 cfg: QpgAgentConfig = QpgAgentConfig(), n_critics: int = 2, obs_space: gym.Space | None = None) -> None:
-        super().__init__(obs_example, action_space, model_cfg, cfg, n_critics, actor_outputs=2, obs_space=obs_space)
+                 cfg: QpgAgentConfig = QpgAgentConfig(), critic: CriticConfig = CriticConfig(n=2),
+                 obs_space: gym.Space | None = None) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, critic, actor_outputs=2, obs_space=obs_space)
 
     def _mean_log_std(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         mean, raw = self._actor_out(obs).chunk(2, dim=-1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shared.agents.config import FAMILIES, PgAgentConfig, QAgentConfig, QpgAgentConfig
+from shared.agents.config import FAMILIES, PgAgentConfig, QAgentConfig, QpgAgentConfig, QuantileHead
 
 MakeAgent = Callable[..., Any]
 """``make(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None) -> torch.nn.Module``:
@@ -53,24 +53,43 @@ def _q(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None
     return QAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space=obs_space)
 
 
+def _quantile(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
+    from shared.agents.q import QAgent
+
+    return QAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space=obs_space,
+                  quantiles=QuantileHead(n_quantiles=algo_cfg.n_quantiles))
+
+
+def _implicit_quantile(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
+    from shared.agents.q import QAgent
+
+    return QAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space=obs_space,
+                  quantiles=QuantileHead(n_cosines=algo_cfg.n_cosines, acting_samples=algo_cfg.n_acting_taus))
+
+
 def _deterministic(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.qpg import DeterministicAgent
 
-    return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics,
+    return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, critic=algo_cfg.critic(),
                               obs_space=obs_space)
 
 
 def _sac(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.qpg import SacAgent
 
-    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, n_critics=algo_cfg.n_critics, obs_space=obs_space)
+    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, critic=algo_cfg.critic(), obs_space=obs_space)
 
 
 PG = AgentSpec("pg", PgAgentConfig, "pg", _pg)
 """Actor-critic (``PgAgent``): A2C, PPO."""
 Q = AgentSpec("q", QAgentConfig, "q", _q)
 """Q-network (``QAgent``, C51 and dueling as options): the DQN family, R2D1."""
+QUANTILE = AgentSpec("quantile", QAgentConfig, "q", _quantile)
+"""Q-network with ``algo.n_quantiles`` quantiles per action at fixed fractions: QR-DQN."""
+IMPLICIT_QUANTILE = AgentSpec("implicit_quantile", QAgentConfig, "q", _implicit_quantile)
+"""Q-network with quantiles at sampled fractions (cosine embedding, ``algo.n_cosines``): IQN."""
 DETERMINISTIC = AgentSpec("deterministic", QpgAgentConfig, "qpg", _deterministic)
-"""Deterministic actor and ``algo.n_critics`` Q-critics: DDPG, TD3."""
+"""Deterministic actor and the Q-critics ``algo_cfg.critic()`` describes (``QpgConfig``): DDPG, TD3."""
 SAC = AgentSpec("sac", QpgAgentConfig, "qpg", _sac)
-"""Squashed-Gaussian actor and ``algo.n_critics`` Q-critics: SAC."""
+"""Squashed-Gaussian actor and the Q-critics ``algo_cfg.critic()`` describes: SAC, TQC (quantile
+critics), CrossQ (batch-renormalized critics)."""

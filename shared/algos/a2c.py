@@ -1,8 +1,9 @@
 """Advantage actor-critic (Mnih et al. 2016, synchronous): one gradient step per batch.
 
 With ``gae_lambda = 1`` the targets are the n-step returns of the original A2C; a smaller
-lambda gives GAE targets. Staleness of asynchronous batches is not corrected (A2C has no
-importance ratio); keep the policy lag small.
+lambda gives GAE targets. GAE does not correct the staleness of asynchronous batches (keep
+the policy lag small); with ``advantages = "vtrace"`` the targets and the rho-weighted
+advantages are V-trace's, which does: that is IMPALA's actor-critic (``algo.name = "impala"``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from shared.algos.gae import explained_variance, pg_targets
 from shared.algos.hparams import A2CConfig
 from shared.algos.optim import adam, gradient_step, rmsprop, set_lr
 from shared.algos.update import Update
+
 
 class A2C:
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
@@ -36,9 +38,7 @@ class A2C:
         """
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
-        data = pg_targets(
-            self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
-        )
+        data = pg_targets(self.agent, batch, cfg)
         log_prob, entropy, value = self.agent.evaluate(data.observation, data.action, data.memory, data.reset)
         advantage = data.advantage
         if cfg.normalize_advantage and advantage.numel() > 1:

@@ -1,5 +1,6 @@
 """The categorical (C51) projection of Bellemare, Dabney & Munos (2017), "A Distributional
-Perspective on Reinforcement Learning", Algorithm 1, vectorised over the batch."""
+Perspective on Reinforcement Learning", Algorithm 1, vectorised over the batch. The quantile
+Huber loss of QR-DQN, IQN and TQC is in ``shared.algos.quantiles``."""
 
 from __future__ import annotations
 

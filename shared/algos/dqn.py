@@ -4,16 +4,21 @@
   evaluates it (van Hasselt et al. 2016); otherwise the target net does both.
 - a distributional agent (``QAgentConfig.distributional``) gets the C51 loss: cross-entropy
   between the online distribution of the taken action and the projected target
-  distribution (Bellemare et al. 2017); a scalar one gets the Huber (or squared) TD loss.
+  distribution (Bellemare et al. 2017); an agent with a quantile head (``algo.name =
+  "qr_dqn"`` or ``"iqn"``) gets the quantile Huber loss of its quantiles of the taken action
+  against the target's quantiles, each shifted by r + gamma^m z (QR-DQN, Dabney et al. 2017:
+  fixed fractions; IQN, Dabney et al. 2018: N online and N' target fractions drawn afresh per
+  item); a scalar one gets the Huber (or squared) TD loss. Bootstrap actions maximise the
+  expectation (C51) or the mean of the quantiles.
 - replay supplies n-step returns, bootstrap discounts (gamma^m, 0 after a termination) and
   importance weights, so one update covers 1- and n-step, uniform and prioritized replay.
   With a dueling, distributional agent, double = True, n-step prioritized replay this is
   Rainbow without noisy nets (Hessel et al. 2018).
 
 Like Acme's learning_lib, ``update`` returns new priorities with its diagnostics and never
-writes to replay itself: |TD error| per item, or for C51 the per-item KL divergence of the
+writes to replay itself: |TD error| per item, for C51 the per-item KL divergence of the
 online from the target distribution (the Rainbow paper, rlpyt; ``c51_priority = "cross_entropy"``
-returns the loss itself, as Dopamine does).
+returns the loss itself, as Dopamine does), for QR-DQN and IQN the item's quantile Huber loss.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
 from shared.algos.optim import set_lr
+from shared.algos.quantiles import quantile_huber
 from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
 from shared.agents.q import QAgent
@@ -45,12 +51,20 @@ class DQN(TargetNetworkAlgo):
             return self.agent.q_values(bootstrap_observation).argmax(-1)
         return target_q.argmax(-1)
 
+    def _fractions(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The quantile fractions of the loss: IQN's, fresh U(0, 1) draws for the online [n, N]
+        and target [n, N'] quantiles (``IQNConfig``); QR-DQN's head has fixed ones (None, None)."""
+        if not self.agent.quantile_head.implicit:
+            return None, None
+        device = self.agent.device
+        return torch.rand(n, self.cfg.n_taus, device=device), torch.rand(n, self.cfg.n_target_taus, device=device)
+
     def update(self, batch: Transition, progress: float) -> Update:
         """One gradient step on a batch of N transitions (torch tensors on the agent's device).
 
         ``progress`` in [0, 1] is the run's fraction done (learning-rate annealing). Returns
         floats loss (IS-weighted mean), q_mean (online Q of the taken actions), target_mean,
-        td_abs_mean (|target - Q|; for C51 between expectations), grad_norm (before
+        td_abs_mean (|target - Q|; for C51 and quantiles between expectations), grad_norm (before
         clipping), lr; and the new priorities, numpy float32 [N] >= 0, for the replay table.
         """
         cfg, agent = self.cfg, self.agent
@@ -75,6 +89,19 @@ class DQN(TargetNetworkAlgo):
             else:
                 priorities = per_item.detach()
             priorities = priorities.clamp(min=0.0)  # rounding can take a KL of ~0 below it
+        elif agent.quantile_head is not None:
+            online_taus, target_taus = self._fractions(action.shape[0])
+            with torch.no_grad():
+                target_z, _ = self.target.quantiles(batch.bootstrap_observation, target_taus)  # [N, A, T']
+                a_star = self._bootstrap_action(target_z.mean(-1), batch.bootstrap_observation)
+                target = returns[:, None] + discount[:, None] * target_z[rows, a_star]  # [N, T']
+            z, taus = agent.quantiles(batch.observation, online_taus)
+            z_taken = z[rows, action]  # [N, T]
+            per_item = quantile_huber(z_taken, target, cfg.huber_delta, taus).mean(-1).sum(-1)
+            q_taken = z_taken.detach().mean(-1)
+            target_value = target.mean(-1)
+            td_abs = (target_value - q_taken).abs()
+            priorities = per_item.detach()
         else:
             with torch.no_grad():
                 target_q = self.target.q_values(batch.bootstrap_observation)

@@ -1,18 +1,20 @@
-"""Generalised advantage estimation (Schulman et al. 2016) and the policy-gradient targets
-built from it for an on-policy batch."""
+"""Generalised advantage estimation (Schulman et al. 2016), and the policy-gradient targets of an
+on-policy batch from it or from V-trace (``shared/algos/vtrace.py``)."""
 
 from __future__ import annotations
 
 import torch
 
 from shared.agents.memory import sequence_reset
+from shared.algos.hparams import PgTargetsConfig
+from shared.algos.vtrace import vtrace
 from shared.data.batches import OnPolicyBatch
 from shared.data.namedarraytuple import map_leaves, namedarraytuple
 
 PgTargets = namedarraytuple(
     "PgTargets", ["observation", "action", "old_log_prob", "old_value", "advantage", "returns", "memory", "reset"]
 )
-"""One on-policy batch with its GAE targets (what A2C/PPO train on): flattened to [T*B] for a
+"""One on-policy batch with its targets (what A2C/PPO train on): flattened to [T*B] for a
 feed-forward agent (memory and reset None); kept as sequences [T, B] for a recurrent one,
 with the stored ``Memory`` and the ``reset`` flags [T, B] its ``evaluate`` replays."""
 
@@ -61,23 +63,19 @@ def gae(
 
 
 @torch.no_grad()
-def batch_advantages(
-    agent,
-    batch: OnPolicyBatch,
-    gamma: float,
-    lam: float,
-    reward_scale: float = 1.0,
-    recompute_values: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GAE advantages, returns and the V(s_t) used, all [T, B], on ``agent``'s device.
+def batch_advantages(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Advantages, value targets and the V(s_t) used, all [T, B], on ``agent``'s device:
+    GAE(lambda) or V-trace as ``cfg.advantages`` says.
 
     V(s_t) and the bootstrap V(s_T) come from the current value net (``recompute_values``:
     ``agent.segment_values``, one pass over the segments; a recurrent agent runs them as
     sequences from their stored memory), or are the behaviour values stored at sampling
     time; never a mix, so the advantages do not compare values of two networks. Where a
     step was truncated (and not terminated) V(final observation) comes from the current
-    value net. Rewards
-    are multiplied by ``reward_scale`` (the value net learns scaled returns).
+    value net. Rewards are multiplied by ``reward_scale`` (the value net learns scaled returns).
+    V-trace's ratios pi/mu are the current policy's log-probs (one more pass, ``agent.evaluate``)
+    against the behaviour log-probs stored at sampling time.
 
     Why recompute: batches from asynchronous samplers are 1-2 versions stale, and early in
     training the value net moves fast; stale V(s_t) then bias every advantage. On CartPole
@@ -86,33 +84,44 @@ def batch_advantages(
     """
     s = batch.samples
     cut = s.truncated & ~s.terminated
-    value, bootstrap, final = agent.segment_values(s, batch.bootstrap_observation, cut, recompute_values)
-    if not recompute_values:
+    value, bootstrap, final = agent.segment_values(s, batch.bootstrap_observation, cut, cfg.recompute_values)
+    if not cfg.recompute_values:
         value, bootstrap = s.agent_info.value, batch.bootstrap_value
     value = value.float()
     next_value = torch.cat([value[1:], bootstrap[None].float()], dim=0)
     next_value[cut] = final.float()
     done = s.terminated | s.truncated
-    advantage, returns = gae(s.reward.float() * reward_scale, value, next_value, s.terminated, done, gamma, lam)
+    reward = s.reward.float() * cfg.reward_scale
+    if cfg.advantages == "vtrace":
+        log_rho = current_log_prob(agent, s) - s.agent_info.log_prob.float()
+        advantage, returns = vtrace(log_rho, reward, value, next_value, s.terminated, done, cfg.gamma, cfg.gae_lambda,
+                                    cfg.vtrace_rho_bar, cfg.vtrace_c_bar)
+    else:
+        advantage, returns = gae(reward, value, next_value, s.terminated, done, cfg.gamma, cfg.gae_lambda)
     return advantage, returns, value
 
 
-def pg_targets(
-    agent,
-    batch: OnPolicyBatch,
-    gamma: float,
-    lam: float,
-    reward_scale: float = 1.0,
-    recompute_values: bool = True,
-) -> PgTargets:
-    """Move ``batch`` to the agent's device, compute GAE and flatten [T, B] to [T*B] (a
-    recurrent agent's batch stays [T, B]: see ``PgTargets``).
+def current_log_prob(agent, samples) -> torch.Tensor:
+    """log pi(a_t|s_t) [T, B] of ``agent``'s current policy for the actions of ``samples`` [T, B]
+    (a recurrent agent replays each column from its stored memory)."""
+    if "memory" in samples.agent_info:
+        reset = sequence_reset(samples.terminated, samples.truncated)
+        return agent.evaluate(samples.observation, samples.action, samples.agent_info.memory, reset)[0].float()
+    T, B = samples.reward.shape
+    flat = map_leaves(lambda x: x.reshape(T * B, *x.shape[2:]), samples.observation)
+    action = samples.action.reshape(T * B, *samples.action.shape[2:])
+    return agent.evaluate(flat, action)[0].float().reshape(T, B)
+
+
+def pg_targets(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig) -> PgTargets:
+    """Move ``batch`` to the agent's device, compute its targets (``batch_advantages``) and
+    flatten [T, B] to [T*B] (a recurrent agent's batch stays [T, B]: see ``PgTargets``).
 
     ``old_value`` is the V(s_t) the advantages were computed with (see ``batch_advantages``).
     """
     device = agent.device
     batch = map_leaves(lambda x: x.to(device, non_blocking=True), batch)
-    advantage, returns, value = batch_advantages(agent, batch, gamma, lam, reward_scale, recompute_values)
+    advantage, returns, value = batch_advantages(agent, batch, cfg)
     s = batch.samples
     T, B = s.reward.shape
     recurrent = "memory" in s.agent_info

@@ -7,12 +7,56 @@ their own class (``from shared.algos.ppo import PPOConfig`` keeps working).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from shared.agents.config import CriticConfig
+
+
+ADVANTAGES = ("gae", "vtrace")
+"""How A2C and PPO turn a segment batch into advantages and value targets (``PgTargetsConfig.advantages``)."""
+
 
 @dataclass(frozen=True)
-class PPOConfig:
+class PgTargetsConfig:
+    """What A2C, PPO and IMPALA share: the advantages and value targets of a segment batch
+    (``shared.algos.gae.pg_targets``)."""
+
+    gamma: float = 0.99
+    """Discount factor."""
+    gae_lambda: float = 1.0
+    """lambda of the targets (1 = n-step / Monte-Carlo returns bootstrapped at the segment end,
+    0 = TD(0)): GAE's lambda, or with V-trace the lambda of the traces c_t = lambda min(c_bar, pi/mu)."""
+    reward_scale: float = 1.0
+    """Rewards are multiplied by this before the targets (the value net learns scaled returns)."""
+    recompute_values: bool = True
+    """Targets from the current value net's V(s_t) instead of the stale behaviour values."""
+    advantages: str = "gae"
+    """gae: GAE(lambda) (no correction for policy lag); vtrace: V-trace (Espeholt et al. 2018),
+    which corrects lagged segments with the truncated ratios of the current policy to the
+    behaviour one (``shared/algos/vtrace.py``). PPO with vtrace is APPO as in Sample Factory:
+    the clipped objective on V-trace advantages and value targets."""
+    vtrace_rho_bar: float = 1.0
+    """V-trace: the importance weights of the temporal differences are min(rho_bar, pi/mu); they
+    fix what the targets estimate (inf: V of the current policy; smaller: nearer mu's)."""
+    vtrace_c_bar: float = 1.0
+    """V-trace: the traces are lambda min(c_bar, pi/mu); they bound the variance, not the fixed point."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.advantages not in ADVANTAGES:
+            raise ValueError(f"{name}.advantages = {self.advantages!r}: allowed: {', '.join(ADVANTAGES)}")
+        if not 0.0 <= self.gae_lambda <= 1.0 or not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"{name}: need 0 <= gamma <= 1 and 0 <= gae_lambda <= 1, got {self.gamma} and "
+                             f"{self.gae_lambda}")
+        if not (self.vtrace_rho_bar > 0 and self.vtrace_c_bar > 0):  # also refuses NaN
+            raise ValueError(f"{name}: vtrace_rho_bar and vtrace_c_bar must be > 0 (inf: no truncation), got "
+                             f"{self.vtrace_rho_bar} and {self.vtrace_c_bar}")
+
+
+@dataclass(frozen=True)
+class PPOConfig(PgTargetsConfig):
     """PPO hyperparameters (defaults: CleanRL's ppo.py)."""
 
     lr: float = 2.5e-4
@@ -21,20 +65,13 @@ class PPOConfig:
     """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
     adam_eps: float = 1e-5
     """Adam epsilon."""
-    gamma: float = 0.99
-    """Discount factor."""
     gae_lambda: float = 0.95
-    """GAE lambda (1 = Monte-Carlo returns, 0 = TD(0))."""
-    reward_scale: float = 1.0
-    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
-    recompute_values: bool = True
-    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
     clip_eps: float = 0.2
     """Clip range of the probability ratio."""
     anneal_clip: bool = False
     """Decay the clip range linearly to 0 over the run, as the learning rate (rl-zoo's lin_0.2)."""
     value_clip: float = 0.2
-    """Clip range of the value change around the V(s_t) used for GAE; 0 = no value clipping."""
+    """Clip range of the value change around the V(s_t) the targets were computed with; 0 = no value clipping."""
     value_coef: float = 0.5
     """Weight of the value loss 0.5 * (V - R)^2."""
     entropy_coef: float = 0.01
@@ -55,7 +92,7 @@ _OPTIMIZERS = ("rmsprop", "adam")
 
 
 @dataclass(frozen=True)
-class A2CConfig:
+class A2CConfig(PgTargetsConfig):
     """A2C hyperparameters (defaults: Stable-Baselines3's A2C)."""
 
     lr: float = 7e-4
@@ -68,14 +105,6 @@ class A2CConfig:
     """RMSprop smoothing constant."""
     optimizer_eps: float = 1e-5
     """Epsilon of RMSprop or Adam."""
-    gamma: float = 0.99
-    """Discount factor."""
-    gae_lambda: float = 1.0
-    """GAE lambda; 1 = n-step returns bootstrapped at the segment end."""
-    reward_scale: float = 1.0
-    """Rewards are multiplied by this before GAE (the value net learns scaled returns)."""
-    recompute_values: bool = True
-    """GAE from the current value net's V(s_t) instead of the stale behaviour values."""
     value_coef: float = 1.0
     """Weight of the value loss 0.5 * (V - R)^2 (1.0 here = SB3's vf_coef 0.5 on a plain MSE)."""
     entropy_coef: float = 0.0
@@ -86,8 +115,23 @@ class A2CConfig:
     """Clip the global gradient norm to this; 0 = no clipping."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.optimizer not in _OPTIMIZERS:
-            raise ValueError(f"A2CConfig.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
+            raise ValueError(f"{type(self).__name__}.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
+
+
+@dataclass(frozen=True)
+class ImpalaConfig(A2CConfig):
+    """IMPALA's learner (Espeholt et al. 2018) in one process: A2C's single gradient step on V-trace
+    targets and rho-weighted advantages (defaults: the paper's Atari settings, rho_bar = c_bar = 1,
+    lambda 1, RMSprop lr 6e-4 with epsilon 0.01, baseline cost 0.5, entropy 0.01, gradient clip 40)."""
+
+    advantages: str = "vtrace"
+    lr: float = 6e-4
+    optimizer_eps: float = 0.01
+    value_coef: float = 0.5
+    entropy_coef: float = 0.01
+    max_grad_norm: float = 40.0
 
 
 C51_PRIORITIES = ("kl", "cross_entropy")
@@ -113,7 +157,9 @@ class DQNConfig:
     target_tau: float = 1.0
     """Every period: target <- tau * online + (1 - tau) * target (1 = hard copy; period 1, tau < 1 = Polyak)."""
     huber_delta: float = 1.0
-    """Huber loss threshold on the TD error (scalar Q only); 0 = squared error 0.5 * td^2."""
+    """Huber loss threshold on the TD error; 0 = squared error 0.5 * td^2. QR-DQN and IQN: kappa of
+    the quantile Huber loss (Dabney et al.: 1); 0 = the plain quantile loss |tau - 1{u < 0}| |u|.
+    C51 has none."""
     max_grad_norm: float = 10.0
     """Clip the global gradient norm to this; 0 = no clipping."""
     c51_priority: str = "kl"
@@ -134,39 +180,92 @@ class DQNConfig:
 
 
 @dataclass(frozen=True)
+class QRDQNConfig(DQNConfig):
+    """QR-DQN (Dabney et al. 2017): DQN on N return quantiles per action at the fixed fractions
+    (2i + 1) / 2N, learned with the quantile Huber loss (kappa = ``huber_delta``); Q is their
+    mean. Double, dueling (``agent.dueling``), n-step and prioritized replay combine as for C51;
+    an item's priority is its quantile Huber loss."""
+
+    n_quantiles: int = 200
+    """Quantiles per action (N; the paper: 200)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_quantiles < 1:
+            raise ValueError(f"QRDQNConfig.n_quantiles: must be >= 1, got {self.n_quantiles}")
+
+
+@dataclass(frozen=True)
+class IQNConfig(DQNConfig):
+    """IQN (Dabney et al. 2018): the quantile Huber loss (kappa = ``huber_delta``) of N online
+    quantiles against N' target quantiles, each at fractions drawn U(0, 1) afresh per item and
+    update; a fraction enters the network as a cosine embedding multiplied into the features.
+    Acting (and double-Q's bootstrap action) takes Q as the mean of K sampled quantiles.
+    Combines with double, dueling, n-step and prioritized replay as QR-DQN does."""
+
+    n_taus: int = 64
+    """Online quantile fractions per item in the loss (N; the paper: 64)."""
+    n_target_taus: int = 64
+    """Target quantile fractions per item in the loss (N'; the paper: 64)."""
+    n_acting_taus: int = 32
+    """Fractions per observation that estimate Q for acting and the double-Q action (K; the paper: 32)."""
+    n_cosines: int = 64
+    """Cosine features of a fraction, cos(pi i tau) for i = 0..n-1 (the paper: 64)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if min(self.n_taus, self.n_target_taus, self.n_acting_taus, self.n_cosines) < 1:
+            raise ValueError(f"IQNConfig: n_taus, n_target_taus, n_acting_taus and n_cosines must be >= 1, got "
+                             f"{self.n_taus}, {self.n_target_taus}, {self.n_acting_taus}, {self.n_cosines}")
+
+
+@dataclass(frozen=True)
 class QpgConfig:
-    """What DDPG, TD3 and SAC share: critics regressed on n-step TD targets from target
-    networks that trail by Polyak averaging, an actor that climbs the critic."""
+    """What DDPG, TD3, SAC, TQC and CrossQ share: critics regressed on n-step TD targets from
+    target networks that trail by Polyak averaging, an actor that climbs the critics."""
 
     actor_lr: float = 1e-3
     """Adam learning rate of the actor."""
     critic_lr: float = 1e-3
     """Adam learning rate of the critics (one optimizer for all of them)."""
+    adam_beta1: float = 0.9
+    """Adam beta1 of the actor's and the critics' optimizers (CrossQ: 0.5)."""
     anneal_lr: bool = False
     """Decay the learning rates linearly to 0 over the run (progress 0 -> 1)."""
     batch_size: int = 256
     """Transitions in one batch (the learner asks replay for this many per update)."""
     n_critics: int = 1
-    """Q-networks; with 2 the TD target takes their minimum (clipped double Q, Fujimoto et al. 2018)."""
+    """Q-networks; with more than one the TD target takes their minimum (2: clipped double Q,
+    Fujimoto et al. 2018); TQC pools their quantiles instead."""
+    critic_hidden_sizes: tuple[int, ...] = ()
+    """Widths of each critic's MLP; () = ``model.hidden_sizes`` (the actor's)."""
+    policy_delay: int = 1
+    """Critic updates per actor update (DDPG/TD3: and per target move; SAC: and per temperature step)."""
     tau: float = 0.005
-    """Polyak rate: target <- tau * online + (1 - tau) * target after every actor update."""
+    """Polyak rate: target <- tau * online + (1 - tau) * target (DDPG/TD3: after every actor
+    update; SAC: after every update)."""
     max_grad_norm: float = 0.0
     """Clip each network's global gradient norm to this; 0 = no clipping."""
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.n_critics not in (1, 2):
-            raise ValueError(f"{type(self).__name__}: need batch_size >= 1 and n_critics 1 or 2, got "
-                             f"{self.batch_size} and {self.n_critics}")
+        if self.batch_size < 1 or self.n_critics < 1 or self.policy_delay < 1:
+            raise ValueError(f"{type(self).__name__}: need batch_size, n_critics and policy_delay >= 1, got "
+                             f"{self.batch_size}, {self.n_critics} and {self.policy_delay}")
         if not 0.0 < self.tau <= 1.0:
             raise ValueError(f"{type(self).__name__}.tau: must be in (0, 1], got {self.tau}")
+        if not 0.0 <= self.adam_beta1 < 1.0:
+            raise ValueError(f"{type(self).__name__}.adam_beta1: must be in [0, 1), got {self.adam_beta1}")
+        self.critic()  # its own checks (widths)
+
+    def critic(self) -> CriticConfig:
+        """The critics the agent builds for this algorithm."""
+        return CriticConfig(n=self.n_critics, hidden_sizes=tuple(self.critic_hidden_sizes))
 
 
 @dataclass(frozen=True)
 class DDPGConfig(QpgConfig):
     """DDPG (Lillicrap et al. 2016) with a deterministic actor; TD3 is this with its three changes on."""
 
-    policy_delay: int = 1
-    """Critic updates per actor (and target) update."""
     target_noise: float = 0.0
     """Target policy smoothing: std of the Gaussian noise on the target actor's action (units of half the range)."""
     target_noise_clip: float = 0.5
@@ -174,9 +273,8 @@ class DDPGConfig(QpgConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.policy_delay < 1 or self.target_noise < 0 or self.target_noise_clip < 0:
-            raise ValueError(f"{type(self).__name__}: need policy_delay >= 1, target_noise >= 0 and "
-                             "target_noise_clip >= 0")
+        if self.target_noise < 0 or self.target_noise_clip < 0:
+            raise ValueError(f"{type(self).__name__}: need target_noise >= 0 and target_noise_clip >= 0")
 
 
 @dataclass(frozen=True)
@@ -203,11 +301,62 @@ class SACConfig(QpgConfig):
     """Tune alpha so that the policy's entropy tracks target_entropy; false = fixed init_alpha."""
     target_entropy: Optional[float] = None
     """Entropy the temperature steers towards; None = -|A| (minus the action dimensions)."""
+    target_networks: bool = True
+    """Bootstrap from Polyak-averaged target critics; false = from the critics themselves, in
+    one forward pass with the batch's own state-actions (CrossQ; tau is then unused)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.init_alpha <= 0:
-            raise ValueError(f"SACConfig.init_alpha: must be > 0, got {self.init_alpha}")
+            raise ValueError(f"{type(self).__name__}.init_alpha: must be > 0, got {self.init_alpha}")
+
+
+@dataclass(frozen=True)
+class TQCConfig(SACConfig):
+    """TQC (Kuznetsov et al. 2020): SAC with ``n_critics`` quantile critics whose pooled target
+    atoms lose the top ``drop_per_net * n_critics`` (defaults: the paper's M = 5, N = 25, d = 2)."""
+
+    n_critics: int = 5
+    n_quantiles: int = 25
+    """Quantiles each critic outputs (N), at fractions (2i + 1) / 2N."""
+    drop_per_net: int = 2
+    """Target atoms dropped per critic (d): of the n_critics * n_quantiles pooled atoms, sorted,
+    the top n_critics * drop_per_net go (the knob on the overestimation bias)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_quantiles < 1 or not 0 <= self.drop_per_net < self.n_quantiles:
+            raise ValueError(f"TQCConfig: need n_quantiles >= 1 and 0 <= drop_per_net < n_quantiles, got "
+                             f"{self.n_quantiles} and {self.drop_per_net}")
+
+    def critic(self) -> CriticConfig:
+        return dataclasses.replace(super().critic(), outputs=self.n_quantiles)
+
+
+@dataclass(frozen=True)
+class CrossQConfig(SACConfig):
+    """CrossQ (Bhatt et al. 2024): SAC without target networks, with batch-renormalized wide
+    critics that see the batch's and the next state-actions in one forward pass, delayed
+    actor updates and Adam beta1 0.5 (defaults: the paper's, as sb3-contrib ships them but
+    the paper's 2048-wide critics)."""
+
+    actor_lr: float = 1e-3
+    critic_lr: float = 1e-3
+    alpha_lr: float = 1e-3
+    adam_beta1: float = 0.5
+    policy_delay: int = 3
+    target_networks: bool = False
+    critic_hidden_sizes: tuple[int, ...] = (2048, 2048)
+    renorm_momentum: float = 0.01
+    """Batch renorm: running statistics <- (1 - momentum) * running + momentum * batch's (flax's 0.99 = 1 - this)."""
+    renorm_eps: float = 1e-3
+    """Batch renorm: added to the variance before its square root."""
+    renorm_warmup_steps: int = 100_000
+    """Batch renorm: critic updates of plain batch norm before the running statistics correct the batch's."""
+
+    def critic(self) -> CriticConfig:
+        return dataclasses.replace(super().critic(), batch_renorm=True, renorm_momentum=self.renorm_momentum,
+                                   renorm_eps=self.renorm_eps, renorm_warmup_steps=self.renorm_warmup_steps)
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,13 @@ def _fusable(params: list) -> bool:
     return bool(tensors) and all(t.is_floating_point() and t.device.type in ("cpu", "cuda") for t in tensors)
 
 
-def adam(params, lr: float, eps: float = 1e-8) -> torch.optim.Adam:
+def adam(params, lr: float, eps: float = 1e-8, beta1: float = 0.9) -> torch.optim.Adam:
     """torch's Adam, fused where torch has it (module doc), else foreach; plain: no
-    amsgrad, maximize or weight decay."""
+    amsgrad, maximize or weight decay; beta2 0.999."""
     params = list(params)
     fused = _fusable(params)
-    return torch.optim.Adam(params, lr=lr, eps=eps, fused=fused, foreach=None if fused else True)
+    return torch.optim.Adam(params, lr=lr, eps=eps, betas=(beta1, 0.999), fused=fused,
+                            foreach=None if fused else True)
 
 
 def rmsprop(params, lr: float, alpha: float, eps: float) -> torch.optim.RMSprop:

@@ -2,7 +2,9 @@
 
 Batches may be a few policy versions stale (asynchronous samplers): the importance ratio
 uses the behaviour log-probs stored at sampling time, so the clipped objective corrects
-for it like for PPO's own epochs.
+for it like for PPO's own epochs. With ``advantages = "vtrace"`` the advantages and value
+targets are V-trace's too, from the current network's values and log-probs at the start of
+the update: APPO as in Sample Factory.
 """
 
 from __future__ import annotations
@@ -31,14 +33,12 @@ class PPO:
         Returns means over the gradient steps of policy_loss, value_loss, entropy and
         grad_norm (before clipping), over their rows of approx_kl (the (r - 1) - log r
         estimator) and clip_fraction, plus lr and explained_variance (the V(s_t) used for
-        GAE vs the returns).
+        the targets vs the value targets).
         """
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
         clip = cfg.clip_eps * (1.0 - progress) if cfg.anneal_clip else cfg.clip_eps
-        data = pg_targets(
-            self.agent, batch, cfg.gamma, cfg.gae_lambda, cfg.reward_scale, cfg.recompute_values
-        )
+        data = pg_targets(self.agent, batch, cfg)
         # Minibatches split the rows: transitions [T*B] feed-forward, whole env sequences (the
         # columns of [T, B]) for a recurrent agent, which replays each from its stored state.
         recurrent = data.memory is not None

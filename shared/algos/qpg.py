@@ -1,4 +1,4 @@
-"""Q-policy-gradient learning on n-step transitions: DDPG, TD3 and SAC.
+"""Q-policy-gradient learning on n-step transitions: DDPG, TD3, SAC, TQC and CrossQ.
 
 - ``DDPG`` (Lillicrap et al. 2016): the critic regresses on r + gamma^m Q'(s', mu'(s')) from
   the target actor and critic; the actor maximises Q(s, mu(s)). With ``TD3Config`` it is
@@ -8,15 +8,30 @@
 - ``SAC`` (Haarnoja et al. 2018): twin soft Q targets min_i Q'_i(s', a') - alpha log pi(a'|s')
   with a' sampled from the current actor, the actor minimises alpha log pi - min_i Q_i, and
   alpha is tuned so the policy's entropy tracks ``target_entropy`` (-|A| by default), or
-  fixed.
+  fixed. Two parts are injected or set, and make the other two algorithms:
+- TQC (Kuznetsov et al. 2020) is SAC with ``TruncatedQuantiles`` for ``ScalarCritics``: M
+  critics of N quantiles each; the target pools the M * N atoms of the target critics at
+  (s', a'), sorted, drops the top M * d, and takes r + gamma^m (atom - alpha log pi) of each
+  kept one; every critic's quantiles regress on all of them by the quantile Huber loss
+  (kappa 1, averaged over quantiles and atoms, ``shared.algos.quantiles``); the actor climbs
+  the mean of all M * N quantiles.
+- CrossQ (Bhatt et al. 2024) is SAC with ``target_networks = false``: no target critics; the
+  batch's state-actions (s, a) and the bootstrap ones (s', a') go through the critics in one
+  forward pass of 2N rows, so their batch renormalization (``CrossQConfig``) normalises both
+  with the statistics of the two together (the next state-actions come from another
+  distribution than the replayed ones; normalised alone, or by running statistics that never
+  saw them, they would be out of distribution), and the next half's Q, detached, is the
+  target. The actor (and temperature) step every ``policy_delay`` = 3 critic steps, with the
+  critics in eval mode (their running statistics), as sb3-contrib does.
 
 Replay supplies n-step returns, bootstrap discounts (gamma^m, 0 after a termination) and
 importance weights, so one update covers 1- and n-step, uniform and prioritized replay
 (the n-step soft target takes the entropy bonus at the bootstrap step only). Critic losses
-are importance-weighted squared errors; ``update`` returns |TD error| of the first critic as
-new priorities, like the DQN family, and never writes to replay itself. One Adam optimizer
-per network (actor, critics, SAC's temperature); targets are deep copies of the agent,
-moved by Polyak averaging (SAC: only the critics, the parts its TD target uses).
+are importance-weighted; ``update`` returns |TD error| of the first critic (quantile critics:
+of its mean against the target atoms' mean) as new priorities, like the DQN family, and never
+writes to replay itself. One Adam optimizer per network (actor, critics, SAC's temperature);
+targets are deep copies of the agent, moved by Polyak averaging (SAC: only the critics, the
+parts its TD target uses).
 """
 
 from __future__ import annotations
@@ -27,25 +42,67 @@ import copy
 import torch
 
 from shared.agents.qpg import DeterministicAgent, QpgAgent, SacAgent
-from shared.algos.hparams import DDPGConfig, QpgConfig, SACConfig, TD3Config  # noqa: F401 (re-exported)
+from shared.algos.hparams import (CrossQConfig, DDPGConfig, QpgConfig, SACConfig, TD3Config,  # noqa: F401 (re-exported)
+                                  TQCConfig)
 from shared.algos.optim import adam, gradient_step, set_lr
+from shared.algos.quantiles import quantile_huber, truncated_pool
 from shared.algos.update import Update
 from shared.data.batches import Transition
+from shared.data.namedarraytuple import zip_map
+
+
+class ScalarCritics:
+    """Critics of one Q-value each, [n, N]: the TD target takes their minimum (clipped double
+    Q with two), each regresses on it by the importance-weighted squared error 0.5 td^2 (summed
+    over critics, averaged over the batch), and the SAC actor climbs their minimum."""
+
+    def target(self, next_q: torch.Tensor) -> torch.Tensor:
+        """Bootstrap atoms [N, 1] from the critics' values at (s', a') [n, N]."""
+        return next_q.min(0).values.unsqueeze(-1)
+
+    def loss(self, q: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, |TD| of critic 0 [N]) for Q [n, N] against target atoms [N, 1], weights [N]."""
+        td = target[:, 0] - q
+        return (weight * 0.5 * td.square()).mean(-1).sum(), td[0].detach().abs()
+
+    def actor_value(self, q: torch.Tensor) -> torch.Tensor:
+        return q.min(0).values
+
+
+class TruncatedQuantiles:
+    """TQC's critics, quantiles [M, N, K]: the target is the pooled atoms of all M critics,
+    sorted, without the top M * ``drop_per_net`` ([N, M (K - d)]); each critic's quantiles
+    regress on all of them by the quantile Huber loss (kappa 1), averaged over critics,
+    quantiles and atoms as the paper's code does, importance-weighted per sample; the actor
+    climbs the mean of all quantiles."""
+
+    def __init__(self, drop_per_net: int) -> None:
+        self.drop_per_net = drop_per_net
+
+    def target(self, next_q: torch.Tensor) -> torch.Tensor:
+        return truncated_pool(next_q, self.drop_per_net)
+
+    def loss(self, q: torch.Tensor, target: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        per_sample = quantile_huber(q, target).mean((0, 2, 3))  # [M, N, K, J] -> [N]
+        return (weight * per_sample).mean(), (target.mean(-1) - q[0].detach().mean(-1)).abs()
+
+    def actor_value(self, q: torch.Tensor) -> torch.Tensor:
+        return q.mean((0, 2))
 
 
 class _QpgAlgo:
     """The shared machinery: optimizers, learning-rate annealing, clipped steps, Polyak targets."""
 
-    def __init__(self, agent: QpgAgent, cfg: QpgConfig) -> None:
-        self.agent, self.cfg = agent, cfg
-        self.target = copy.deepcopy(agent).requires_grad_(False)
+    def __init__(self, agent: QpgAgent, cfg: QpgConfig, values=ScalarCritics(), target_networks: bool = True) -> None:
+        self.agent, self.cfg, self.values = agent, cfg, values
+        self.target = copy.deepcopy(agent).requires_grad_(False) if target_networks else None
         self.actor_params = [*agent.actor_encoder.parameters(), *agent.actor_head.parameters()]
-        self.actor_opt = adam(self.actor_params, lr=cfg.actor_lr)
-        self.critic_opt = adam(agent.critics.parameters(), lr=cfg.critic_lr)
+        self.actor_opt = adam(self.actor_params, lr=cfg.actor_lr, beta1=cfg.adam_beta1)
+        self.critic_opt = adam(agent.critics.parameters(), lr=cfg.critic_lr, beta1=cfg.adam_beta1)
         self.updates = 0
-        # What _polyak moves, listed once (it runs every update).
-        self._averaged = (self._averaged_params(self.target), self._averaged_params(agent))
-        self._copied = (list(self.target.buffers()), list(agent.buffers()))
+        if self.target is not None:  # what _polyak moves, listed once (it runs every update)
+            self._averaged = (self._averaged_params(self.target), self._averaged_params(agent))
+            self._copied = (list(self.target.buffers()), list(agent.buffers()))
 
     @staticmethod
     def _averaged_params(agent: QpgAgent) -> list[torch.Tensor]:
@@ -65,19 +122,21 @@ class _QpgAlgo:
         """One optimizer step on ``loss``; returns the gradient norm before clipping."""
         return gradient_step(opt, loss, params, self.cfg.max_grad_norm)
 
-    def _critic_update(self, batch: Transition, target_value: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Critics towards ``target_value`` [N]; returns (loss, q_mean, |TD| of critic 0, grad norm)."""
-        q = self.agent.q(batch.observation, self.agent.to_unit(batch.action))  # [n_critics, N]
-        weight = batch.is_weight.float()
-        loss = (weight * 0.5 * (q - target_value).square()).mean(-1).sum()
+    def _critic_update(self, batch: Transition, q: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Critics' outputs ``q`` at the batch (with grad) towards the target atoms [N, J];
+        returns (loss, q_mean, |TD| of critic 0, grad norm)."""
+        loss, td_abs = self.values.loss(q, target, batch.is_weight.float())
         grad_norm = self._step(self.critic_opt, loss, self.agent.critics.parameters())
-        return loss.detach(), q[0].detach().mean(), (target_value - q[0].detach()).abs(), grad_norm
+        return loss.detach(), q[0].detach().mean(), td_abs, grad_norm
 
     @contextlib.contextmanager
     def _critics_frozen(self):
         """While the actor's loss is computed and stepped: it differentiates through the
-        critics, never into them."""
+        critics, never into them, and reads them in eval mode (batch renorm: the running
+        statistics, which a training pass over the actor's actions would also move)."""
         critics = list(self.agent.critics.parameters())
+        training = self.agent.critics.training
+        self.agent.critics.eval()
         for p in critics:
             p.requires_grad_(False)
         try:
@@ -85,6 +144,7 @@ class _QpgAlgo:
         finally:
             for p in critics:
                 p.requires_grad_(True)
+            self.agent.critics.train(training)
 
     @torch.no_grad()
     def _polyak(self) -> None:
@@ -102,14 +162,18 @@ class _QpgAlgo:
         return Update(stats, td_abs.float().cpu().numpy())
 
     def state_dict(self) -> dict:
-        """Optimizers, target networks and update count, for checkpoints (the agent is saved separately)."""
-        return {"optimizers": [opt.state_dict() for opt, _ in self._optimizers()],
-                "target": self.target.state_dict(), "updates": self.updates}
+        """Optimizers, target networks (where there are) and update count, for checkpoints
+        (the agent is saved separately)."""
+        state = {"optimizers": [opt.state_dict() for opt, _ in self._optimizers()], "updates": self.updates}
+        if self.target is not None:
+            state["target"] = self.target.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for (opt, _), saved in zip(self._optimizers(), state["optimizers"]):
             opt.load_state_dict(saved)
-        self.target.load_state_dict(state["target"])
+        if self.target is not None:
+            self.target.load_state_dict(state["target"])
         self.updates = int(state["updates"])
 
 
@@ -136,8 +200,10 @@ class DDPG(_QpgAlgo):
         frac = self._anneal(progress)
         with torch.no_grad():
             target_q = self.target.q(batch.bootstrap_observation, self.target_action(batch.bootstrap_observation))
-            target_value = batch.return_.float() + batch.bootstrap_discount.float() * target_q.min(0).values
-        critic_loss, q_mean, td_abs, grad_norm = self._critic_update(batch, target_value)
+            target_value = (batch.return_.float()[:, None]
+                            + batch.bootstrap_discount.float()[:, None] * self.values.target(target_q))
+        q = self.agent.q(batch.observation, self.agent.to_unit(batch.action))
+        critic_loss, q_mean, td_abs, grad_norm = self._critic_update(batch, q, target_value)
         self.updates += 1
         if self.updates % self.cfg.policy_delay == 0:
             with self._critics_frozen():
@@ -150,14 +216,18 @@ class DDPG(_QpgAlgo):
 
 
 class SAC(_QpgAlgo):
-    """SAC: ``update(batch, progress)`` is one step of the critics, the actor and (when
-    learned) the temperature, then a Polyak move of the target critics."""
+    """SAC: ``update(batch, progress)`` is one step of the critics and, every ``policy_delay``
+    of them, of the actor and (when learned) the temperature; then a Polyak move of the target
+    critics. ``values`` is the critics' kind (``ScalarCritics``, or ``TruncatedQuantiles``:
+    TQC); ``cfg.target_networks = false`` bootstraps from the critics themselves (CrossQ)."""
 
-    def __init__(self, agent: SacAgent, cfg: SACConfig = SACConfig()) -> None:
-        super().__init__(agent, cfg)
+    def __init__(self, agent: SacAgent, cfg: SACConfig = SACConfig(), values=ScalarCritics()) -> None:
+        super().__init__(agent, cfg, values, target_networks=cfg.target_networks)
         self.target_entropy = -float(agent.action_dim) if cfg.target_entropy is None else cfg.target_entropy
         self.log_alpha = torch.tensor(float(cfg.init_alpha), device=agent.device).log().requires_grad_(cfg.learn_alpha)
         self.alpha_opt = adam([self.log_alpha], lr=cfg.alpha_lr)
+        zero = torch.zeros((), device=agent.device)
+        self.last_actor = (zero, zero)  # (loss, entropy) of the last actor step, reported between delayed ones
 
     def _optimizers(self) -> list[tuple[torch.optim.Optimizer, float]]:
         return super()._optimizers() + [(self.alpha_opt, self.cfg.alpha_lr)]
@@ -167,31 +237,52 @@ class SAC(_QpgAlgo):
         """The critics only: SAC's TD target samples from the current actor."""
         return list(agent.critics.parameters())
 
+    def q_and_next_q(self, batch: Transition, next_action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The critics at the batch's state-actions, with grad, and at (s', ``next_action``),
+        without: [n, N] each (quantiles [n, N, K]). The next ones come from the target critics;
+        without target networks from the critics themselves, in training mode, in one forward
+        pass over the 2N rows of both (CrossQ: module doc)."""
+        agent = self.agent
+        action = agent.to_unit(batch.action)
+        if self.target is not None:
+            with torch.no_grad():
+                next_q = self.target.q(batch.bootstrap_observation, next_action)
+            return agent.q(batch.observation, action), next_q
+        agent.critics.train()
+        both = zip_map(lambda s, s_next: torch.cat([s, s_next]), batch.observation, batch.bootstrap_observation)
+        q, next_q = agent.q(both, torch.cat([action, next_action])).chunk(2, dim=1)
+        return q, next_q.detach()
+
     def update(self, batch: Transition, progress: float) -> Update:
         """One update on N transitions (torch tensors on the agent's device). Returns floats
-        critic_loss, actor_loss, alpha, entropy (-mean log pi), q_mean, target_mean,
-        critic_grad_norm, td_abs_mean, lr_frac; and the new priorities [N]."""
+        critic_loss, actor_loss and entropy (-mean log pi) of the last actor step, alpha,
+        q_mean, target_mean, critic_grad_norm, td_abs_mean, lr_frac; and the new priorities [N]."""
         frac = self._anneal(progress)
         agent = self.agent
         alpha = self.log_alpha.detach().exp()
         with torch.no_grad():
             next_action, next_log_prob = agent.sample(batch.bootstrap_observation)
-            soft_q = self.target.q(batch.bootstrap_observation, next_action).min(0).values - alpha * next_log_prob
-            target_value = batch.return_.float() + batch.bootstrap_discount.float() * soft_q
-        critic_loss, q_mean, td_abs, grad_norm = self._critic_update(batch, target_value)
-
-        with self._critics_frozen():
-            action, log_prob = agent.sample(batch.observation)
-            actor_loss = (alpha * log_prob - agent.q(batch.observation, action).min(0).values).mean()
-            self._step(self.actor_opt, actor_loss, self.actor_params)
-        if self.cfg.learn_alpha:
-            alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
-            gradient_step(self.alpha_opt, alpha_loss, [self.log_alpha], 0.0)
+        q, next_q = self.q_and_next_q(batch, next_action)
+        with torch.no_grad():
+            soft = self.values.target(next_q) - alpha * next_log_prob[:, None]  # [N, atoms]
+            target_value = batch.return_.float()[:, None] + batch.bootstrap_discount.float()[:, None] * soft
+        critic_loss, q_mean, td_abs, grad_norm = self._critic_update(batch, q, target_value)
         self.updates += 1
-        self._polyak()
+
+        if self.updates % self.cfg.policy_delay == 0:
+            with self._critics_frozen():
+                action, log_prob = agent.sample(batch.observation)
+                actor_loss = (alpha * log_prob - self.values.actor_value(agent.q(batch.observation, action))).mean()
+                self._step(self.actor_opt, actor_loss, self.actor_params)
+            if self.cfg.learn_alpha:
+                alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
+                gradient_step(self.alpha_opt, alpha_loss, [self.log_alpha], 0.0)
+            self.last_actor = (actor_loss.detach(), -log_prob.detach().mean())
+        if self.target is not None:
+            self._polyak()
         return self._stats(("critic_loss", "actor_loss", "alpha", "entropy", "q_mean", "target_mean",
                             "critic_grad_norm"),
-                           [critic_loss, actor_loss.detach(), alpha, -log_prob.detach().mean(), q_mean,
+                           [critic_loss, self.last_actor[0], alpha, self.last_actor[1], q_mean,
                             target_value.mean(), grad_norm], td_abs, frac)
 
     def state_dict(self) -> dict:

@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 from shared.agents import registry as agents
 from shared.agents.registry import AgentSpec
-from shared.algos.hparams import A2CConfig, DDPGConfig, DQNConfig, PPOConfig, R2D1Config, SACConfig, TD3Config
+from shared.algos.hparams import (A2CConfig, CrossQConfig, DDPGConfig, DQNConfig, ImpalaConfig, IQNConfig, PPOConfig,
+                                  QRDQNConfig, R2D1Config, SACConfig, TD3Config, TQCConfig)
 from shared.runtime.plugins import is_reference, load_attribute
 
 BATCHES = {"segments": ("queue",), "transitions": ("uniform", "prioritized"), "sequences": ("sequence",)}
@@ -67,13 +68,13 @@ def _ppo(agent, cfg):
     return PPO(agent, cfg)
 
 
-def _a2c(agent, cfg):
+def _a2c(agent, cfg):  # IMPALA is A2C with ImpalaConfig's V-trace targets and the paper's settings
     from shared.algos.a2c import A2C
 
     return A2C(agent, cfg)
 
 
-def _dqn(agent, cfg):
+def _dqn(agent, cfg):  # QR-DQN and IQN too: the agent's head picks the loss (shared/algos/dqn.py)
     from shared.algos.dqn import DQN
 
     return DQN(agent, cfg)
@@ -91,20 +92,31 @@ def _ddpg(agent, cfg):  # TD3 is DDPG with TD3Config's twin critics, target smoo
     return DDPG(agent, cfg)
 
 
-def _sac(agent, cfg):
+def _sac(agent, cfg):  # CrossQ is SAC with CrossQConfig's batch-renormalized critics and no target networks
     from shared.algos.qpg import SAC
 
     return SAC(agent, cfg)
 
 
+def _tqc(agent, cfg):
+    from shared.algos.qpg import SAC, TruncatedQuantiles
+
+    return SAC(agent, cfg, TruncatedQuantiles(cfg.drop_per_net))
+
+
 ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
     AlgoSpec("ppo", PPOConfig, agents.PG, "segments", _ppo, recurrent=True),
     AlgoSpec("a2c", A2CConfig, agents.PG, "segments", _a2c, recurrent=True),
+    AlgoSpec("impala", ImpalaConfig, agents.PG, "segments", _a2c, recurrent=True),
     AlgoSpec("dqn", DQNConfig, agents.Q, "transitions", _dqn),
+    AlgoSpec("qr_dqn", QRDQNConfig, agents.QUANTILE, "transitions", _dqn),
+    AlgoSpec("iqn", IQNConfig, agents.IMPLICIT_QUANTILE, "transitions", _dqn),
     AlgoSpec("r2d1", R2D1Config, agents.Q, "sequences", _r2d1, recurrent=True),
     AlgoSpec("ddpg", DDPGConfig, agents.DETERMINISTIC, "transitions", _ddpg),
     AlgoSpec("td3", TD3Config, agents.DETERMINISTIC, "transitions", _ddpg),
     AlgoSpec("sac", SACConfig, agents.SAC, "transitions", _sac),
+    AlgoSpec("tqc", TQCConfig, agents.SAC, "transitions", _tqc),
+    AlgoSpec("crossq", CrossQConfig, agents.SAC, "transitions", _sac),
 )}
 """The built-in algorithms by ``algo.name``."""
 

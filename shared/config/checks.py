@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 from pathlib import Path
-from shared.envs.group import validate_env_config
+from shared.envs.backends import validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
-from shared.config.schema import ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, most_count
+from shared.config.schema import ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, WANDB_MODES, most_count
 
 
 def check(exp: Experiment, check_ports: bool) -> None:
@@ -83,6 +84,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
                           f"sequences; at most sampler.envs * learner.batch_segments / learner.count = "
                           f"{columns // exp.learner.count}")
     _check_eval(exp)
+    _check_logging(exp)
     if is_reference(exp.model.encoder):
         try:
             load_attribute(exp.model.encoder, "model.encoder")
@@ -157,6 +159,16 @@ def _check_eval(exp: Experiment) -> None:
     if e.seed_offset < training:
         raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "
                           "sampler.max_count) so that evaluation seeds are held out from the samplers' seeds")
+
+
+def _check_logging(exp: Experiment) -> None:
+    lg = exp.logging
+    if lg.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.mode = {lg.mode!r}: allowed: {', '.join(WANDB_MODES)}")
+    # find_spec, not an import: wandb takes seconds to import, and only the learner needs it.
+    if lg.to_wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb = true: the wandb package is not installed; pip install 'rlpipe[wandb]' "
+                          "(or set logging.wandb = false)")
 
 
 def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:

@@ -228,6 +228,32 @@ class EvalConfig:
     sampler's seeds (run.seed + 10007 * instance + env); each evaluation replays the same seeds."""
 
 
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Where the learner's progress rows go besides progress.csv and TensorBoard (``tb/``, always
+    written): Weights & Biases, when ``wandb`` is on (the ``wandb`` extra: pip install rlpipe[wandb])."""
+    wandb: bool = False
+    """Also log the progress scalars (against env steps) and the resolved config to a W&B run
+    whose files go in the run directory; ``launch --resume`` continues the same W&B run."""
+    project: str = "rlpipe"
+    """W&B project the run goes to."""
+    entity: str = ""
+    """W&B entity (user or team; empty: the logged-in user's default)."""
+    group: str = ""
+    """W&B group, e.g. one per grid or set of seeds (empty: none)."""
+    tags: tuple[str, ...] = ()
+    """W&B tags of the run."""
+    mode: str = "online"
+    """online (synced as it runs), offline (written to the run directory only; ``wandb sync
+    <run>/wandb/offline-run-*`` uploads it later) or disabled (W&B is not started at all)."""
+
+    @property
+    def to_wandb(self) -> bool:
+        """Whether the learner starts a W&B run (``wandb`` on, ``mode`` not disabled)."""
+        return self.wandb and self.mode != "disabled"
+
+
+WANDB_MODES = ("online", "offline", "disabled")
 INFERENCE = ("auto", "local", "server")
 
 
@@ -246,6 +272,7 @@ class Experiment:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def algo_spec(self) -> AlgoSpec:
@@ -264,6 +291,7 @@ SECTIONS: dict[str, type] = {
     "network": NetworkConfig,
     "eval": EvalConfig,
     "placement": PlacementConfig,
+    "logging": LoggingConfig,
 }
 
 

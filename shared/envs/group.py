@@ -1,5 +1,6 @@
 """Gymnasium environments for rlpipe: their config, how one is built, and a group of them
-stepped inside one sampler process straight into preallocated ``[B, ...]`` arrays.
+stepped inside one sampler process straight into preallocated ``[B, ...]`` arrays (the
+``gymnasium`` backend; ``EnvGroup``'s contract is every backend's, see ``shared.envs.backends``).
 
 Observation dtypes written by ``EnvGroup`` (stable, whatever the env returns):
 
@@ -61,7 +62,13 @@ class EnvConfig:
     max_episode_steps: int = 0
     """Truncate episodes after this many agent steps (after Atari frame skip); 0 keeps the env's default."""
     seed: int = 0
-    """Base seed of the run's envs; each EnvGroup seeds its env i with its base_seed + i."""
+    """Base seed of the run's envs; each env group seeds its env i with its base_seed + i."""
+    backend: str = "gymnasium"
+    """What steps a sampler's envs: "gymnasium" (one env after another in Python, ``EnvGroup``) or
+    "envpool" (the whole batch in one call into EnvPool's C++ thread pool, ``shared.envs.envpool_backend``)."""
+    threads: int = 0
+    """Envpool backend: worker threads of each env group's pool; 0 = one per env, at most the CPUs
+    this process may run on. The gymnasium backend has none (leave 0)."""
 
 
 class EnvError(RuntimeError):
@@ -166,8 +173,9 @@ def _env_callable(env_id: str) -> Callable[..., gym.Env]:
     return fn
 
 
-def validate_env_config(cfg: EnvConfig) -> None:
-    """Raise ValueError (one line naming the field and what is allowed) if ``cfg`` is bad."""
+def check_common(cfg: EnvConfig) -> tuple[dict[str, Any], dict[str, int]]:
+    """The checks of ``cfg`` every backend shares; returns (its kwargs, its parsed wrappers).
+    ValueError (one line naming the field) if one fails."""
     if not isinstance(cfg.id, str) or not cfg.id:
         raise ValueError("env.id: must be a non-empty string (a gymnasium id or 'module:callable')")
     kwargs = _parse_kwargs(cfg.kwargs)
@@ -176,6 +184,18 @@ def validate_env_config(cfg: EnvConfig) -> None:
         raise ValueError(f"env.max_episode_steps: must be >= 0 (0 = env default), got {cfg.max_episode_steps}")
     if cfg.seed < 0:
         raise ValueError(f"env.seed: must be >= 0, got {cfg.seed}")
+    if cfg.threads < 0:
+        raise ValueError(f"env.threads: must be >= 0 (0 = one per env, at most the CPUs), got {cfg.threads}")
+    return kwargs, wrappers
+
+
+def validate_gymnasium(cfg: EnvConfig) -> None:
+    """Raise ValueError (one line naming the field and what is allowed) if the gymnasium backend
+    cannot build ``cfg``'s envs."""
+    kwargs, wrappers = check_common(cfg)
+    if cfg.threads:
+        raise ValueError(f"env.threads = {cfg.threads}: the gymnasium backend steps its envs in the sampler's "
+                         "own thread; leave it 0 (or set env.backend = 'envpool')")
     if ":" in cfg.id:
         _env_callable(cfg.id)
         return
@@ -411,7 +431,7 @@ class EnvGroup:
                  make: Callable[[EnvConfig], tuple[gym.Env, EpisodeTracker]] = make_env):
         """``n_envs`` = B envs, each built by ``make(cfg)``; env i is seeded with ``base_seed + i``
         on the first reset."""
-        validate_env_config(cfg)
+        validate_gymnasium(cfg)
         if n_envs < 1:
             raise ValueError(f"EnvGroup: n_envs must be >= 1, got {n_envs}")
         self.cfg = cfg

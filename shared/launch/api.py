@@ -197,12 +197,12 @@ class Run:
 
     def rows(self, poll_s: float = 0.5) -> Iterator[dict]:
         """Yield each progress row (a dict of strings, as ``progress``) as the learner writes
-        it, until the run ends (its result is there, or its processes are gone); then stop
+        it, until the run ends (its result is there, or its supervisor is gone); then stop
         what still runs of it. Leaving the loop early leaves the run running.
         ``follow.ServiceCrashLoop`` as ``follow``."""
         shown, watch = 0, follow.CrashWatch(self.dir)
         while True:
-            ended = rundirs.read_result(self.dir) is not None or not self.running()
+            ended = rundirs.read_result(self.dir) is not None or not backends.for_run(self.dir).supervised(self.dir)
             rows = self.progress()  # after the check: the last row is written before the result
             yield from rows[shown:]
             shown = len(rows)
@@ -272,8 +272,12 @@ def _reopen(run: str | Path) -> Path:
         run_dir = rundirs.resolve_run(str(run))
     except FileNotFoundError as e:
         raise NotResumable(str(e)) from None
-    if backends.for_run(run_dir).running(run_dir):
+    runner = backends.for_run(run_dir)
+    if runner.supervised(run_dir):
         raise NotResumable(f"run {run_dir.name} is running: nothing to resume")
+    if runner.running(run_dir):  # a second set of services would start beside them
+        raise NotResumable(f"run {run_dir.name}: services of it run on without their supervisor (killed?): "
+                           f"`rlpipe stop {run_dir}` ends them, then resume")
     rundirs.reopen_run_dir(run_dir)
     return run_dir
 

@@ -30,6 +30,11 @@ class Backend(Protocol):
     def running(self, run_dir: Path) -> bool:
         """Whether any process of the run is still there (a cluster run asks its cluster)."""
 
+    def supervised(self, run_dir: Path) -> bool:
+        """Whether what keeps the run's services going is there (supervisord; a cluster run: its
+        actors, whose services end with them). False with ``running`` True: services left
+        without their supervisor (it was killed), which ``stop`` ends."""
+
     def running_here(self, run_dir: Path) -> bool:
         """``running`` as far as this host can tell without asking a cluster (``rlpipe ls``)."""
 

@@ -134,7 +134,9 @@ def format_row(row: dict) -> str:
 
 
 def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
-    """Print progress rows as the learner writes them; return the result when the run ends.
+    """Print progress rows as the learner writes them; return the result when the run ends,
+    None when its supervisor is gone (stopped, or killed: the caller's ``stop`` then ends the
+    services it left, which would otherwise run on, and a ``launch --resume`` beside them).
 
     Raises ServiceCrashLoop when a service keeps dying at start-up (the caller stops the run).
     """
@@ -149,8 +151,10 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
         result = read_result(run_dir)
         if result is not None:
             return result
-        if not backend.for_run(run_dir).running(run_dir):
-            print("the run's processes are gone: it was stopped", file=out, flush=True)
+        runner = backend.for_run(run_dir)
+        if not runner.supervised(run_dir):
+            print("the run's supervisor is gone (killed?) with its services still running: stopping them"
+                  if runner.running(run_dir) else "the run's processes are gone: it was stopped", file=out, flush=True)
             return None
         watch.check()
         time.sleep(0.5)

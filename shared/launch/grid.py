@@ -10,11 +10,9 @@ stratified bootstrap intervals, ``stats.py``), one PNG per variant (its seeds) p
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import os
-import signal
 import sys
 import threading
 import tomllib
@@ -217,11 +215,8 @@ class Grid:
                 result = follow.follow(run_dir, exp.run.max_wall_s, out=log)
             if result:
                 return result["reason"]
-            orphans = supervisor.service_pids(run_dir)  # supervisord was killed: its services would run on
-            for pid in orphans:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGTERM)
-            return "killed" if orphans else "stopped"
+            # Services left running: supervisord was killed under them (the stop below ends them).
+            return "killed" if supervisor.running(run_dir) else "stopped"
         except follow.ServiceCrashLoop as e:
             self._say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
             return "crashed"

@@ -212,6 +212,11 @@ def running(run_dir: Path) -> bool:
     return any(actor is not None for actor in _actors(run_dir).values())
 
 
+def supervised(run_dir: Path) -> bool:
+    """As ``running``: an actor's service dies with it (``_die_with_parent``)."""
+    return running(run_dir)
+
+
 def running_here(run_dir: Path) -> bool:
     """Whether a service of the run runs on this host (no question to the cluster)."""
     return bool(service_pids(run_dir))

@@ -3,13 +3,22 @@
 This module is the supervisord backend (``shared.launch.backend.Backend``); it also finds
 the processes of a run, whichever backend started them (``service_pids``), and removes what
 a run left (``remove_leftovers``).
+
+Every call to supervisord has a timeout (``RPC_TIMEOUT_S``): a supervisord that is stopped
+(SIGSTOP) or hung does not hang ``stop``, ``clean``, ``status`` or ``scale``; ``stop`` kills
+it and stops its services itself. Services whose supervisord is gone (killed under them) are
+orphans that would run on: ``running`` counts them, ``supervised`` does not, and ``stop``
+ends them as supervisord would have.
 """
 
 from __future__ import annotations
 
+import http.client
+import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +32,17 @@ from shared.launch.rundirs import python_path, DEPLOY, programs
 
 
 TEMPLATE = DEPLOY / "supervisord.conf.tmpl"
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 5.0
+"""How long a call to supervisord may take before it counts as hung: it answers in
+milliseconds (one event loop), but for the calls that wait for processes to stop (``scale``'s,
+which get STOPWAIT_S more a process). A stop that takes a slow one for a hung one loses
+nothing: it kills supervisord and stops the services itself."""
+
+STOPWAIT_S = 5
+"""Seconds a service has for its clean exit after SIGTERM before SIGKILL: supervisord's
+``stopwaitsecs``, and ``stop``'s for services without a supervisord."""
 
 
 PROGRAM = """
@@ -36,7 +56,7 @@ exitcodes=0
 startsecs=1
 startretries=10
 stopsignal=TERM
-stopwaitsecs=5
+stopwaitsecs={stopwait}
 stopasgroup=true
 killasgroup=true
 redirect_stderr=true
@@ -74,7 +94,7 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
     programs_ = []
     for service, count, priority, autorestart in programs(exp):
         common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable,
-                      pythonpath=python_path().replace("%", "%%"))
+                      pythonpath=python_path().replace("%", "%%"), stopwait=STOPWAIT_S)
         if service in SCALABLE:
             programs_ += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
                           for i in range(count)]
@@ -96,7 +116,7 @@ def start(exp: Experiment, run_dir: Path) -> None:
         try:
             rpc(run_dir).supervisor.getState()
             return
-        except (OSError, xmlrpc.client.Error):
+        except (*_NO_ANSWER, xmlrpc.client.Error):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"supervisord for {run_dir} did not come up; see {run_dir}/logs/supervisord.log") \
                     from None
@@ -138,32 +158,69 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     tmp.write_text(loading.dumps(new))
     tmp.replace(path)
     (run_dir / "supervisord.conf").write_text(supervisord_conf(new, run_dir))
-    server = rpc(run_dir).supervisor
-    added, changed, removed = server.reloadConfig()[0]
-    for group in removed + changed:
-        server.stopProcessGroup(group, True)
-        server.removeProcessGroup(group)
-    for group in changed + added:
-        server.addProcessGroup(group)
+    # The stops wait for the processes' exits: up to STOPWAIT_S each, then SIGKILL.
+    server = rpc(run_dir, timeout_s=RPC_TIMEOUT_S + 2 * STOPWAIT_S).supervisor
     old_m, new_m = exp.action_server.count, new.action_server.count
     moved = [f"sampler{i}" for i in range(min(exp.sampler.count, new.sampler.count)) if i % old_m != i % new_m]
-    for name in moved:  # to the action-server i mod new count (a sampler picks it when it starts)
-        server.stopProcess(name, True)
-        server.startProcess(name, False)
+    try:
+        added, changed, removed = server.reloadConfig()[0]
+        for group in removed + changed:
+            server.stopProcessGroup(group, True)
+            server.removeProcessGroup(group)
+        for group in changed + added:
+            server.addProcessGroup(group)
+        for name in moved:  # to the action-server i mod new count (a sampler picks it when it starts)
+            server.stopProcess(name, True)
+            server.startProcess(name, False)
+    except _NO_ANSWER as e:
+        raise ScaleError(f"supervisord of run {run_dir.name} did not answer ({type(e).__name__}: {e}): the new counts "
+                         "are in its config.toml; `rlpipe stop` it and `launch --resume` to apply them") from None
     return sorted(changed + added), sorted(removed + changed), moved
 
 
-def rpc(run_dir: Path) -> xmlrpc.client.ServerProxy:
-    """supervisord's XML-RPC interface over the run's unix socket (no supervisorctl process to start)."""
-    from supervisor.xmlrpc import SupervisorTransport
-
-    url = f"unix://{endpoints.socket_dir(run_dir) / 'supervisor.sock'}"
-    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=SupervisorTransport(None, None, url))
+_NO_ANSWER = (OSError, http.client.HTTPException)
+"""What a call to a supervisord that does not answer raises: TimeoutError past its timeout,
+ConnectionRefusedError or FileNotFoundError when its socket is gone."""
 
 
-def supervisorctl(run_dir: Path, *args: str, capture: bool = False) -> subprocess.CompletedProcess:
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket, every connect, send and receive bounded by ``timeout``."""
+
+    def __init__(self, path: Path, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self.path))
+
+
+class _UnixTransport(xmlrpc.client.Transport):
+    """XML-RPC over supervisord's unix socket with a timeout (supervisor's own transport has
+    none: a stopped supervisord hung every caller)."""
+
+    def __init__(self, path: Path, timeout_s: float):
+        super().__init__()
+        self.path, self.timeout_s = path, timeout_s
+
+    def make_connection(self, host):
+        return _UnixConnection(self.path, self.timeout_s)
+
+
+def rpc(run_dir: Path, timeout_s: float = RPC_TIMEOUT_S) -> xmlrpc.client.ServerProxy:
+    """supervisord's XML-RPC interface over the run's unix socket (no supervisorctl process to
+    start). A call that gets no answer within ``timeout_s`` raises TimeoutError."""
+    return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=_UnixTransport(
+        endpoints.socket_dir(run_dir) / "supervisor.sock", timeout_s))
+
+
+def supervisorctl(run_dir: Path, *args: str, capture: bool = False,
+                  timeout_s: float = 10 + RPC_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``supervisorctl ARGS`` for the run; subprocess.TimeoutExpired (the process killed) past
+    ``timeout_s``: an interpreter's start, and supervisorctl's own calls, which have no timeout."""
     return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(run_dir / "supervisord.conf"),
-                           *args], capture_output=capture, text=True)
+                           *args], capture_output=capture, text=True, timeout=timeout_s)
 
 
 def supervisord_pid(run_dir: Path) -> int | None:
@@ -180,8 +237,9 @@ def supervisord_pid(run_dir: Path) -> int | None:
 
 
 def running(run_dir: Path) -> bool:
-    """Whether the run's supervisord is there."""
-    return supervisord_pid(run_dir) is not None
+    """Whether any process of the run is there: its supervisord, or a service (one whose
+    supervisord was killed runs on: ``supervised`` tells)."""
+    return supervisord_pid(run_dir) is not None or bool(service_pids(run_dir))
 
 
 def running_here(run_dir: Path) -> bool:
@@ -189,13 +247,34 @@ def running_here(run_dir: Path) -> bool:
     return running(run_dir)
 
 
+def supervised(run_dir: Path) -> bool:
+    """Whether the run's supervisord is there (services may run on without it: ``running``)."""
+    return supervisord_pid(run_dir) is not None
+
+
 def status(run_dir: Path) -> int:
-    """``supervisorctl status`` of the run (one line a process, printed by supervisorctl); its exit status."""
-    return supervisorctl(run_dir, "status").returncode
+    """``supervisorctl status`` of the run (one line a process, printed by supervisorctl); its
+    exit status. A supervisord that is gone or does not answer is one line saying so, exit status 1."""
+    if not supervised(run_dir):
+        print(f"{run_dir.name}: supervisord is gone; {len(service_pids(run_dir))} process(es) of the run go on "
+              f"without it: `rlpipe stop {run_dir}` ends them")
+        return 1
+    try:
+        rpc(run_dir).supervisor.getState()
+        return supervisorctl(run_dir, "status").returncode
+    except (*_NO_ANSWER, subprocess.TimeoutExpired):
+        print(f"{run_dir.name}: supervisord (pid {supervisord_pid(run_dir)}) does not answer within "
+              f"{RPC_TIMEOUT_S:.0f} s (stopped or hung): `rlpipe stop {run_dir}` kills it and stops the services")
+        return 1
 
 
 def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
-    """Stop every process of the run (services first, then supervisord); True once all are gone."""
+    """Stop every process of the run (services first, then supervisord); True once all are gone.
+
+    A supervisord that does not answer within RPC_TIMEOUT_S (stopped, hung) is killed; services
+    without a supervisord (killed now, or before: orphans) get SIGTERM from here, and SIGKILL
+    after STOPWAIT_S, as supervisord would have done (to their process groups)."""
+    deadline = time.monotonic() + timeout_s
     pid = supervisord_pid(run_dir)
     if pid is not None:
         try:
@@ -203,20 +282,51 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
             # Every service gets SIGTERM at once; shutdown alone would stop them group by group.
             server.stopAllProcesses(False)
             server.shutdown()
-        except (OSError, xmlrpc.client.Error):
-            supervisorctl(run_dir, "shutdown", capture=True)
-        deadline = time.monotonic() + timeout_s
+        except _NO_ANSWER as e:
+            log.warning("supervisord of run %s (pid %d) does not answer (%s: %s): killing it and stopping its "
+                        "services directly", run_dir.name, pid, type(e).__name__, e)
+            _signal(pid, signal.SIGKILL)  # a stopped process takes no SIGTERM, a hung one may ignore it
+        except xmlrpc.client.Error:
+            pass  # it answered, with a fault: already shutting down (another stop)
         while supervisord_pid(run_dir) is not None and time.monotonic() < deadline:
             time.sleep(0.05)
             _nudge(run_dir)
             _terminate_unguarded(run_dir)
-    deadline = time.monotonic() + 5  # children may still be exiting when supervisord is gone
-    while service_pids(run_dir) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    if supervisord_pid(run_dir) is None:
+        _stop_orphans(run_dir)
     stopped = supervisord_pid(run_dir) is None and not service_pids(run_dir)
     if stopped:
         shutil.rmtree(endpoints.socket_dir(run_dir), ignore_errors=True)
     return stopped
+
+
+def _stop_orphans(run_dir: Path) -> None:
+    """SIGTERM the run's processes left without a supervisord (supervisord's exit waits for its
+    children: these are another's), SIGKILL what is left after STOPWAIT_S; each to its process
+    group where it leads one (supervisord makes one a service, and signals the group:
+    ``stopasgroup``, ``killasgroup``)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = service_pids(run_dir)
+        if not pids:
+            return
+        if sig == signal.SIGTERM:
+            log.warning("run %s: %d process(es) without their supervisord: stopping them", run_dir.name, len(pids))
+        for pid in pids:
+            _signal(pid, sig)
+        deadline = time.monotonic() + STOPWAIT_S
+        while service_pids(run_dir) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _signal(pid: int, sig: int) -> None:
+    """``sig`` to process ``pid``, to its whole process group if it leads one; nothing if it is gone."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # gone meanwhile (its pid not yet reused: we found it by its run directory a moment ago)
 
 
 def _nudge(run_dir: Path) -> None:
@@ -224,7 +334,7 @@ def _nudge(run_dir: Path) -> None:
     at its next loop turn, which otherwise may come only with its 1 s poll timeout."""
     try:
         rpc(run_dir).supervisor.getState()
-    except (OSError, xmlrpc.client.Error):
+    except (*_NO_ANSWER, xmlrpc.client.Error):
         pass  # already gone
 
 

@@ -15,7 +15,12 @@ each one in its own segment ``rlpipe-<run>-replay<i>-t.<name>`` next to a header
   ``kill -9`` shows up here at the next start (``Table.recover`` repairs what it touched).
 
 A process that dies by ``kill -9`` leaves the segments; the restarted replay re-attaches
-(``restored``). A normal exit unlinks them (they are registered as owned, like every segment
+(``restored``), each segment checked against the size the layout gives it as the table's
+parts ask for it (``ShmArena._segment``: the one check, for a table found in shared memory
+and one restored from a snapshot alike). A table that does not check out (a header of
+another layout, a construction that did not finish, a segment truncated, missing or of
+another size, a half-written snapshot file) is discarded, logged, and built empty
+(``Arena.build``): never a table that refuses every sampler. A normal exit unlinks them (they are registered as owned, like every segment
 of a service), and ``rlpipe clean`` removes them with the rest of the run's.
 """
 
@@ -26,7 +31,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -45,6 +50,11 @@ _HEADER_CELLS = 16
 
 OP_NONE, OP_INSERT, OP_SAMPLE, OP_PRIORITIES, OP_DROP = range(5)
 OP_NAMES = {OP_NONE: "none", OP_INSERT: "insert", OP_SAMPLE: "sample", OP_PRIORITIES: "priorities", OP_DROP: "drop"}
+T = TypeVar("T")
+
+
+class StaleTable(Exception):
+    """A persisted table's segment does not fit the layout asked for it (``Arena.build`` discards the table)."""
 
 
 class Arena:
@@ -52,6 +62,11 @@ class Arena:
 
     restored = False
     """True when the arrays handed out hold a previous process's table."""
+
+    def build(self, make: Callable[["Arena"], T]) -> T:
+        """``make(self)``: a table whose parts take their state from this arena. A persisted
+        table that turns out not to fit (``StaleTable``) is discarded, logged, and made again empty."""
+        return make(self)
 
     def array(self, name: str, shape, dtype, fill=0) -> np.ndarray:
         return np.full(shape, fill, dtype=dtype)
@@ -98,7 +113,7 @@ class ShmArena(Arena):
     def __init__(self, run_id: str, instance: int, fingerprint: int, snapshot: Path | None = None):
         """``snapshot``: a directory ``snapshot()`` wrote; restored into shared memory when
         no table is there (after a machine restart, or a stopped run launched with --resume)."""
-        self.run_id, self.instance = run_id, instance
+        self.run_id, self.instance, self.fingerprint = run_id, instance, fingerprint
         self._segments: dict[str, shm.Segment] = {}
         self.restored = False
         name = self._name("table")
@@ -107,35 +122,57 @@ class ShmArena(Arena):
         try:
             seg = shm.Segment.attach(name)
         except FileNotFoundError:
-            seg = None
-        if seg is not None:
-            problem = self._header_problem(seg, fingerprint)
-            if problem is None:
-                self.restored = True
-                seg.adopt()
-                self.header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
-                self.header[_RESTARTS] += 1
-                self._segments[name] = seg
-                log.info("replay table found in shared memory (restart %d): re-attaching", self.header[_RESTARTS])
-            else:
-                log.warning("replay table in shared memory not used (%s): starting empty", problem)
-                seg.close()
-        if not self.restored:
-            for path in shm.run_segments(run_id):
-                if path.name.startswith(self._name("t.")) or path.name == name:
-                    path.unlink()
-            seg = shm.Segment.create(name, _HEADER_CELLS * 8)
-            self.header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
-            self.header[:] = 0
-            self.header[[_MAGIC, _VERSION, _FINGERPRINT]] = MAGIC, LAYOUT_VERSION, fingerprint
-            self._segments[name] = seg
+            self._start_empty()
+            return
+        problem = self._header_problem(seg, fingerprint)
+        if problem is not None:
+            seg.close()
+            self._discard(problem)
+            return
+        self.restored = True
+        seg.adopt()
+        self.header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
+        self.header[_RESTARTS] += 1
+        self._segments[name] = seg
+        log.info("replay table found in shared memory (restart %d): re-attaching", self.header[_RESTARTS])
+
+    def build(self, make: Callable[[Arena], T]) -> T:
+        try:
+            return make(self)
+        except StaleTable as e:
+            self._discard(str(e))
+            return make(self)
+
+    def _discard(self, why: str) -> None:
+        log.warning("replay table in shared memory not used (%s): starting empty", why)
+        for seg in self._segments.values():
+            seg.close()
+        self._segments.clear()
+        self.restored = False
+        self._start_empty()
+
+    def _start_empty(self) -> None:
+        """A fresh header, once every segment of an earlier table of this replay is removed."""
+        name = self._name("table")
+        for path in shm.run_segments(self.run_id):
+            if path.name.startswith(self._name("t.")) or path.name == name:
+                path.unlink()
+        seg = shm.Segment.create(name, _HEADER_CELLS * 8)
+        self.header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
+        self.header[:] = 0
+        self.header[[_MAGIC, _VERSION, _FINGERPRINT]] = MAGIC, LAYOUT_VERSION, self.fingerprint
+        self._segments[name] = seg
 
     def _name(self, purpose: str) -> str:
         return shm.segment_name(self.run_id, "replay", self.instance, purpose)
 
     def _restore_snapshot(self, snapshot: Path) -> None:
+        """Each file of the snapshot into the segment of its name and size (a truncated file
+        makes a segment of the wrong size, which the re-attach then finds)."""
         for path in snapshot.iterdir():
-            seg = shm.Segment.create(self._name(path.name), path.stat().st_size)
+            if path.name != "table" and not path.name.startswith("t."):
+                continue  # not a file snapshot() writes
+            seg = shm.Segment.create(self._name(path.name), max(path.stat().st_size, 1))  # mmap takes no 0 bytes
             with path.open("rb") as f:
                 f.readinto(seg.mmap)
             seg.close()
@@ -174,9 +211,13 @@ class ShmArena(Arena):
         if full in self._segments:
             raise ValueError(f"replay table state {name!r} asked for twice: two parts use one name")
         if self.restored:
-            seg = shm.Segment.attach(full).adopt()
+            try:
+                seg = shm.Segment.attach(full).adopt()
+            except (FileNotFoundError, ValueError) as e:  # gone, or not a file we may map
+                raise StaleTable(str(e)) from None
             if seg.size != max(nbytes, 1):
-                raise ValueError(f"replay table segment {full}: {seg.size} bytes, the layout needs {nbytes}")
+                seg.close()
+                raise StaleTable(f"segment {full} holds {seg.size} bytes, the layout needs {max(nbytes, 1)}")
             fresh = False
         else:
             seg, fresh = shm.Segment.create(full, max(nbytes, 1)), True

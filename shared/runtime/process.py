@@ -8,6 +8,7 @@ Services that run a network call ``torch_device``.
 from __future__ import annotations
 
 import csv
+import fcntl
 import logging
 import os
 import signal
@@ -73,6 +74,27 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def lock_service(run_dir: Path, service: str, instance: int = 0):
+    """Hold ``<run_dir>/<service><instance>.lock`` (flock) for this process's life: one process a
+    service instance of a run. A second one (started by hand, or by a supervisord started beside
+    the orphans of a killed one) would take over the first's endpoint and segments; it gets a
+    RuntimeError naming the holder's pid before it touches anything. The kernel drops the lock
+    when its holder dies, however it dies. Returns the open lock file (keep a reference)."""
+    f = open(run_dir / f"{service}{instance}.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise RuntimeError(f"another {service} (instance {instance}, pid {holder}) runs for {run_dir}: one process "
+                           "an instance; stop it first (rlpipe stop)") from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def run_id_of(run_dir: Path) -> str:

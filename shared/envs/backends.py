@@ -1,0 +1,31 @@
+"""The choice of env backend (``env.backend``): which class steps a sampler's envs, and the
+config check of each. Both classes keep one contract (``shared.envs.group.EnvGroup``'s), so
+the samplers, the evaluator and the probes of the services call ``make_env_group`` only.
+"""
+
+from __future__ import annotations
+
+from shared.envs.envpool_backend import EnvPoolGroup, validate_envpool
+from shared.envs.group import EnvConfig, EnvGroup, validate_gymnasium
+
+AnyEnvGroup = EnvGroup | EnvPoolGroup
+"""What ``make_env_group`` returns: either backend's group, one interface."""
+
+BACKENDS = {"gymnasium": (EnvGroup, validate_gymnasium), "envpool": (EnvPoolGroup, validate_envpool)}
+
+
+def _backend(cfg: EnvConfig):
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"env.backend = {cfg.backend!r}: allowed: {', '.join(BACKENDS)}")
+    return BACKENDS[cfg.backend]
+
+
+def validate_env_config(cfg: EnvConfig) -> None:
+    """Raise ValueError (one line naming the field, and for what a backend lacks, the backend)
+    if ``cfg``'s backend cannot build its envs."""
+    _backend(cfg)[1](cfg)
+
+
+def make_env_group(cfg: EnvConfig, n_envs: int, base_seed: int) -> AnyEnvGroup:
+    """``n_envs`` envs of ``cfg`` on its backend (which checks ``cfg``), env i seeded with ``base_seed + i``."""
+    return _backend(cfg)[0](cfg, n_envs, base_seed)

@@ -1,0 +1,100 @@
+"""Benchmark: Atari Pong sampling through the pipeline on the EnvPool backend against the
+machine's limit, raw EnvPool with the same policy inline in one process.
+
+All measured in the same run, alternating, three times each, and the medians compared:
+
+- raw: one EnvPool pool of 16 Pong envs (the ``atari`` preprocessing, worker threads on all
+  CPUs) stepped in a loop with the run's Nature-CNN Q agent acting inline (torch, one thread,
+  as a sampler acts) on all 16 observations every step;
+- envpool: the pipeline with 1 sampler x 16 envs on the EnvPool backend (threads on all
+  CPUs), local inference (the same agent), replay (uniform table, frame store) and a learner
+  that never updates in the window (``min_size_to_sample`` above what is sampled), so that
+  sampling is what is measured;
+- gymnasium: the same pipeline on the gymnasium backend, 2 samplers x 8 envs (one env stepped
+  at a time, so one sampler a CPU).
+
+Pipeline steps/s come from the samplers' Prometheus counter over a window after warm-up.
+Run with `make bench`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+import pytest
+
+from shared.config import loading
+from tests.bench.test_pipeline_throughput import _sampler_steps
+from tests.pipeline import CONFIGS, Run
+
+pytestmark = pytest.mark.bench
+envpool = pytest.importorskip("envpool")
+
+ENVS = 16
+WINDOW_S = 8.0
+CONFIG = "atari_pong_dqn.toml"
+# A learner that never samples (the window inserts far fewer than min_size_to_sample) and an
+# unthrottled replay: the samplers run at their own pace.
+CHEAP = ["replay.capacity=60000", "replay.min_size_to_sample=60000", "replay.samples_per_insert=0.0",
+         "run.target_return=1e9", "sampler.inference=local", "sampler.horizon=32", "sampler.ring=2"]
+BACKENDS = {"envpool": ["env.backend='envpool'", "sampler.count=1", f"sampler.envs={ENVS}"],
+            "gymnasium": ["sampler.count=2", f"sampler.envs={ENVS // 2}"]}
+
+
+def raw_steps_per_s(seconds: float = WINDOW_S) -> float:
+    """Raw EnvPool and the run's agent inline, one process."""
+    from services.build import env_probe, make_agent
+    from shared.agents.actor import Actor
+    from shared.envs.envpool_backend import default_threads, pool_options
+    from shared.runtime.process import torch_device
+
+    torch_device("cpu")  # one torch thread, as a sampler
+    exp = loading.load(CONFIGS / CONFIG, ["env.backend='envpool'", f"sampler.envs={ENVS}"])
+    agent = make_agent(exp, env_probe(exp)).eval()
+    act = Actor(agent, np.random.SeedSequence(0))
+    task, options, _ = pool_options(exp.env)  # the options the backend gives the same env section
+    pool = envpool.make_gymnasium(task, num_envs=ENVS, batch_size=ENVS, num_threads=default_threads(ENVS),
+                                  seed=list(range(ENVS)), **options)
+    obs, _ = pool.reset()
+    env_index, first, reward = np.arange(ENVS), np.zeros(ENVS, bool), np.zeros(ENVS, np.float32)
+    steps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        action, _ = act(obs, env_index, first, reward, 0, ENVS)
+        obs, reward, terminated, truncated, _ = pool.step(action.astype(np.int32))
+        first = terminated | truncated  # EnvPool resets these on their next step
+        steps += ENVS
+    rate = steps / (time.perf_counter() - t0)
+    pool.close()
+    return rate
+
+
+def pipeline_steps_per_s(tmp_path, backend: str) -> float:
+    run = Run.launch(tmp_path, CONFIG, *CHEAP, *BACKENDS[backend])
+    try:
+        # The learner never trains, so its progress rows count no steps: the samplers' counter does.
+        run.wait_for(lambda: _sampler_steps(run) >= 4_000, 120, "4000 sampled env steps")
+        s0, t0 = _sampler_steps(run), time.monotonic()
+        time.sleep(WINDOW_S)
+        return (_sampler_steps(run) - s0) / (time.monotonic() - t0)
+    finally:
+        run.close()
+
+
+def test_pong_sampling_envpool_pipeline_vs_raw_envpool(tmp_path):
+    rates = {"raw": [], **{b: [] for b in BACKENDS}}
+    for i in range(3):
+        rates["raw"].append(raw_steps_per_s())
+        for backend in BACKENDS:
+            rates[backend].append(pipeline_steps_per_s(tmp_path / f"{backend}{i}", backend))
+        print(f"\nround {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
+    raw = statistics.median(rates["raw"])
+    print(f"\nraw EnvPool x{ENVS} Pong + inline Nature-CNN Q agent ({len(os.sched_getaffinity(0))} CPUs): "
+          f"median {raw:,.0f} steps/s  runs {[round(x) for x in rates['raw']]}")
+    for backend in BACKENDS:
+        median = statistics.median(rates[backend])
+        print(f"pipeline, {backend} backend ({' '.join(BACKENDS[backend][-2:])}), local inference: median "
+              f"{median:,.0f} steps/s  runs {[round(x) for x in rates[backend]]}  ratio to raw {median / raw:.2f}")
+    assert all(r > 0 for rs in rates.values() for r in rs)

@@ -1,0 +1,124 @@
+"""The control plane when supervisord itself fails: stopped (SIGSTOP) or hung, `rlpipe stop`,
+`clean` and `status` still return and leave nothing running; killed under a foreground
+`rlpipe launch`, its services do not run on as orphans, and `launch --resume` starts exactly
+one set of them. One process a service instance: a second replay or action-server of a run
+exits on the run's lock before it touches anything."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.launch import backend, rundirs, supervisor
+from tests.pipeline import CONFIGS, REPO, Run, free_port, rlpipe, rlpipe_command, rlpipe_here
+
+
+def services_running(run_dir: Path) -> collections.Counter:
+    """(service, instance) -> how many processes of it run for ``run_dir`` (supervisord left out)."""
+    found = collections.Counter()
+    for pid in supervisor.service_pids(run_dir):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if "-m" in argv and argv[argv.index("-m") + 1].startswith("services."):
+                found[(argv[argv.index("-m") + 1], argv[argv.index("--instance") + 1])] += 1
+    return found
+
+
+@contextlib.contextmanager
+def released(pid: int):
+    """Whatever the test does to supervisord ``pid``, it does not outlive the test stopped."""
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a stopped process dies of SIGKILL too
+
+
+@pytest.mark.parametrize("command", ["stop", "clean"])
+def test_a_stopped_supervisord_does_not_hang_status_stop_or_clean(runs, command):
+    run = runs("cartpole_ppo.toml", "run.target_return=1e9")
+    pid = supervisor.supervisord_pid(run.dir)
+    assert services_running(run.dir)
+    with released(pid):
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        status = rlpipe("status", str(run.dir), timeout=60)
+        assert status.returncode == 1 and "does not answer" in status.stdout, status.stdout + status.stderr
+        t1 = time.monotonic()
+        out = rlpipe(command, str(run.dir), timeout=60)
+        took = time.monotonic() - t1
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert took < 20, f"rlpipe {command} took {took:.1f} s"
+        assert "does not answer" in out.stderr  # says why it killed supervisord
+        assert supervisor.supervisord_pid(run.dir) is None and supervisor.service_pids(run.dir) == []
+        assert not run.segments()  # the services stopped cleanly: nothing left in /dev/shm
+    print(f"status {t1 - t0:.1f} s, {command} {took:.1f} s")
+
+
+def test_a_killed_supervisord_leaves_no_orphans_and_resume_starts_one_set(tmp_path):
+    args = ["launch", str(CONFIGS / "cartpole_ppo.toml")]
+    for s in (f"run.runs_dir='{tmp_path / 'runs'}'", f"network.metrics_port={free_port()}", "run.log_interval_s=0.5",
+              "run.target_return=1e9"):
+        args += ["--set", s]
+    launcher = subprocess.Popen(**rlpipe_command(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = None
+    try:
+        for line in launcher.stdout:
+            found = re.match(r"run directory: (\S+)", line)
+            if found:
+                run = Run(Path(found.group(1)))
+                break
+        assert run is not None, "the launcher printed no run directory"
+        run.wait_for(run.progress, 60, "a progress row")
+        expected = services_running(run.dir)
+        assert expected and set(expected.values()) == {1}, expected
+        os.kill(supervisor.supervisord_pid(run.dir), signal.SIGKILL)
+        rest = launcher.communicate(timeout=30)[0]
+        assert launcher.returncode == 1 and "supervisor is gone" in rest, rest
+        assert supervisor.service_pids(run.dir) == [], "services run on without their supervisord"
+        assert not run.segments()
+        steps = int(run.progress()[-1]["env_steps"])
+        out = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+        assert out.returncode == 0, out.stdout + out.stderr
+        run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > steps + 500, 60, "the resumed run to go on")
+        assert services_running(run.dir) == expected  # one process a service instance, each once
+        # Detached, nothing follows the run: its orphans stay until a stop, and no resume starts beside them.
+        os.kill(supervisor.supervisord_pid(run.dir), signal.SIGKILL)
+        status = rlpipe("status", str(run.dir))
+        assert status.returncode == 1 and "supervisord is gone" in status.stdout, status.stdout + status.stderr
+        again = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+        assert again.returncode == 2 and "without their supervisor" in again.stderr, again.stdout + again.stderr
+        assert services_running(run.dir) == expected
+        stop = rlpipe("stop", str(run.dir))
+        assert stop.returncode == 0 and supervisor.service_pids(run.dir) == [], stop.stdout + stop.stderr
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        if run is not None:
+            backend.clean(run.dir)
+            assert not run.segments()
+
+
+def test_a_second_replay_or_action_server_of_a_run_exits_on_its_lock(runs):
+    run = runs("cartpole_ppo.toml", "sampler.inference='server'", "run.target_return=1e9")
+    run.wait_steps(500, timeout=60)
+    before = run.status()
+    for service in ("replay", "action_server"):
+        second = subprocess.run([sys.executable, "-m", f"services.{service}", "--run-dir", str(run.dir), "--instance",
+                                 "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        holder = before[f"{service}0"][1]
+        assert second.returncode == 1, second.stderr[-2000:]
+        assert f"another {service} (instance 0, pid {holder}) runs for" in second.stderr, second.stderr[-2000:]
+    assert run.status() == before  # nothing restarted: the live ones kept their endpoints and tables
+    steps = int(run.progress()[-1]["env_steps"])
+    run.wait_steps(steps + 500, timeout=60)

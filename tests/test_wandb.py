@@ -1,0 +1,138 @@
+"""Weights & Biases logging (``[logging] wandb``): a real CartPole PPO run through the pipeline
+logs its progress scalars against env steps and its resolved config to an offline W&B run in the
+run directory; ``launch --resume`` continues the same W&B run id; asking for W&B without the
+package is one config error line. Offline throughout: nothing here touches the network."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from services.learner.wandb_run import WANDB_ID
+from shared.runtime.process import RUN_CONFIG, TB_DIR
+from tests.pipeline import Run, rlpipe_here
+
+BLOCK = 32 * 1024
+"""A .wandb file is a LevelDB-format log (wandb-core's store): 32 KiB blocks of records, each with
+a 7-byte header (crc32c, length, type), after a 7-byte file header (':W&B', magic, version)."""
+FULL, FIRST, LAST = 1, 2, 4
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf ``Record``s of a .wandb file, in order: W&B has no Python reader of its
+    own for these any more (``wandb sync`` reads them in wandb-core), so this follows the format."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, parts, records = 7, [], []
+    while pos + 7 <= len(data):
+        if BLOCK - pos % BLOCK < 7:  # a block's tail too short for a header is padding
+            pos += BLOCK - pos % BLOCK
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if length == 0 and kind == 0:
+            break  # zeros: the end of what was written
+        parts.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            records.append(record)
+            parts = []
+        else:
+            assert kind in (FIRST, 3), f"{path}: record type {kind} at {pos}"
+    return records
+
+
+def read_offline_run(wandb_dir: Path) -> dict:
+    """What one offline W&B run holds: its run record, the config and the history rows."""
+    (path,) = wandb_dir.glob("run-*.wandb")
+    run, config, history = None, {}, []
+    for r in wandb_records(path):
+        kind = r.WhichOneof("record_type")
+        if kind == "run":
+            run = r.run
+            config.update({item.key: json.loads(item.value_json) for item in r.run.config.update})
+        elif kind == "config":
+            config.update({item.key: json.loads(item.value_json) for item in r.config.update})
+        elif kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in r.history.item})
+    return {"run": run, "config": {k: v for k, v in config.items() if not k.startswith("_")},  # _wandb: W&B's own
+            "history": history}
+
+
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B kept off the network and out of the home directory, in this process and the services
+    supervisord starts (they inherit the environment)."""
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false",
+                        "WANDB_DISABLE_CODE": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+                        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
+                        "WANDB_DATA_DIR": str(tmp_path / "wandb-data")}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_an_offline_wandb_run_holds_the_scalars_and_config_and_a_resumed_run_keeps_its_id(tmp_path, offline_wandb):
+    run = Run.launch(tmp_path, "cartpole_ppo.toml", "run.max_env_steps=2048", "logging.wandb=true",
+                     "logging.mode='offline'", "logging.project='rlpipe-test'", "logging.group='seeds'",
+                     "logging.tags=['ppo', 'cartpole']")
+    try:
+        result = run.wait_result(60)
+        assert result["env_steps"] == 2048, result
+        (first,) = (run.dir / "wandb").glob("offline-run-*")
+        logged = read_offline_run(first)
+        run_id = (run.dir / WANDB_ID).read_text()
+        assert logged["run"].run_id == run_id and first.name.endswith(run_id)
+        assert logged["run"].project == "rlpipe-test" and logged["run"].run_group == "seeds"
+        assert list(logged["run"].tags) == ["ppo", "cartpole"] and logged["run"].display_name == run.id
+        assert logged["config"] == tomllib.loads((run.dir / RUN_CONFIG).read_text())  # the resolved config
+        assert logged["config"]["logging"]["wandb"] is True and logged["config"]["run"]["max_env_steps"] == 2048
+
+        # Every progress row, with the scalars TensorBoard got, at the row's env steps.
+        rows = run.progress()
+        history = [h for h in logged["history"] if "env_steps" in h]
+        assert [h["env_steps"] for h in history] == [int(r["env_steps"]) for r in rows]
+        assert history[-1]["env_steps"] == 2048
+        assert history[-1]["progress/mean_return"] == pytest.approx(float(rows[-1]["mean_return"]))
+        tensorboard = EventAccumulator(str(run.dir / TB_DIR))
+        tensorboard.Reload()
+        tags = tensorboard.Tags()["scalars"]
+        assert {"algo/policy_loss", "algo/value_loss", "progress/mean_return"} <= set(tags)
+        assert set(tags) == {key for h in history for key in h if "/" in key}
+        for tag in tags:
+            logged_at = {h["env_steps"]: h[tag] for h in history if tag in h}
+            assert {e.step: pytest.approx(e.value, rel=1e-6, abs=1e-6) for e in tensorboard.Scalars(tag)} == logged_at
+
+        stopped = rlpipe_here("stop", str(run.dir))
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        resumed = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        run.wait_result(60)
+        runs = sorted((run.dir / "wandb").glob("offline-run-*"))
+        assert len(runs) == 2 and (run.dir / WANDB_ID).read_text() == run_id
+        again = read_offline_run(next(r for r in runs if r != first))
+        assert again["run"].run_id == run_id
+        assert again["history"][-1]["env_steps"] == 2048  # the checkpoint's count goes on
+    finally:
+        run.close()
+    assert run.segments() == []
+
+
+def test_wandb_asked_for_without_the_package_is_one_config_error_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # how Python marks a module that cannot be imported
+    common = ("launch", "--detach", "--set", f"run.runs_dir='{tmp_path / 'runs'}'")
+    out = rlpipe_here(*common, "--set", "logging.wandb=true")
+    assert out.returncode == 2 and not (tmp_path / "runs").exists()
+    assert out.stderr.splitlines() == ["rlpipe: config error: logging.wandb = true: the wandb package is not installed; "
+                                       "pip install 'rlpipe[wandb]' (or set logging.wandb = false)"]
+    out = rlpipe_here(*common, "--set", "logging.wandb=true", "--set", "logging.mode='sometimes'")
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == ["rlpipe: config error: logging.mode = 'sometimes': allowed: online, offline, "
+                                       "disabled"]
