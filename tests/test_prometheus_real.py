@@ -118,7 +118,7 @@ def test_prometheus_scrapes_a_live_run_and_every_panel_returns_data(runs, promet
     """A run with an action-server and the evaluator, so that every panel has something to show."""
     prometheus, promtool = prometheus_bin
     run = runs("cartpole_ppo.toml", "sampler.inference=server", "eval.every_s=2.0", "eval.episodes=4",
-               "run.target_return=1000.0", "run.max_wall_s=300.0")
+               "run.target_return=1000.0", "run.max_env_steps=100000000", "run.max_wall_s=300.0")
     server = Prometheus(prometheus, tmp_path, scrape_config(run.metrics_port))
     try:
         up = run.wait_for(lambda: server.query('up{job="rlpipe"} == 1'), 30, "Prometheus to scrape the run")
