@@ -68,6 +68,7 @@ class Watchdog:
         self.seen = {pid: self.seen.get(pid, now) for pid in running}
         killed = []
         for pid, name in running.items():
+            kills = self.kills.labels(process=name)  # a series at 0 from the first check: "no kills", not "no data"
             late = overdue(now, pid, heartbeat.read(self.heartbeats / name), self.seen[pid], self.deadline_s,
                            self.startup_s)
             if late is None:
@@ -79,7 +80,7 @@ class Watchdog:
                 continue  # it ended meanwhile
             log.error("%s (pid %d): no heartbeat for %.1f s (limit %g s): killed (SIGKILL); supervisord restarts it",
                       name, pid, silent, limit)
-            self.kills.labels(process=name).inc()
+            kills.inc()
             killed.append((name, pid, silent))
         return killed
 
