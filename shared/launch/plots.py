@@ -86,10 +86,7 @@ def plot_runs(run_dirs, out, x: str = "steps", group_by: str | None = None) -> P
     """
     if x not in X_AXES:
         raise ValueError(f"x = {x!r}: allowed: {', '.join(X_AXES)}")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     configs = {Path(d): flat_config(d) for d in run_dirs}
     groups = group_runs(configs, group_by)
@@ -110,15 +107,9 @@ def plot_runs(run_dirs, out, x: str = "steps", group_by: str | None = None) -> P
         ax.set_title(f"mean return of the last episodes on {', '.join(names)}")
         ax.set_xlabel(X_AXES[x][1])
         ax.set_ylabel("mean episode return")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
-        fig.tight_layout()
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=DPI)
+        return _save(fig, ax, out)
     finally:
         plt.close(fig)
-    return out
 
 
 def final_scores(run_dirs, group_by: str | None = None) -> dict[str, dict[str, list[float]]]:
@@ -142,10 +133,7 @@ def plot_profiles(scores: dict[str, dict[str, list[float]]], out) -> Path:
     """Draw each method's performance profile over the tasks' min-max normalised final returns
     (``stats.normalise``) into the PNG ``out`` (800 x 500 px), with its 95% stratified bootstrap
     band (``stats.PROFILE_REPS`` resamples); returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=FIGSIZE_IN, dpi=DPI)
     try:
@@ -160,14 +148,29 @@ def plot_profiles(scores: dict[str, dict[str, list[float]]], out) -> Path:
         ax.set_xlabel("final return, min-max normalised per task over the runs shown (tau)")
         ax.set_ylabel("fraction of runs with score > tau")
         ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
-        fig.tight_layout()
-        out = Path(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=DPI)
+        return _save(fig, ax, out)
     finally:
         plt.close(fig)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (files only), imported when a plot is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, ax, out) -> Path:
+    """The last steps of every plot here: grid, legend, layout, then the PNG ``out`` (its folder made)."""
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=DPI)
     return out
 
 
