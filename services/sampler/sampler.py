@@ -26,9 +26,9 @@ from shared.envs.group import EnvConfig, EnvError
 from shared.transport.wire import MAX_RETURN
 from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
+from shared.runtime import heartbeat
 
 from services.topology import Topology
-from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
 
