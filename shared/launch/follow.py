@@ -8,6 +8,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import Callable
 
 from shared.agents.acting import ACTING_FILE
 from shared.runtime.process import CONFIG_ERROR
@@ -133,12 +134,20 @@ def format_row(row: dict) -> str:
     return line
 
 
-def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
-    """Print progress rows as the learner writes them; return the result when the run ends,
-    None when its supervisor is gone (stopped, or killed: the caller's ``stop`` then ends the
-    services it left, which would otherwise run on, and a ``launch --resume`` beside them).
+class StopFollowing(Exception):
+    """Raised by a ``follow`` caller's ``on_row`` to end the run early (``rlpipe tune`` prunes a
+    trial); ``str()`` is the reason. ``follow`` lets it through: the caller stops the run."""
 
-    Raises ServiceCrashLoop when a service keeps dying at start-up (the caller stops the run).
+
+def follow(run_dir: Path, max_wall_s: float, out=sys.stdout,
+           on_row: Callable[[dict], None] | None = None) -> dict | None:
+    """Print progress rows as the learner writes them, handing each to ``on_row`` too (a dict
+    of strings, as ``read_progress``); return the result when the run ends, None when its
+    supervisor is gone (stopped, or killed: the caller's ``stop`` then ends the services it
+    left, which would otherwise run on, and a ``launch --resume`` beside them).
+
+    Raises ServiceCrashLoop when a service keeps dying at start-up, and lets ``on_row``'s
+    StopFollowing through (either way the caller stops the run).
     """
     shown = 0
     deadline = time.monotonic() + max_wall_s + 60
@@ -147,6 +156,8 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout) -> dict | None:
         rows = read_progress(run_dir)
         for row in rows[shown:]:
             print(format_row(row), file=out, flush=True)
+            if on_row is not None:
+                on_row(row)
         shown = len(rows)
         result = read_result(run_dir)
         if result is not None:

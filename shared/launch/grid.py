@@ -19,6 +19,7 @@ import tomllib
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime
 from pathlib import Path
+from typing import Any, Callable
 
 from shared.config import checks, endpoints, loading
 from shared.launch import backend, follow, rundirs, supervisor
@@ -59,12 +60,12 @@ def parse_vary(items: list[str]) -> list[Variant]:
         axes.append((key.strip(), [v.strip() for v in values.split(",")]))
     short = [key.split(".")[1] for key, _ in axes]
     names = [s if short.count(s) == 1 else key for s, (key, _) in zip(short, axes)]
-    return [Variant(",".join(f"{n}={_literal(v)}" for n, v in zip(names, combo)),
+    return [Variant(",".join(f"{n}={literal(v)}" for n, v in zip(names, combo)),
                     tuple(f"{key}={v}" for (key, _), v in zip(axes, combo)))
             for combo in itertools.product(*(values for _, values in axes))]
 
 
-def _literal(text: str):
+def literal(text: str):
     """How a value reads in a label: 1e-3 -> 0.001, "'a'" -> a."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -115,6 +116,103 @@ class Ports:
         raise ConfigError(f"no {count} free port(s) from {start} up on {host}")
 
 
+class Launcher:
+    """Runs K at a time, each under its own supervisord with network ports of its own, each
+    followed to its end and stopped; Ctrl-C stops the live ones and starts no more. ``rlpipe
+    grid`` and ``rlpipe tune`` start their runs through one."""
+
+    def __init__(self, parallel: int, out=sys.stdout):
+        self.parallel, self.out = parallel, out
+        self.ports = Ports()
+        self.live: set[Path] = set()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        """Set by Ctrl-C: a job that has not started its run yet should not."""
+
+    def map(self, job: Callable[[Any], dict], items: list) -> list[dict]:
+        """``job(item)`` for every item, ``parallel`` at a time; the results in the items' order
+        (none for a job Ctrl-C cancelled before it began)."""
+        with ThreadPoolExecutor(self.parallel) as pool:
+            futures = [pool.submit(job, item) for item in items]
+            try:
+                for future in as_completed(futures):
+                    future.result()  # a job's exception surfaces at once
+            except KeyboardInterrupt:
+                self.say("interrupted: stopping the live runs")
+                self.stopping.set()
+                for future in futures:
+                    future.cancel()
+                with self.lock:
+                    live = list(self.live)
+                for run_dir in live:
+                    backend.for_run(run_dir).stop(run_dir)
+            return [f.result() for f in futures if not f.cancelled()]
+
+    def run(self, exp: Experiment, name: str, label: str,
+            on_row: Callable[[dict], None] | None = None) -> tuple[Path, str]:
+        """Start ``exp`` (a ``run_experiment``) in a fresh run directory called ``name`` with ports
+        no other live run holds, follow it to its end (``on_row`` sees each progress row and may
+        end the run with ``follow.StopFollowing``) and stop it. The run directory and why the run
+        ended (``_follow``); ``label`` names the run in what is printed."""
+        exp = self.ports.assign(exp)
+        try:
+            run_dir = rundirs.make_run_dir(exp, name)
+            with self.lock:
+                self.live.add(run_dir)
+            try:
+                self.say(f"{label}: started {run_dir.name}")
+                reason = self._follow(exp, run_dir, on_row)
+            finally:
+                with self.lock:
+                    self.live.discard(run_dir)
+        finally:
+            self.ports.release(exp)
+        return run_dir, reason
+
+    def _follow(self, exp: Experiment, run_dir: Path, on_row) -> str:
+        """Start the run, wait for its end and stop it; why it ended (the learner's reason, the
+        reason of on_row's StopFollowing, crashed, killed: supervisord died under its services, or
+        stopped: it ended without a result)."""
+        try:
+            supervisor.start(exp, run_dir)
+            with (run_dir / "logs" / "follow.log").open("w") as log:
+                result = follow.follow(run_dir, exp.run.max_wall_s, out=log, on_row=on_row)
+            if result:
+                return result["reason"]
+            # Services left running: supervisord was killed under them (the stop below ends them).
+            return "killed" if supervisor.running(run_dir) else "stopped"
+        except follow.StopFollowing as e:
+            return str(e)
+        except follow.ServiceCrashLoop as e:
+            self.say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
+            return "crashed"
+        except RuntimeError as e:  # supervisord did not come up
+            self.say(f"{run_dir.name}: {e}")
+            return "not started"
+        finally:
+            if not backend.for_run(run_dir).stop(run_dir):
+                backend.clean(run_dir)
+
+    def say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+
+def run_experiment(config: str, overrides: list[str], runs_dir: Path, name: str | None = None,
+                   seed: int | None = None) -> Experiment:
+    """The validated, buildable config of ``config`` with ``overrides``, its run under ``runs_dir``,
+    named ``name`` (plots label it so; default: its own run.name), with run.seed ``seed`` (default:
+    its own)."""
+    from services.build import check_buildable
+
+    exp = loading.load(config, overrides)
+    run = dataclasses.replace(exp.run, seed=exp.run.seed if seed is None else seed, name=name or exp.run.name,
+                              runs_dir=str(runs_dir))
+    exp = dataclasses.replace(exp, run=run)
+    exp, _ = checks.resolve_inference(checks.resolve_max_count(exp))
+    check_buildable(exp)
+    return exp
+
+
 class Grid:
     """Runs ``(variant, seed)`` pairs of one base config K at a time; see ``run``."""
 
@@ -127,12 +225,7 @@ class Grid:
         self.dir = Path(base.run.runs_dir).resolve() / f"grid_{rundirs.safe_name(base.run.name)}_{stamp}"
         self.config, self.overrides, self.variants, self.seeds = config, overrides, variants, seeds
         self.name = base.run.name
-        self.parallel = parallel or default_parallel(checks.resolve_inference(base)[0])
-        self.out = out
-        self.ports = Ports()
-        self.live: set[Path] = set()
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
+        self.launcher = Launcher(parallel or default_parallel(checks.resolve_inference(base)[0]), out)
 
     def run(self) -> list[dict]:
         """Every run, K at a time; a run that fails is reported and the others go on. Writes
@@ -141,25 +234,8 @@ class Grid:
         self.dir.mkdir(parents=True)
         jobs = [(v, s) for v in self.variants for s in self.seeds]
         self._say(f"grid {self.dir}: {len(self.variants)} variant(s) x {len(self.seeds)} seed(s), "
-                  f"{self.parallel} at a time")
-        rows = []
-        with ThreadPoolExecutor(self.parallel) as pool:
-            futures = [pool.submit(self._run_one, v, s) for v, s in jobs]
-            try:
-                for future in as_completed(futures):
-                    rows.append(future.result())
-            except KeyboardInterrupt:
-                self._say("interrupted: stopping the live runs")
-                self.stopping.set()
-                for future in futures:
-                    future.cancel()
-                with self.lock:
-                    live = list(self.live)
-                for run_dir in live:
-                    backend.for_run(run_dir).stop(run_dir)
-                rows += [f.result() for f in futures if not f.cancelled()]
-        order = {job: i for i, job in enumerate((v.label, s) for v, s in jobs)}
-        rows.sort(key=lambda r: order[(r["variant"], r["seed"])])
+                  f"{self.launcher.parallel} at a time")
+        rows = self.launcher.map(self._run_one, jobs)
         table = runs.markdown_table(rows, SUMMARY_COLUMNS)
         (self.dir / SUMMARY).write_text(table + "\n")
         self._say(table)
@@ -169,63 +245,21 @@ class Grid:
             self._say(line)
         return rows
 
-    def _run_one(self, variant: Variant, seed: int) -> dict:
+    def _run_one(self, job: tuple[Variant, int]) -> dict:
+        variant, seed = job
         row = {"variant": variant.label, "seed": seed}
-        if self.stopping.is_set():
+        if self.launcher.stopping.is_set():
             return {**row, "reason": "not started"}
         try:
-            exp = self._experiment(variant, seed)
+            exp = run_experiment(self.config, [*self.overrides, *variant.overrides], self.dir, variant.label, seed)
         except ConfigError as e:
             self._say(f"{variant.label} seed {seed}: config error: {e}")
             return {**row, "reason": "config error"}
-        exp = self.ports.assign(exp)
-        try:
-            run_dir = rundirs.make_run_dir(exp, f"{exp.run.name},seed={seed}")
-            with self.lock:
-                self.live.add(run_dir)
-            self._say(f"{variant.label} seed {seed}: started {run_dir.name}")
-            reason = self._follow(exp, run_dir)
-        finally:
-            self.ports.release(exp)
-        with self.lock:
-            self.live.discard(run_dir)
+        run_dir, reason = self.launcher.run(exp, f"{exp.run.name},seed={seed}", f"{variant.label} seed {seed}")
         row = {**row, **runs.summary(run_dir), "reason": reason, "run": run_dir.name}
         self._say(f"{variant.label} seed {seed}: {reason}, return {row['final_return']} after {row['env_steps']} env "
                   f"steps in {row['wall_s']} s")
         return row
-
-    def _experiment(self, variant: Variant, seed: int) -> Experiment:
-        """The variant's validated, buildable config for ``seed``, its run under the grid directory
-        and named by the variant (plots label it so)."""
-        from services.build import check_buildable
-
-        exp = loading.load(self.config, [*self.overrides, *variant.overrides])
-        run = dataclasses.replace(exp.run, seed=seed, name=variant.label or exp.run.name, runs_dir=str(self.dir))
-        exp = dataclasses.replace(exp, run=run)
-        exp, _ = checks.resolve_inference(checks.resolve_max_count(exp))
-        check_buildable(exp)
-        return exp
-
-    def _follow(self, exp: Experiment, run_dir: Path) -> str:
-        """Start the run, wait for its end and stop it; why it ended (the learner's reason,
-        crashed, killed: supervisord died under its services, or stopped: it ended without a result)."""
-        try:
-            supervisor.start(exp, run_dir)
-            with (run_dir / "logs" / "follow.log").open("w") as log:
-                result = follow.follow(run_dir, exp.run.max_wall_s, out=log)
-            if result:
-                return result["reason"]
-            # Services left running: supervisord was killed under them (the stop below ends them).
-            return "killed" if supervisor.running(run_dir) else "stopped"
-        except follow.ServiceCrashLoop as e:
-            self._say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
-            return "crashed"
-        except RuntimeError as e:  # supervisord did not come up
-            self._say(f"{run_dir.name}: {e}")
-            return "not started"
-        finally:
-            if not backend.for_run(run_dir).stop(run_dir):
-                backend.clean(run_dir)
 
     def _plot(self, rows: list[dict]) -> None:
         from shared.launch.plots import plot_runs
@@ -242,7 +276,7 @@ class Grid:
                 self._say(f"no plot {path.name}: {e}")
 
     def _say(self, line: str) -> None:
-        print(line, file=self.out, flush=True)
+        self.launcher.say(line)
 
 
 def final_scores(grid_dir: Path, rows: list[dict], methods: dict[str, str]) -> dict[str, dict[str, list[float]]]:
