@@ -1,4 +1,4 @@
-"""The `rlpipe` command line: launch, train, grid, status, ls, scale, stop, logs, clean, evaluate, plot, tensorboard."""
+"""The `rlpipe` command line: launch, train, grid, tune, status, ls, scale, stop, logs, clean, evaluate, plot, tensorboard."""
 
 from __future__ import annotations
 
@@ -52,6 +52,24 @@ def main(argv=None) -> int:
     c.add_argument("--parallel", type=int, metavar="K", help="runs at a time (default: as many as the cores hold)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value of every run (repeatable)")
+    c = sub.add_parser("tune", help="search hyperparameters with Optuna (TPE, median pruning): each trial a run, "
+                                    "K at a time; the best trial's config written out (pip install 'rlpipe[tune]')")
+    c.add_argument("config", help="experiment TOML file")
+    c.add_argument("--param", dest="params", action="append", default=[], metavar="SECTION.KEY=DIST",
+                   help="a field to tune (repeatable): DIST is loguniform:LOW:HIGH, uniform:LOW:HIGH, int:LOW:HIGH "
+                        "or choice:V1,V2,..., e.g. --param algo.lr=loguniform:1e-4:3e-3")
+    c.add_argument("--trials", type=int, required=True, metavar="N", help="trials (runs) to make")
+    c.add_argument("--parallel", type=int, metavar="K", help="runs at a time (default: as many as the cores hold)")
+    c.add_argument("--out", metavar="DIR", help="tune directory (default: RUNS_DIR/tune_NAME_STAMP); one holding an "
+                                                "earlier tune's study.db goes on with that study")
+    c.add_argument("--metric", choices=("final", "auc"), default="final",
+                   help="objective: final = mean return of the last episodes when the run ended (default); auc = "
+                        "mean of the returns at env-step checkpoints along the budget (docs/tuning.md)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the TPE sampler (default: 0)")
+    c.add_argument("--startup-trials", type=int, default=5, metavar="N",
+                   help="trials that finish before any is pruned (default: 5)")
+    c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value of every trial (repeatable), e.g. its budget run.max_env_steps")
     c = sub.add_parser("ls", help="list runs (also inside grid directories) with status and results")
     c.add_argument("dir", nargs="?", default="runs", help="directory to search (default: runs)")
     c = sub.add_parser("plot", help="learning curves of runs (seeds of one config as mean and min-max band); "
@@ -74,7 +92,7 @@ def main(argv=None) -> int:
 
     args = p.parse_args(argv)
     return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "status": _status, "stop": _stop, "logs": _logs, "scale": _scale,
-            "clean": _clean, "grid": _grid, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
+            "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
 
 
 def _load(args):
@@ -329,6 +347,23 @@ def _grid(args) -> int:
         return 2
     rows = grid.run()
     return 0 if all(r["reason"] in ("target", "budget", "wall") for r in rows) else 1
+
+
+def _tune(args) -> int:
+    from shared.config import schema
+    from shared.launch import tune
+
+    try:
+        study = tune.Tune(args.config, args.overrides, tune.parse_params(args.params), args.trials, args.parallel,
+                          args.out, args.metric, args.seed, args.startup_trials)
+    except schema.ConfigError as e:
+        print(f"rlpipe: config error: {e}", file=sys.stderr)
+        return 2
+    except tune.MissingExtra as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 2
+    rows = study.run()
+    return 0 if any(r["state"] == "COMPLETE" for r in rows) else 1
 
 
 def _ls(args) -> int:
