@@ -153,13 +153,13 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout,
     deadline = time.monotonic() + max_wall_s + 60
     watch = CrashWatch(run_dir)
     while time.monotonic() < deadline:
+        result = read_result(run_dir)  # before the rows: every row the learner wrote before its result is seen
         rows = read_progress(run_dir)
         for row in rows[shown:]:
             print(format_row(row), file=out, flush=True)
             if on_row is not None:
                 on_row(row)
         shown = len(rows)
-        result = read_result(run_dir)
         if result is not None:
             return result
         runner = backend.for_run(run_dir)

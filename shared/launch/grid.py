@@ -121,7 +121,7 @@ class Launcher:
     followed to its end and stopped; Ctrl-C stops the live ones and starts no more. ``rlpipe
     grid`` and ``rlpipe tune`` start their runs through one."""
 
-    def __init__(self, parallel: int, out=sys.stdout):
+    def __init__(self, parallel: int, out=None):
         self.parallel, self.out = parallel, out
         self.ports = Ports()
         self.live: set[Path] = set()
@@ -217,7 +217,7 @@ class Grid:
     """Runs ``(variant, seed)`` pairs of one base config K at a time; see ``run``."""
 
     def __init__(self, config: str, overrides: list[str], variants: list[Variant], seeds: list[int],
-                 parallel: int | None = None, out=sys.stdout):
+                 parallel: int | None = None, out=None):
         base = loading.load(config, overrides)
         for variant in variants:  # a typo in --vary fails here, before any run starts
             loading.load(config, [*overrides, *variant.overrides])

@@ -197,7 +197,7 @@ class Tune:
 
     def __init__(self, config: str, overrides: list[str], params: list[Param], trials: int,
                  parallel: int | None = None, out_dir: str | None = None, metric: str = "final", seed: int = 0,
-                 startup_trials: int = 5, out=sys.stdout):
+                 startup_trials: int = 5, out=None):
         self.optuna = optuna()
         base = loading.load(config, overrides)
         check_params(config, overrides, params)
