@@ -13,14 +13,14 @@ launch``).
   rows' ``mean_return``, the mean over the last ``run.return_window`` episodes) at fixed env-step
   checkpoints, every ``run.max_env_steps / CHECKPOINTS`` steps; progress rows come every
   ``run.log_interval_s`` seconds and so at different env steps in each run, and the median rule
-  compares trials at the same step. Past the first quarter of the budget, a trial whose return
-  at a checkpoint is below the median of the finished trials' returns there is stopped
+  compares trials at the same step. Past the first quarter of the budget (and short of its end), a
+  trial whose return at a checkpoint is below the median of the finished trials' returns there is stopped
   (``follow.StopFollowing``: its run is stopped like any other, and leaves nothing running).
 - Objective (maximised), ``--metric``: ``final``, the learner's mean return over its last
   ``run.return_window`` episodes when the run ended (its result.json); ``auc``, the mean of the
   returns at the checkpoints (the area under the learning curve, so learning early counts), a
-  run that ended at ``run.target_return`` before its budget counting its final return for the
-  checkpoints it did not reach. Only runs that ended as configured (target, budget, wall) count;
+  run that ended before its budget (at ``run.target_return``, or ``run.max_wall_s``) counting its
+  final return for the checkpoints it did not reach. Only runs that ended as configured (target, budget, wall) count;
   a crashed run is a failed trial.
 """
 
@@ -252,19 +252,19 @@ class Tune:
     def _trial(self, study) -> dict:
         if self.launcher.stopping.is_set():
             return {}
-        TrialState = self.optuna.trial.TrialState
+        states = self.optuna.trial.TrialState
         with self.lock:
             trial = study.ask()
             values = {p.key: p.suggest(trial) for p in self.params}
         label = f"trial {trial.number}"
-        row = {"trial": trial.number, **{k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}}
+        row = {"trial": trial.number, **{k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in values.items()}}
         try:
             exp = run_experiment(self.config, [*self.overrides, *(p.override(values[p.key]) for p in self.params)],
                                  self.dir, f"trial_{trial.number}")
         except ConfigError as e:  # a combination of values the config cannot build
             self._say(f"{label}: config error: {e}")
             with self.lock:
-                study.tell(trial, state=TrialState.FAIL)
+                study.tell(trial, state=states.FAIL)
             return {**row, "state": "FAIL", "reason": "config error"}
         checkpoints = Checkpoints(self.every)
 
@@ -272,25 +272,23 @@ class Tune:
             for step, value in checkpoints.add(progress_row):
                 with self.lock:
                     trial.report(value, step)
-                    prune = trial.should_prune()
+                    # At the budget's end the run ends anyway: it finishes and counts.
+                    prune = step < self.budget and trial.should_prune()
                 if prune:
                     raise follow.StopFollowing("pruned")
 
         run_dir, reason = self.launcher.run(exp, f"trial_{trial.number}", label, report)
         result = read_result(run_dir)
+        if reason == "pruned" and result is not None:  # its run ended on its own before the stop
+            reason = result["reason"]
         final = result["mean_return"] if result and reason in FINISHED else float("nan")
         value = checkpoints.area(final, CHECKPOINTS) if self.metric == "auc" else final
+        state = "PRUNED" if reason == "pruned" else "COMPLETE" if math.isfinite(value) else "FAIL"
         with self.lock:
             trial.set_user_attr("run", str(run_dir))
             trial.set_user_attr("reason", reason)
-            if reason == "pruned":
-                study.tell(trial, state=TrialState.PRUNED)
-            elif math.isfinite(value):
-                study.tell(trial, value)
-            else:
-                study.tell(trial, state=TrialState.FAIL)
+            study.tell(trial, value if state == "COMPLETE" else None, state=states[state])
         summary = runs.summary(run_dir)
-        state = "PRUNED" if reason == "pruned" else "COMPLETE" if math.isfinite(value) else "FAIL"
         row = {**row, "state": state, "value": round(value, 2) if math.isfinite(value) else "", "reason": reason,
                "env_steps": summary["env_steps"], "wall_s": summary["wall_s"], "run": run_dir.name}
         self._say(f"{label}: {state.lower()} ({reason}), value {row['value'] or '-'} after {row['env_steps']} env "
