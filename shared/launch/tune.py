@@ -277,7 +277,12 @@ class Tune:
                 if prune:
                     raise follow.StopFollowing("pruned")
 
-        run_dir, reason = self.launcher.run(exp, f"trial_{trial.number}", label, report)
+        try:
+            run_dir, reason = self.launcher.run(exp, f"trial_{trial.number}", label, report)
+        except BaseException:  # no free port, a full disk: the study must not keep it as running
+            with self.lock:
+                study.tell(trial, state=states.FAIL)
+            raise
         result = read_result(run_dir)
         if reason == "pruned" and result is not None:  # its run ended on its own before the stop
             reason = result["reason"]
