@@ -70,6 +70,21 @@ class Signature:
     outputs: tuple[str, ...]
 
 
+class ObsTree:
+    """The structure of one env observation, to put flat inputs back into. Not kept on the
+    module as the namedarraytuple itself: torch.export's scan of a module's attributes indexes
+    tuples, and a namedarraytuple's indexing reaches into its leaves."""
+
+    def __init__(self, example) -> None:
+        self.example = example
+        self.names = [path or "obs" for path, _ in leaves(example)]
+        """Input names of the leaves: their key paths, or ``obs`` for a single array."""
+
+    def build(self, flat):
+        it = iter(flat)
+        return map_leaves(lambda _: next(it), self.example)
+
+
 class GreedyPolicy(nn.Module):
     """The agent's greedy action and value head over plain tensors (see the module docstring).
 
@@ -85,8 +100,8 @@ class GreedyPolicy(nn.Module):
         if not isinstance(agent, (PgAgent, QAgent, QpgAgent)):
             raise ExportError(f"{type(agent).__name__}: export knows PgAgent, QAgent and the DDPG/TD3/SAC agents")
         self.agent = agent
-        self.obs_example = obs_example
-        obs_names = [path or "obs" for path, _ in leaves(obs_example)]
+        self.obs = ObsTree(obs_example)
+        obs_names = self.obs.names
         core = getattr(agent, "core", None)
         self.recurrent = core is not None
         self.n_obs = len(obs_names)
@@ -97,10 +112,8 @@ class GreedyPolicy(nn.Module):
                                    ("action", head) + (("h_out", "c_out") if self.recurrent else ()))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n_obs = self.n_obs
-        flat = iter(inputs[:n_obs])
-        obs = map_leaves(lambda _: next(flat), self.obs_example)
-        memory = self._memory(inputs[n_obs:]) if self.recurrent else None
+        obs = self.obs.build(inputs[:self.n_obs])
+        memory = self._memory(inputs[self.n_obs:]) if self.recurrent else None
         agent = self.agent
         if isinstance(agent, PgAgent):
             return self._pg(agent, obs, memory)
@@ -156,7 +169,7 @@ class GreedyPolicy(nn.Module):
 def example_inputs(policy: GreedyPolicy, batch: int = EXAMPLE_BATCH) -> tuple[torch.Tensor, ...]:
     """Inputs of ``batch`` rows the graph is traced with: the example observation repeated,
     zero recurrent state."""
-    obs = [torch.as_tensor(np.repeat(np.asarray(x)[None], batch, 0)) for _, x in leaves(policy.obs_example)]
+    obs = [torch.as_tensor(np.repeat(np.asarray(x)[None], batch, 0)) for _, x in leaves(policy.obs.example)]
     if not policy.recurrent:
         return tuple(obs)
     agent = policy.agent
