@@ -13,6 +13,7 @@ whose leaves are named inputs.
 from __future__ import annotations
 
 import json
+import sys
 import tomllib
 from dataclasses import replace
 from pathlib import Path
@@ -249,10 +250,14 @@ def test_an_unknown_format_is_one_line(tmp_path):
     assert out.stderr.strip() == "rlpipe: export: --format tflite: unknown format; use one of onnx, torchscript, exported"
 
 
-def test_a_missing_package_names_the_extra_to_install():
-    with pytest.raises(export.ExportError) as e:
-        export.require("onnx_not_installed_here", "export")
-    assert str(e.value) == "the onnx_not_installed_here package is not installed: pip install 'rlpipe[export]'"
+@pytest.mark.parametrize("missing", ["onnx", "onnxscript", "onnxruntime"])
+def test_a_missing_package_names_the_extra_to_install(tmp_path, monkeypatch, missing):
+    run_dir = checkpointed_run(tmp_path / "run", {})
+    monkeypatch.setitem(sys.modules, missing, None)  # what `import` makes of a package that is not there
+    out = rlpipe_here("export", str(run_dir), "--out", str(tmp_path / "x"))
+    assert out.returncode == 2
+    assert out.stderr.strip() == f"rlpipe: export: the {missing} package is not installed: pip install 'rlpipe[export]'"
+    assert not (tmp_path / "x" / "policy.onnx").exists()
 
 
 def test_rlpipe_export_writes_the_file_and_says_where(tmp_path):

@@ -8,6 +8,7 @@ without a Hugging Face token is one line and leaves the folder; nothing here rea
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -97,3 +98,14 @@ def test_push_without_a_token_touches_nothing(tmp_path, no_token):
     with pytest.raises(package.export.ExportError) as e:
         package.push(tmp_path, "someone/repo")
     assert "\n" not in str(e.value) and "no Hugging Face token" in str(e.value)
+
+
+def test_a_missing_package_names_the_hub_extra(trained, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    out = rlpipe_here("package", str(trained), "--out", str(tmp_path / "pkg"))
+    assert out.returncode == 2
+    assert out.stderr.strip() == "rlpipe: package: the safetensors package is not installed: pip install 'rlpipe[hub]'"
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(package.export.ExportError) as e:
+        package.push(tmp_path, "someone/repo")
+    assert str(e.value) == "the huggingface_hub package is not installed: pip install 'rlpipe[hub]'"

@@ -59,7 +59,7 @@ def require(module: str, extra: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ExportError(f"the {module} package is not installed: pip install 'rlpipe[{extra}]'") from None
+        raise ExportError(f"the {module.split('.')[0]} package is not installed: pip install 'rlpipe[{extra}]'") from None
 
 
 @dataclass(frozen=True)

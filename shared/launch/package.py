@@ -67,10 +67,10 @@ def _record(exp, run_dir: Path, path: Path) -> str | None:
     """Record one greedy episode to ``path``; None, or why there is no video."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            evaluate(exp, run_dir, 1, Path(tmp))
+            evaluate(exp, run_dir, 1, Path(tmp) / "video")  # a folder RecordVideo makes: it warns of one that exists
         except CannotRender as e:
             return str(e)
-        recorded = sorted(Path(tmp).glob("*.mp4"))
+        recorded = sorted((Path(tmp) / "video").glob("*.mp4"))
         if not recorded:
             return "the episode recorder wrote no video"
         shutil.move(recorded[0], path)
