@@ -114,7 +114,7 @@ def model_card(exp, run_dir: Path, state: dict, result: dict, curve: bool, no_vi
         "",
         f"# {algo.upper()} on {env}",
         "",
-        f"A {algo} agent trained with [rlpipe](https://github.com/) on `{env}`: run `{run_dir.name}`, "
+        f"A {algo} agent trained with rlpipe on `{env}`: run `{run_dir.name}`, "
         f"policy version {state['version']}.",
         "",
         "| | |",
