@@ -95,10 +95,10 @@ def recording(directory: Path) -> MakeEnv:
     return make
 
 
-def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None = None) -> dict:
-    """``summary`` of ``episodes`` greedy episodes of the run's latest checkpoint; with
-    ``video`` they are played in one env and the first one is recorded there."""
-    torch.set_num_threads(1)
+def load_agent(exp: Experiment, run_dir: Path) -> tuple[torch.nn.Module, dict]:
+    """The run's agent on the CPU in eval mode with its latest checkpoint loaded, and that
+    checkpoint's state (``agent``, ``version``, ``env_steps``, ...). FileNotFoundError (one
+    line) where the learner has written none yet."""
     path = Path(run_dir) / CHECKPOINT
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint at {path}: the learner writes one every "
@@ -108,7 +108,14 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None =
     probe.close()
     state = torch.load(path, map_location="cpu", weights_only=True)
     agent.load_state_dict(state["agent"])
-    agent.eval()
+    return agent.eval(), state
+
+
+def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None = None) -> dict:
+    """``summary`` of ``episodes`` greedy episodes of the run's latest checkpoint; with
+    ``video`` they are played in one env and the first one is recorded there."""
+    torch.set_num_threads(1)
+    agent, state = load_agent(exp, run_dir)
     if video is None:
         returns = play(exp, agent, episodes, exp.eval.envs)
     else:

@@ -130,6 +130,8 @@ class MLP(nn.Module):
     @property
     def device(self) -> torch.device:
         """Where the first layer's weight lives (cheap: agents ask on every step)."""
+        if not self.plan:  # an empty trunk: AttributeError, as hasattr() probes expect (torch.jit.trace's)
+            raise AttributeError("an MLP without layers has no device")
         return self.net[0].weight.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The `rlpipe` command line: launch, train, grid, tune, status, ls, scale, stop, logs, clean, evaluate, plot, tensorboard."""
+"""The `rlpipe` command line: launch, train, grid, tune, status, ls, scale, stop, logs, clean, evaluate, export, package,
+plot, tensorboard."""
 
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def main(argv=None) -> int:
     c.add_argument("run")
     c.add_argument("--episodes", type=int, default=None, help="default: the run's eval.episodes (10)")
     c.add_argument("--video", metavar="DIR", help="play the episodes in one env and record the first to an mp4 in DIR")
+    c = sub.add_parser("export", help="the greedy policy of a run's latest checkpoint as a standalone file "
+                                      "(observation normaliser inside, value head and recurrent state as outputs)")
+    c.add_argument("run")
+    c.add_argument("--format", default="onnx", help="onnx (default), torchscript or exported (torch.export)")
+    c.add_argument("--out", metavar="DIR", help="directory to write to (default: RUN/export)")
+    c = sub.add_parser("package", help="a folder to publish a run's agent as is: model card, safetensors weights, "
+                                       "config, ONNX policy, training curve and an evaluation video")
+    c.add_argument("run")
+    c.add_argument("--out", metavar="DIR", help="directory to write to (default: RUN/package)")
+    c.add_argument("--episodes", type=int, default=None, help="greedy evaluation episodes for the model card "
+                                                               "(default: the run's eval.episodes)")
+    c.add_argument("--push", metavar="REPO", help="then upload the folder to this Hugging Face Hub model repo "
+                                                  "(needs a token: HF_TOKEN or `hf auth login`)")
     c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
     c.add_argument("config", help="experiment TOML file")
     c.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
@@ -91,7 +105,8 @@ def main(argv=None) -> int:
     c.add_argument("-n", type=int, default=40, help="lines per log")
 
     args = p.parse_args(argv)
-    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "status": _status, "stop": _stop, "logs": _logs, "scale": _scale,
+    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "export": _export,
+            "package": _package, "status": _status, "stop": _stop, "logs": _logs, "scale": _scale,
             "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
 
 
@@ -314,6 +329,41 @@ def _evaluate(args) -> int:
           f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
     if args.video:
         print(f"video of the first episode: {', '.join(str(p) for p in sorted(Path(args.video).glob('*.mp4')))}")
+    return 0
+
+
+def _export(args) -> int:
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    from shared.launch import export
+
+    try:
+        path = export.export(run_dir, args.format, Path(args.out) if args.out else None)
+    except export.ExportError as e:
+        print(f"rlpipe: export: {e}", file=sys.stderr)
+        return 2
+    print(f"{run_dir.name}: greedy policy written to {path} (inputs and outputs: {path.parent / export.METADATA})")
+    return 0
+
+
+def _package(args) -> int:
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    from shared.launch import export, package
+
+    if args.episodes is not None and args.episodes < 1:
+        print(f"rlpipe: package: --episodes {args.episodes}: must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        out = package.package(run_dir, Path(args.out) if args.out else None, args.episodes)
+        print(f"{run_dir.name}: package written to {out}")
+        if args.push:
+            print(f"uploaded to {package.push(out, args.push)}")
+    except export.ExportError as e:
+        print(f"rlpipe: package: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,0 +1,111 @@
+"""`rlpipe package`: the folder of a short real run (serial mode) is complete and honest.
+
+The model card's evaluation is `rlpipe evaluate`'s, the weights are the checkpoint's, the
+config is the run's, the ONNX policy runs, the curve is a PNG and the video decodes. `--push`
+without a Hugging Face token is one line and leaves the folder; nothing here reaches the network.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+from huggingface_hub import constants as hub_constants
+import imageio_ffmpeg
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shared.launch import api, package
+from tests.pipeline import rlpipe_here
+
+CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
+EPISODES = 4
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A PPO CartPole run of 4096 env steps in serial mode (a few seconds): checkpoint, progress rows, result."""
+    cfg = tomllib.loads((CONFIGS / "cartpole_ppo.toml").read_text())
+    cfg["run"].update(runs_dir=str(tmp_path_factory.mktemp("runs")), max_env_steps=4096)
+    return Path(api.train_serial(cfg, quiet=True)["run_dir"])
+
+
+@pytest.fixture
+def no_token(monkeypatch, tmp_path):
+    """No Hugging Face token anywhere huggingface_hub looks (the environment, the token file)."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub_constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
+
+
+def test_a_package_holds_the_card_weights_config_policy_curve_and_video(trained, tmp_path, no_token):
+    out = tmp_path / "pkg"
+    made = rlpipe_here("package", str(trained), "--out", str(out), "--episodes", str(EPISODES),
+                       "--push", "someone/cartpole-ppo")
+    # --push without a token: one line after the folder is written
+    assert made.returncode == 2
+    assert made.stderr.strip() == ("rlpipe: package: --push: no Hugging Face token; set HF_TOKEN or run "
+                                   "`hf auth login` (or publish the folder yourself)")
+    assert f"package written to {out}" in made.stdout
+    for name in package.FILES:
+        assert (out / name).stat().st_size > 0, name
+
+    # The card's evaluation is what `rlpipe evaluate` prints for the same episodes.
+    evaluated = rlpipe_here("evaluate", str(trained), "--episodes", str(EPISODES))
+    assert evaluated.returncode == 0, evaluated.stderr
+    mean, std = map(float, re.search(r"return (\S+) \+- (\S+)", evaluated.stdout).groups())
+    card = (out / package.CARD).read_text()
+    card_mean, card_std = map(float, re.search(r"\*\*(\S+) \+/- (\S+)\*\*", card).groups())
+    assert (round(card_mean, 1), round(card_std, 1)) == (mean, std)
+    assert f"value: {card_mean:.2f} +/- {card_std:.2f}" in card  # the Hub's model-index
+    checkpoint = torch.load(trained / "checkpoints" / "latest.pt", weights_only=True)
+    for needle in ("CartPole-v1", "ppo", f"| env steps | {checkpoint['env_steps']} |", "| lr | `0.002` |",
+                   "cores", f"{EPISODES} episodes on held-out env seeds", package.CURVE, package.VIDEO):
+        assert needle in card, needle
+
+    weights = load_file(out / package.WEIGHTS)
+    assert weights.keys() == checkpoint["agent"].keys()
+    assert all(torch.equal(weights[k], checkpoint["agent"][k]) for k in weights)
+    assert (out / package.CONFIG).read_text() == (trained / "config.toml").read_text()
+
+    session = ort.InferenceSession(str(out / "policy.onnx"), providers=["CPUExecutionProvider"])
+    action, value = session.run(None, {"obs": np.zeros((2, 4), np.float32)})
+    assert action.shape == (2,) and value.shape == (2,)
+
+    assert (out / package.CURVE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    frames = imageio_ffmpeg.read_frames(str(out / package.VIDEO))
+    meta = next(frames)
+    decoded = sum(1 for _ in frames)
+    assert decoded >= 8 and tuple(meta["size"]) == (600, 400)  # CartPole's render size
+
+
+def test_package_of_a_run_without_a_checkpoint_is_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.toml").write_text((CONFIGS / "cartpole_ppo.toml").read_text())
+    out = rlpipe_here("package", str(run_dir), "--out", str(tmp_path / "pkg"))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"rlpipe: package: no checkpoint at {run_dir / 'checkpoints/latest.pt'}: "
+                                  "the learner writes one every 10 s")
+
+
+def test_push_without_a_token_touches_nothing(tmp_path, no_token):
+    with pytest.raises(package.export.ExportError) as e:
+        package.push(tmp_path, "someone/repo")
+    assert "\n" not in str(e.value) and "no Hugging Face token" in str(e.value)
+
+
+def test_a_missing_package_names_the_hub_extra(trained, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    out = rlpipe_here("package", str(trained), "--out", str(tmp_path / "pkg"))
+    assert out.returncode == 2
+    assert out.stderr.strip() == "rlpipe: package: the safetensors package is not installed: pip install 'rlpipe[hub]'"
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(package.export.ExportError) as e:
+        package.push(tmp_path, "someone/repo")
+    assert str(e.value) == "the huggingface_hub package is not installed: pip install 'rlpipe[hub]'"
