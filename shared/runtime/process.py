@@ -7,7 +7,6 @@ Services that run a network call ``torch_device``.
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import logging
 import os
@@ -100,16 +99,3 @@ def lock_service(run_dir: Path, service: str, instance: int = 0):
 def run_id_of(run_dir: Path) -> str:
     """The run id is the run directory's name (letters, digits, '_' and '.')."""
     return Path(run_dir).resolve().name
-
-
-def append_csv(path: Path, fields: list[str], row: dict) -> None:
-    """Append ``row`` to the CSV file ``path`` (columns ``fields``), header first if the file is new.
-
-    One process appends to each of a run's CSV files (progress.csv: the learner; eval.csv: the
-    evaluator), so rows never interleave."""
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
