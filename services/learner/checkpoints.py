@@ -34,9 +34,13 @@ class Checkpoints:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())  # on the disk before a name points at it
-        except OSError:
+        except (OSError, RuntimeError) as e:
+            # torch's zip writer wraps the file's OSError in a RuntimeError of its own as it closes
+            error = e if isinstance(e, OSError) else e.__context__
+            if not isinstance(error, OSError):
+                raise
             tmp.unlink(missing_ok=True)  # the space it took goes back; the checkpoints so far stay
-            raise
+            raise error from None
         if path.exists():
             os.replace(path, self.run_dir / PREVIOUS_CHECKPOINT)  # a crash right after: load() takes previous.pt
         os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoints intact

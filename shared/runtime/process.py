@@ -90,9 +90,12 @@ def lock_service(run_dir: Path, service: str, instance: int = 0):
         f.close()
         raise RuntimeError(f"another {service} (instance {instance}, pid {holder}) runs for {run_dir}: one process "
                            "an instance; stop it first (rlpipe stop)") from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
+    try:  # the pid is for the message above only: a full disk must not stop the service starting
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+    except OSError:
+        pass
     return f
 
 
