@@ -227,3 +227,37 @@ def test_a_full_run_directory_crashes_nothing_tears_no_row_and_writes_resume(tmp
     assert out["torn"] == [] and out["rows"] == out["lines"] - 1
     assert out["write_errors"] > 0 and out["snapshot_errors"] > 0 and out["logged"]
     assert out["shm_held"] == out["shm_needs"]  # the launch's footprint is what the services allocate
+
+
+def test_a_table_that_dev_shm_cannot_hold_when_replay_makes_it_is_one_clear_error(tmp_path):
+    """/dev/shm fills between the launch's check and replay's table (made at the first sampler's
+    hello): replay's one NoSpace line ends the run, no SIGBUS and no restart loop."""
+    script = f"""
+        import json, time
+        from pathlib import Path
+        from shared.config.schema import ConfigError
+        from shared.launch import api, follow
+        from tests.pipeline import CONFIGS
+        api.space.check = lambda *args: None  # as if /dev/shm filled up after the launch's check
+        exp = api.experiment(CONFIGS / "cartpole_dqn.toml", ["run.runs_dir='{tmp_path}/runs'", "network.metrics_port=0"])
+        t0 = time.monotonic()
+        run = api.launch(exp, wait=False)
+        try:
+            run.wait_until_built()
+            run.follow(quiet=True)
+            error = "no error"
+        except ConfigError as e:
+            error = str(e)
+        except follow.ServiceCrashLoop as e:
+            error = str(e) + "\\n" + e.log_tail()
+        took = time.monotonic() - t0
+        log = (run.dir / "logs" / "supervisord.log").read_text() if run.dir.exists() else ""
+        run.clean()
+        print(json.dumps({{"error": error, "took": took, "sigbus": "SIGBUS" in log}}))
+    """
+    done = in_namespace(script, {"/dev/shm": "4m"}, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    print(out)
+    assert "replay0-t." in out["error"] and "MiB free" in out["error"] and "/dev/shm" in out["error"], out["error"]
+    assert not out["sigbus"] and out["took"] < 60
