@@ -73,6 +73,24 @@ def test_a_row_cut_short_by_an_older_writer_is_not_read(tmp_path):
     assert read_csv(path) == [{"a": "1", "b": "2", "c": "3"}, {"a": "7", "b": "8", "c": "9"}]
 
 
+def test_progress_rows_that_cannot_be_written_are_written_later_in_order(tmp_path, monkeypatch):
+    from services.learner import progress as progress_mod
+
+    counted = []
+    p = progress_mod.Progress(10, tmp_path, errors=progress_mod.WriteErrors(counted.append))
+    monkeypatch.setattr(p, "_tensorboard", lambda scalars: None)
+    p.write(p.row(0))
+    real = progress_mod.append_csv
+    monkeypatch.setattr(progress_mod, "append_csv", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    p.write(p.row(1))
+    p.write(p.row(2))
+    assert counted == ["progress.csv", "progress.csv"] and len(p.unwritten) == 2
+    monkeypatch.setattr(progress_mod, "append_csv", real)
+    p.write(p.row(3))
+    assert [r["policy_version"] for r in read_csv(tmp_path / "progress.csv")] == ["0", "1", "2", "3"]
+    assert p.unwritten == []
+
+
 def test_the_footprint_sizes_a_ten_million_item_table_without_allocating_it():
     exp = api.experiment(CONFIGS / "cartpole_dqn.toml", ["replay.capacity=10000000", "replay.snapshot_interval_s=60"])
     t0 = time.monotonic()
