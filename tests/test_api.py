@@ -22,7 +22,8 @@ from services.learner.learner import CHECKPOINT, PROGRESS_FIELDS
 from shared.config import schema
 from shared.launch import api, follow, rundirs, supervisor
 from shared.runtime import evaluation
-from shared.runtime.process import RUN_CONFIG, TB_DIR, append_csv
+from shared.runtime.files import append_csv
+from shared.runtime.process import RUN_CONFIG, TB_DIR
 from tests.pipeline import CONFIGS, Run, rlpipe, rlpipe_here
 
 PPO = CONFIGS / "cartpole_ppo.toml"

@@ -10,6 +10,7 @@ the same operations on the heap.
 from __future__ import annotations
 
 import json
+import errno
 import os
 import re
 import subprocess
@@ -202,6 +203,46 @@ def test_a_snapshot_brings_the_table_back_after_shared_memory_is_gone(run_id, tm
     np.testing.assert_array_equal(again.rate_limiter.counts._values, counts)
     assert again.attach_writer(1, INCARNATION) == 6
     again.arena.unlink()
+
+
+def test_a_crash_between_the_snapshot_renames_restores_the_previous_copy(run_id, tmp_path):
+    """snapshot() moves replay/ to replay.old/ before it puts the new copy in place: a crash
+    between the two renames leaves only replay.old/, which the restore takes."""
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    _run(table, 12)
+    table.arena.snapshot(tmp_path / "replay")
+    live = table.live.copy()
+    table.arena.unlink()
+    (tmp_path / "replay").rename(tmp_path / "replay.old")
+    again = _table(ShmArena(run_id, 0, LAYOUT, snapshot=tmp_path / "replay"))
+    assert again.arena.restored
+    np.testing.assert_array_equal(again.live, live)
+    again.arena.unlink()
+
+
+def test_a_snapshot_that_fails_leaves_the_previous_one_and_no_partial_copy(run_id, tmp_path, monkeypatch):
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    _run(table, 12)
+    table.arena.snapshot(tmp_path / "replay")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "replay").iterdir()}
+    _run(table, 6)
+    real, calls = os.fsync, []
+
+    def fsync(fd):  # the disk fills up at the third file (tmpfs takes the pages at write; a disk may at fsync)
+        calls.append(fd)
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError):
+        table.arena.snapshot(tmp_path / "replay")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["replay"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "replay").iterdir()} == before
+    table.arena.snapshot(tmp_path / "replay")  # tried again once there is room
+    assert {p.name: p.read_bytes() for p in (tmp_path / "replay").iterdir()} != before
+    table.arena.unlink()
 
 
 def test_a_stopped_run_resumes_with_its_replay_table_and_checkpoint(runs):

@@ -9,23 +9,30 @@ from pathlib import Path
 from torch.utils.tensorboard import SummaryWriter
 
 from shared.runtime import evaluation
+from shared.runtime.files import WriteErrors
 from shared.runtime.process import TB_DIR
 
 
 class Reports:
     def __init__(self, run_dir: Path, metrics):
         self.run_dir, self.m = Path(run_dir), metrics
+        self.errors = WriteErrors(lambda what: metrics.write_errors.inc())
         # Its own event file beside the learner's (a restart adds one more); TensorBoard merges them.
         self.tb = SummaryWriter(str(self.run_dir / TB_DIR), filename_suffix=".evaluator")
 
     def write(self, result: dict, seconds: float) -> None:
         """Report one evaluation's ``summary`` that took ``seconds``."""
-        evaluation.record(self.run_dir, {**result, "wall_time": round(time.time(), 3), "eval_s": round(seconds, 3)})
         step = result["env_steps"]
-        self.tb.add_scalar("eval/mean_return", result["mean_return"], step)
-        self.tb.add_scalar("eval/std_return", result["std_return"], step)
-        self.tb.add_scalar("eval/policy_version", result["policy_version"], step)
-        self.tb.flush()
+        try:  # a full disk: this evaluation's row is lost (logged, counted), the next one's is written
+            evaluation.record(self.run_dir, {**result, "wall_time": round(time.time(), 3), "eval_s": round(seconds, 3)})
+            self.tb.add_scalar("eval/mean_return", result["mean_return"], step)
+            self.tb.add_scalar("eval/std_return", result["std_return"], step)
+            self.tb.add_scalar("eval/policy_version", result["policy_version"], step)
+            self.tb.flush()
+        except OSError as e:
+            self.errors.failed("evaluation's row", e)
+        else:
+            self.errors.ok("evaluation's row")
         self.m.mean_return.set(result["mean_return"])
         self.m.std_return.set(result["std_return"])
         self.m.policy_version.set(result["policy_version"])

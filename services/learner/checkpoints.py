@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from shared.runtime.files import fsync_dir
+
 log = logging.getLogger("services.learner.learner")
 CHECKPOINT = "checkpoints/latest.pt"
 PREVIOUS_CHECKPOINT = "checkpoints/previous.pt"
@@ -23,14 +25,26 @@ class Checkpoints:
 
     def save(self, state: dict) -> None:
         """``state`` (tensors and plain values) as the latest checkpoint; the latest so far
-        becomes the previous one."""
+        becomes the previous one. OSError (a full disk) with the checkpoints as they were."""
         path = self.run_dir / CHECKPOINT
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
+        try:
+            with tmp.open("wb") as f:  # a file, not a path: a full disk is then an OSError, not torch's RuntimeError
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())  # on the disk before a name points at it
+        except (OSError, RuntimeError) as e:
+            # torch's zip writer wraps the file's OSError in a RuntimeError of its own as it closes
+            error = e if isinstance(e, OSError) else e.__context__
+            if not isinstance(error, OSError):
+                raise
+            tmp.unlink(missing_ok=True)  # the space it took goes back; the checkpoints so far stay
+            raise error from None
         if path.exists():
-            os.replace(path, self.run_dir / PREVIOUS_CHECKPOINT)
+            os.replace(path, self.run_dir / PREVIOUS_CHECKPOINT)  # a crash right after: load() takes previous.pt
         os.replace(tmp, path)  # atomic: a kill mid-write leaves the previous checkpoints intact
+        fsync_dir(path.parent)
 
     def load(self, device: torch.device, apply) -> Path | None:
         """``apply(state)`` with the latest checkpoint's state, or the previous one's where the

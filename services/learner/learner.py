@@ -40,10 +40,13 @@ from services.learner.checkpoints import CHECKPOINT, PREVIOUS_CHECKPOINT, Checkp
 from services.learner.wandb_run import WandbRun
 from services.learner.progress import COUNTERS, PROGRESS, PROGRESS_FIELDS, Progress  # noqa: F401
 from services.learner.stopping import Stopping
+from shared.runtime.files import WriteErrors, publish
 from shared.runtime import heartbeat
 
 log = logging.getLogger(__name__)
 RESULT = "result.json"
+RESULT_TRIES = 120
+"""Seconds the learner tries to write its result on a full disk before it gives up (exit 1)."""
 # While no batch comes, the current version is re-announced this often: a PUB message sent
 # before an action-server's SUB finished connecting is lost, and with stale parameters
 # its samplers' segments would only be dropped for policy lag.
@@ -85,7 +88,9 @@ class Learner:
         self.leads = group is None or group.rank == 0  # publishes, reports, checkpoints
         reports = run_dir if self.leads else None
         wandb = WandbRun(exp.logging, reports) if reports is not None and exp.logging.to_wandb else None
-        self.progress = Progress(exp.run.return_window, reports, wandb)
+        count = (lambda what: None) if metrics is None else (lambda what: metrics.write_errors.labels(file=what).inc())
+        self.errors = WriteErrors(count)  # files of the run directory it cannot write (a full disk)
+        self.progress = Progress(exp.run.return_window, reports, wandb, self.errors)
         self.stopping = Stopping(exp.run, self.progress, group)
         self.checkpoints = None if run_dir is None else Checkpoints(run_dir)
         self.identical_at: tuple[int, int] | None = None  # (update, checksum) of the ranks' last comparison
@@ -205,7 +210,12 @@ class Learner:
             log.error("learner: not checkpointing version %d: %s not finite; the last checkpoint stays",
                       self.version, ", ".join(bad[:3]))
             return
-        self.checkpoints.save({**state, "version": self.version, **self.progress.state()})
+        try:
+            self.checkpoints.save({**state, "version": self.version, **self.progress.state()})
+        except OSError as e:  # a full disk: the checkpoints so far stay, the next interval tries again
+            self.errors.failed("checkpoint", e)
+            return
+        self.errors.ok("checkpoint")
 
     def resume(self) -> bool:
         """Load the latest checkpoint of this run, or the previous one if the latest cannot be
@@ -247,8 +257,26 @@ class Learner:
                   "first_batch_to_end_s": to_target}
         p.close()  # first: with result.json there, TensorBoard's and W&B's files are complete
         if self.run_dir is not None and self.leads:
-            (self.run_dir / RESULT).write_text(json.dumps(result, indent=1))
+            self._write_result(result)
         return result
+
+    def _write_result(self, result: dict, tries: int = RESULT_TRIES) -> None:
+        """result.json, published whole (the follower ends at it); on a full disk tried once a
+        second (the other files written first, so freed space goes here), then OSError."""
+        tmp = self.run_dir / (RESULT + ".tmp")
+        for attempt in range(tries):
+            try:
+                self.progress.write_rows()
+                tmp.write_text(json.dumps(result, indent=1))
+                publish(tmp, self.run_dir / RESULT)
+                return
+            except OSError as e:
+                tmp.unlink(missing_ok=True)
+                self.errors.failed("result.json", e)
+                if attempt == tries - 1:
+                    raise
+                heartbeat.beat()
+                time.sleep(1.0)
 
 
 def non_finite(state, prefix: str = "") -> list[str]:

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from shared.runtime import evaluation
-from shared.runtime.process import TB_DIR, append_csv
+from shared.runtime.files import WriteErrors, append_csv
+from shared.runtime.process import TB_DIR
 from services.learner.wandb_run import WandbRun
 
 log = logging.getLogger("services.learner.learner")
@@ -29,10 +30,19 @@ COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
 """The counters a checkpoint keeps (with the returns, lengths and wall time)."""
 
 
+MAX_UNWRITTEN = 10_000
+"""Progress rows kept while progress.csv cannot be written (a full disk), oldest dropped first."""
+
+
 class Progress:
-    def __init__(self, return_window: int, run_dir: Path | None, wandb: WandbRun | None = None):
-        """``wandb``: where the scalars also go (None: TensorBoard only)."""
+    def __init__(self, return_window: int, run_dir: Path | None, wandb: WandbRun | None = None,
+                 errors: WriteErrors | None = None):
+        """``wandb``: where the scalars also go (None: TensorBoard only); ``errors``: how a file
+        that cannot be written (a full disk) is reported; its rows and scalars are written at
+        the next row that can be."""
         self.run_dir, self.wandb = run_dir, wandb
+        self.errors = WriteErrors() if errors is None else errors
+        self.unwritten: list[dict] = []  # progress rows not in progress.csv yet, oldest first
         self.env_steps = 0
         self.updates = 0
         self.episodes_seen = 0
@@ -97,6 +107,20 @@ class Progress:
         # No mean return before the first episode ends.
         scalars = {tag: value for tag, value in scalars.items() if np.isfinite(value)}
         if self.run_dir is not None:
+            self._tensorboard(scalars)
+            if self.wandb is not None:
+                self.wandb.log(scalars, self.env_steps)
+            row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
+            self.unwritten = self.unwritten[-MAX_UNWRITTEN + 1:] + [row]
+            self.write_rows()
+        log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
+                 row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
+                 len(self.returns), row["policy_lag"])
+
+    def _tensorboard(self, scalars: dict) -> None:
+        """The scalars to TensorBoard; a writer that failed (a full disk) is dropped and the
+        next row starts a new event file."""
+        try:
             if self.tb is None:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -105,13 +129,27 @@ class Progress:
             for tag, value in scalars.items():
                 self.tb.add_scalar(tag, value, self.env_steps)
             self.tb.flush()
-            if self.wandb is not None:
-                self.wandb.log(scalars, self.env_steps)
-            row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
-            append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, row)
-        log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
-                 row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
-                 len(self.returns), row["policy_lag"])
+        except OSError as e:
+            self.errors.failed("tensorboard", e)
+            tb, self.tb = self.tb, None
+            try:
+                if tb is not None:
+                    tb.close()
+            except OSError:
+                pass
+            return
+        self.errors.ok("tensorboard")
+
+    def write_rows(self) -> None:
+        """The rows not yet in progress.csv, oldest first, each whole or not at all."""
+        while self.unwritten:
+            try:
+                append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, self.unwritten[0])
+            except OSError as e:
+                self.errors.failed("progress.csv", e)
+                return
+            del self.unwritten[0]
+        self.errors.ok("progress.csv")
 
     def state(self) -> dict:
         """What a checkpoint keeps."""

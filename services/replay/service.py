@@ -48,6 +48,7 @@ from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.data.batches import column_share
 from shared.transport.sockets import Endpoint, Rejected
 from shared.runtime import heartbeat
+from shared.runtime.files import WriteErrors
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
@@ -105,6 +106,7 @@ class ReplayService:
         self.episodes_unreported: list = []
         self.dropped_unreported = 0
         self.held: dict[int, tuple[int, int, int]] = {}  # table key -> (writer, incarnation, ring index)
+        self.errors = WriteErrors(lambda what: metrics.snapshot_errors.inc())
 
     # ------------------------------------------------------------ messages
 
@@ -413,7 +415,12 @@ class ReplayService:
     def snapshot(self) -> None:
         """Copy the table to the snapshot directory (between operations: the loop calls it)."""
         t0 = time.monotonic()
-        self.table.arena.snapshot(self.snapshot_dir)
+        try:
+            self.table.arena.snapshot(self.snapshot_dir)
+        except OSError as e:  # a full disk: the table and the previous snapshot stay, the next interval tries again
+            self.errors.failed("table snapshot", e)
+            return
+        self.errors.ok("table snapshot")
         log.info("table snapshot (%d items) written to %s in %.2f s", self.table.size, self.snapshot_dir,
                  time.monotonic() - t0)
 

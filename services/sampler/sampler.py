@@ -58,6 +58,16 @@ def group_slices(envs: int, alternating: bool) -> list[slice]:
     return [slice(0, half), slice(half, envs)]
 
 
+def segment_specs(cfg: SamplerConfig, example) -> dict[str, dict]:
+    """The layouts of one sampler's segments by purpose: a step slot per env group
+    (``slot<g>``), then the segment ring (``ring``: ``cfg.ring`` segments [T, B]);
+    ``example``: one step (``services.build.example_step``)."""
+    groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
+    specs = {f"slot{i}": slot_spec(example, g.stop - g.start) for i, g in enumerate(groups)}
+    specs["ring"] = with_leading_dims(segment_spec(example, cfg.horizon, cfg.envs), [cfg.ring])
+    return specs
+
+
 class Sampler:
     """Owns the envs, the step slots and the segment ring of one sampler instance."""
 
@@ -74,8 +84,7 @@ class Sampler:
         action = self.envs[0].example_action()
         self.example = step_example(self.envs[0].example_observation(), action, agent_info(action))
         self.segments: list[shm.Segment] = []
-        specs = [slot_spec(self.example, g.stop - g.start) for g in self.groups]
-        rspec = with_leading_dims(segment_spec(self.example, cfg.horizon, cfg.envs), [cfg.ring])
+        *specs, rspec = segment_specs(cfg, self.example).values()
         if shared_memory:
             self.slots, self.slot_descriptors = [], []
             for i, spec in enumerate(specs):

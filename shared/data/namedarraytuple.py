@@ -155,19 +155,20 @@ def spec_of(tree) -> Any:
     return {"dtype": arr.dtype.str, "shape": list(arr.shape)}
 
 
-def _leaf_specs(spec) -> Iterator[dict]:
+def leaf_specs(spec) -> Iterator[dict]:
+    """The leaves of a spec (``{"dtype", "shape"}``), in ``leaves`` order."""
     if spec is None:
         return
     if "fields" in spec:
         for _, child in spec["fields"]:
-            yield from _leaf_specs(child)
+            yield from leaf_specs(child)
     else:
         yield spec
 
 
 def spec_leading_len(spec) -> int:
     """The first dimension of the first leaf a (validated) spec describes (``leading_len`` of its buffer)."""
-    return next(_leaf_specs(spec))["shape"][0]
+    return next(leaf_specs(spec))["shape"][0]
 
 
 def _leaf_nbytes(leaf: dict) -> int:
@@ -177,7 +178,7 @@ def _leaf_nbytes(leaf: dict) -> int:
 def spec_nbytes(spec) -> int:
     """Bytes needed to lay out ``spec`` with every leaf aligned to 64 bytes."""
     total = 0
-    for leaf in _leaf_specs(spec):
+    for leaf in leaf_specs(spec):
         total = _aligned(total) + _leaf_nbytes(leaf)
     return max(_aligned(total), _ALIGN)
 

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence, TextIO
 from shared.config import checks, endpoints, loading
 from shared.config.schema import ConfigError, Experiment
 from shared.launch import backend as backends
-from shared.launch import follow, ray_backend, rundirs, supervisor
+from shared.launch import follow, ray_backend, rundirs, space, supervisor
 from shared.runtime.process import RUN_CONFIG
 
 SERIAL_LOG = "serial0.log"
@@ -80,9 +80,11 @@ def launch(exp: Experiment | str | Path | dict, backend: str = "supervisord", *,
     ``"ray"``: RAY_ADDRESS or this host's cluster; ``"ray://HOST:PORT"``: Ray Client). With
     ``wait`` it returns once the learner has built the agent (``Run.wait_until_built``);
     the run goes on until it ends or ``Run.stop``. ConfigError (nothing made), LaunchError
-    (the run directory stays, nothing runs)."""
+    (one line; nothing runs: /dev/shm or the run directory's disk too small for the run, with
+    nothing made; the backend could not start it, with its run directory left)."""
     _check_backend(backend)
     exp, why = checks.resolve_inference(checks.resolve_max_count(experiment(exp, check_ports=True)))
+    _check_space(exp, backend, Path(exp.run.runs_dir))
     return _start(Run(rundirs.make_run_dir(exp), exp, backend, why, fresh=True), wait)
 
 
@@ -94,6 +96,7 @@ def resume(run: str | Path, backend: str = "supervisord", *, wait: bool = True) 
     _check_backend(backend)
     run_dir = _reopen(run)
     exp, why = checks.resolve_inference(experiment(run_dir / RUN_CONFIG, check_ports=True))
+    _check_space(exp, backend, run_dir, run_dir.name)
     return _start(Run(run_dir, exp, backend, why, fresh=False), wait)
 
 
@@ -244,6 +247,17 @@ def _check_backend(backend: str) -> None:
         ray_backend.parse_target(backend)
     except ValueError:
         raise LaunchError(f"backend {backend!r}: expected supervisord, ray or ray://HOST:PORT") from None
+
+
+def _check_space(exp: Experiment, backend: str, runs_dir: Path, run_id: str | None = None) -> None:
+    """LaunchError (one line: the shortfall) unless this host's /dev/shm and run directory hold
+    the run (``shared.launch.space``); a Ray run's services place their segments on its nodes."""
+    if backend != "supervisord":
+        return
+    try:
+        space.check(exp, runs_dir, run_id)
+    except space.NoRoom as e:
+        raise LaunchError(str(e)) from None
 
 
 def _start(run: Run, wait: bool) -> Run:

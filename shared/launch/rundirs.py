@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import secrets
@@ -14,6 +13,7 @@ from shared.config import endpoints, loading
 from shared.transport.auth import write_curve_keys, write_secret
 from shared.config.schema import Experiment
 from shared.agents.acting import ACTING_FILE
+from shared.runtime.files import read_csv
 from shared.runtime.process import RUN_CONFIG
 
 
@@ -96,11 +96,8 @@ def resolve_run(name: str, runs_dir: str = "runs") -> Path:
 
 
 def read_progress(run_dir: Path) -> list[dict]:
-    path = run_dir / "progress.csv"
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    """progress.csv's rows, dicts of strings; whole rows only (``files.read_csv``)."""
+    return read_csv(run_dir / "progress.csv")
 
 
 def read_result(run_dir: Path) -> dict | None:

@@ -29,14 +29,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from shared.runtime.files import fsync_dir
 from shared.transport import shm
-from shared.data.namedarraytuple import from_spec, spec_nbytes
+from shared.data.namedarraytuple import from_leaves, from_spec, leaf_specs, spec_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +119,21 @@ class ShmArena(Arena):
         self._segments: dict[str, shm.Segment] = {}
         self.restored = False
         name = self._name("table")
-        if snapshot is not None and shm.inode(name) is None and (snapshot / "table").exists():
-            self._restore_snapshot(snapshot)
+        if snapshot is not None and shm.inode(name) is None:
+            for copy in (snapshot, _previous(snapshot)):  # replay.old: a crash came between snapshot()'s renames
+                problem = _header_problem((copy / "table").read_bytes(), fingerprint) if (copy / "table").exists() \
+                    else "none there"
+                if problem is None:
+                    self._restore_snapshot(copy)
+                    break
+                if problem != "none there":
+                    log.warning("replay snapshot in %s not restored: %s", copy, problem)
         try:
             seg = shm.Segment.attach(name)
         except FileNotFoundError:
             self._start_empty()
             return
-        problem = self._header_problem(seg, fingerprint)
+        problem = _header_problem(seg.mmap, fingerprint)
         if problem is not None:
             seg.close()
             self._discard(problem)
@@ -179,31 +188,30 @@ class ShmArena(Arena):
         log.info("replay table restored from the snapshot in %s", snapshot)
 
     def snapshot(self, directory: Path) -> None:
-        """Copy the table to ``directory`` (call between operations). Written beside it first and
-        then renamed into place, so a crash meanwhile leaves the previous snapshot."""
-        tmp, old = directory.with_name(directory.name + ".tmp"), directory.with_name(directory.name + ".old")
+        """Copy the table to ``directory`` (call between operations). Written beside it first,
+        fsynced, then renamed into place (the last one renamed to ``<directory>.old`` first and
+        removed last): a crash meanwhile leaves the previous snapshot, which a restore then
+        takes. OSError (a full disk) with the previous snapshot as it was and no partial copy left."""
+        tmp, old = directory.with_name(directory.name + ".tmp"), _previous(directory)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         prefix = self._name("")
-        for full, seg in self._segments.items():
-            (tmp / full.removeprefix(prefix)).write_bytes(seg.mmap)
+        try:
+            tmp.mkdir(parents=True)
+            for full, seg in self._segments.items():
+                with (tmp / full.removeprefix(prefix)).open("wb") as f:
+                    f.write(seg.mmap)
+                    f.flush()
+                    os.fsync(f.fileno())
+            fsync_dir(tmp)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
             directory.rename(old)
         tmp.rename(directory)
+        fsync_dir(directory.parent)
         shutil.rmtree(old, ignore_errors=True)
-
-    @staticmethod
-    def _header_problem(seg: shm.Segment, fingerprint: int) -> str | None:
-        if seg.size != _HEADER_CELLS * 8:
-            return f"header of {seg.size} bytes"
-        h = np.frombuffer(seg.mmap, np.int64)
-        if h[_MAGIC] != MAGIC or h[_VERSION] != LAYOUT_VERSION:
-            return "not a table header of this version"
-        if h[_FINGERPRINT] != fingerprint:
-            return "another layout: config, samplers or segment spec changed"
-        if not h[_COMPLETE]:
-            return "its construction did not finish"
-        return None
 
     def _segment(self, name: str, nbytes: int) -> tuple[shm.Segment, bool]:
         """(segment ``t.<name>`` of ``nbytes`` bytes, whether it is fresh)."""
@@ -260,6 +268,51 @@ class ShmArena(Arena):
     def unlink(self) -> None:
         for seg in self._segments.values():
             seg.unlink()
+
+
+class Footprint(Arena):
+    """Sizes only: what each piece of a table's state would take as a ``ShmArena`` segment,
+    for the launcher's space check (``services.footprint``), without the memory. The arrays
+    handed out are zero-stride views of one element: a table composes over them as over
+    real ones (fills, reshapes), and nothing the size of the table is ever allocated."""
+
+    def __init__(self):
+        self.sizes: dict[str, int] = {"table": _HEADER_CELLS * 8}
+        """Bytes of each segment, by purpose (``table``: the header)."""
+
+    def array(self, name: str, shape, dtype, fill=0) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        shape = tuple(int(s) for s in np.atleast_1d(shape))
+        self.sizes[f"t.{name}"] = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+        return _zero_stride(shape, dtype)
+
+    def tree(self, name: str, spec, fill: bool = True) -> Any:
+        self.sizes[f"t.{name}"] = max(spec_nbytes(spec), 1)
+        return from_leaves(spec, [_zero_stride(tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
+                                  for leaf in leaf_specs(spec)])
+
+
+def _zero_stride(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape))
+
+
+def _previous(snapshot: Path) -> Path:
+    """Where ``snapshot()`` keeps the last snapshot while it puts the next one in place."""
+    return snapshot.with_name(snapshot.name + ".old")
+
+
+def _header_problem(header, fingerprint: int) -> str | None:
+    """Why ``header`` (a table header segment's bytes) does not hold a table of ``fingerprint``; None if it does."""
+    if len(header) != _HEADER_CELLS * 8:
+        return f"header of {len(header)} bytes"
+    h = np.frombuffer(header, np.int64)
+    if h[_MAGIC] != MAGIC or h[_VERSION] != LAYOUT_VERSION:
+        return "not a table header of this version"
+    if h[_FINGERPRINT] != fingerprint:
+        return "another layout: config, samplers or segment spec changed"
+    if not h[_COMPLETE]:
+        return "its construction did not finish"
+    return None
 
 
 class Cells:

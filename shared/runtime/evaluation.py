@@ -8,12 +8,10 @@ result or the new one, never half of one.
 
 from __future__ import annotations
 
-import csv
 import json
-import os
 from pathlib import Path
 
-from shared.runtime.process import append_csv
+from shared.runtime.files import append_csv, publish, read_csv
 
 EVAL_CSV = "eval.csv"
 LATEST = "eval.json"
@@ -31,7 +29,7 @@ def record(run_dir: Path, row: dict) -> None:
     append_csv(Path(run_dir) / EVAL_CSV, FIELDS, row)
     tmp = Path(run_dir) / (LATEST + ".tmp")
     tmp.write_text(json.dumps(row))
-    os.replace(tmp, Path(run_dir) / LATEST)
+    publish(tmp, Path(run_dir) / LATEST)
 
 
 def latest(run_dir: Path) -> dict | None:
@@ -50,8 +48,4 @@ def progress_columns(run_dir: Path) -> dict:
 
 def read_rows(run_dir: Path) -> list[dict]:
     """eval.csv's rows as strings (empty before the first evaluation)."""
-    path = Path(run_dir) / EVAL_CSV
-    if not path.exists():
-        return []
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    return read_csv(Path(run_dir) / EVAL_CSV)

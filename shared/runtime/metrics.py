@@ -5,15 +5,34 @@ PROMETHEUS_MULTIPROC_DIR points all processes of a run at one directory, and the
 service serves them all on one HTTP endpoint (prometheus_client's multiprocess mode).
 Names follow ``rlpipe_<service>_<thing>_<unit>``; every series carries ``service`` and
 ``instance`` labels.
+
+prometheus_client maps one file per metric kind and process in that directory (the run
+directory's ``metrics/``), sparse: on a full disk the first write to a page not yet backed is a
+SIGBUS. So before the process's first metric, ``for_service`` allocates those files in full
+(``reserve_files``); where the disk cannot hold them the process records its metrics in memory
+only (not served: a warning says so) and runs on. prometheus_client chooses between the two
+when it is first imported, which is why this module imports it late.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 import os
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
-from prometheus_client import Counter, Gauge, Histogram
+log = logging.getLogger(__name__)
+MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
+MULTIPROC_PREFIXES = ("counter", "gauge_livemostrecent", "histogram")
+"""The files a process of ours has there (prometheus_client names them ``<prefix>_<pid>.db``)."""
+MULTIPROC_FILES = len(MULTIPROC_PREFIXES)
+MULTIPROC_FILE_BYTES = 256 << 10
+"""Each file's size: every series of every service in one process takes under 15 KiB of the
+largest (tests/test_deploy.py checks a margin); prometheus_client grows a file, sparse again,
+only past this."""
 
 LABELS = ("service", "instance", "node")
 _LAT_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
@@ -56,6 +75,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "priority_updates": ("counter", "priority_updates_total", "Priority updates applied", ()),
         "restarts": ("gauge", "table_restarts", "Times the table was re-attached from shared memory after a kill", ()),
         "torn_items": ("counter", "torn_items_total", "Items dropped at a re-attach: a kill tore the write that held them", ()),
+        "snapshot_errors": ("counter", "snapshot_errors_total", "Table snapshots not written (a full disk); tried again later", ()),
     },
     "learner": {
         "updates": ("counter", "updates_total", "Optimisation updates (one per batch)", ()),
@@ -67,6 +87,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "batch_wait": ("counter", "batch_wait_seconds_total", "Seconds waiting for a batch", ()),
         "update_time": ("counter", "update_seconds_total", "Seconds spent in updates", ()),
         "skipped_steps": ("counter", "skipped_steps_total", "Gradient steps skipped: loss or gradient norm not finite", ()),
+        "write_errors": ("counter", "write_errors_total", "Files of the run directory not written (a full disk), by file; tried again later", ("file",)),
     },
     "evaluator": {
         "mean_return": ("gauge", "mean_return", "Mean return of the latest evaluation's greedy episodes", ()),
@@ -75,6 +96,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "env_steps": ("gauge", "env_steps", "Run env steps at the version the latest evaluation measured", ()),
         "evaluations": ("counter", "evaluations_total", "Evaluations finished", ()),
         "eval_time": ("counter", "eval_seconds_total", "Seconds spent evaluating (the rest it sleeps)", ()),
+        "write_errors": ("counter", "write_errors_total", "Evaluation results not written to eval.csv (a full disk); tried again later", ()),
     },
     "watchdog": {
         "kills": ("counter", "kills_total", "Services killed for a heartbeat older than run.watchdog_s, by process", ("process",)),
@@ -94,13 +116,57 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "peer": ("action_server", "replay"),
     "on": ("actions", "replay"),
     "side": ("sampler", "learner"),
+    "file": ("progress.csv", "checkpoint", "tensorboard", "result.json"),
 }
 _families: dict[str, object] = {}
 
 
+def reserve_files(directory: Path, pid: int | None = None) -> str | None:
+    """Allocate this process's metrics files in ``directory`` (``MULTIPROC_PREFIXES``, each
+    ``MULTIPROC_FILE_BYTES``) so that no write to them can fault; None once done, else why
+    not (one line; the files made are removed)."""
+    pid = os.getpid() if pid is None else pid
+    made = []
+    try:
+        for prefix in MULTIPROC_PREFIXES:
+            path = Path(directory) / f"{prefix}_{pid}.db"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                if os.fstat(fd).st_size == 0:
+                    made.append(path)
+                os.posix_fallocate(fd, 0, max(os.fstat(fd).st_size, MULTIPROC_FILE_BYTES))
+            finally:
+                os.close(fd)
+    except OSError as e:
+        for path in made:
+            path.unlink(missing_ok=True)
+        room = ""
+        if e.errno == errno.ENOSPC:
+            st = os.statvfs(directory)
+            room = f" ({st.f_bavail * st.f_frsize / 2**20:.1f} MiB free, {MULTIPROC_FILES * MULTIPROC_FILE_BYTES / 2**20:.0f} MiB needed)"
+        return f"{directory}: {e.strerror}{room}"
+    return None
+
+
+def _start_recording() -> None:
+    """Before the first metric: the multiprocess files allocated, or metrics in memory only."""
+    directory = os.environ.get(MULTIPROC)
+    if directory is None or "prometheus_client.values" in sys.modules:
+        return  # in memory anyway; or chosen already (a test, a library that imported it first)
+    why = reserve_files(Path(directory))
+    if why is not None:
+        del os.environ[MULTIPROC]
+        log.warning("metrics of this process are not served: cannot allocate its metrics files in %s; "
+                    "it runs on without them", why)
+
+
 def _family(kind: str, name: str, doc: str, labels: tuple, buckets=None):
+    if not _families:
+        _start_recording()
+    from prometheus_client import Counter, Gauge, Histogram
+
     if name not in _families:
-        multiproc = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        multiproc = MULTIPROC in os.environ
         if kind == "counter":
             _families[name] = Counter(name, doc, labels)
         elif kind == "histogram":

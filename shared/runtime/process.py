@@ -7,7 +7,6 @@ Services that run a network call ``torch_device``.
 
 from __future__ import annotations
 
-import csv
 import fcntl
 import logging
 import os
@@ -91,25 +90,15 @@ def lock_service(run_dir: Path, service: str, instance: int = 0):
         f.close()
         raise RuntimeError(f"another {service} (instance {instance}, pid {holder}) runs for {run_dir}: one process "
                            "an instance; stop it first (rlpipe stop)") from None
-    f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
+    try:  # the pid is for the message above only: a full disk must not stop the service starting
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+    except OSError:
+        pass
     return f
 
 
 def run_id_of(run_dir: Path) -> str:
     """The run id is the run directory's name (letters, digits, '_' and '.')."""
     return Path(run_dir).resolve().name
-
-
-def append_csv(path: Path, fields: list[str], row: dict) -> None:
-    """Append ``row`` to the CSV file ``path`` (columns ``fields``), header first if the file is new.
-
-    One process appends to each of a run's CSV files (progress.csv: the learner; eval.csv: the
-    evaluator), so rows never interleave."""
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
