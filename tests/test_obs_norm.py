@@ -84,7 +84,7 @@ def test_the_learner_merges_a_batchs_statistics_after_its_update():
     obs = np.full((T, B, 4), 5.0, np.float32)
     samples = Samples(observation=obs, action=z.astype(np.int64), reward=z, terminated=z.astype(bool),
                       truncated=z.astype(bool), final_observation=obs, agent_info=AgentInfo(z, z),
-                      policy_version=z.astype(np.int64))
+                      policy_version=z.astype(np.int64), failed=z.astype(bool))
     slot = OnPolicyBatch(samples, np.zeros(B, np.float32), obs[0])
     meta = {"env_steps": T * B, "episodes": [], "obs_count": T * B, "obs_sum": [5.0 * T * B] * 4,
             "obs_sumsq": [25.0 * T * B] * 4}

@@ -81,7 +81,8 @@ def segment(agent, T, B, seed, reward_fn=None):
     reward = reward_fn(obs, action) if reward_fn else torch.as_tensor(rng.normal(size=(T, B)).astype(np.float32))
     samples = Samples(observation=obs, action=action, reward=reward, terminated=terminated, truncated=truncated,
                       final_observation=final, agent_info=QAgentInfo(info.value.reshape(T, B)),
-                      policy_version=torch.zeros(T, B, dtype=torch.int64))
+                      policy_version=torch.zeros(T, B, dtype=torch.int64),
+                      failed=torch.zeros(T, B, dtype=torch.bool))
     boot = torch.as_tensor(rng.normal(size=(B, 3)).astype(np.float32))
     return OnPolicyBatch(samples, torch.zeros(B), boot)
 

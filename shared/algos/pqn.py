@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shared.algos.gae import gae
+from shared.algos.gae import gae, recursion_ends
 from shared.algos.hparams import PQNConfig
 from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.update import Update
@@ -71,8 +71,8 @@ def batch_targets(agent, batch: OnPolicyBatch, cfg: PQNConfig) -> tuple[torch.Te
     next_value = torch.cat([value[1:], bootstrap[None].float()], dim=0)
     if bool(cut.any()):
         next_value[cut] = agent.q_values(s.final_observation[cut]).max(-1).values.float()
-    returns = q_lambda_returns(s.reward.float(), value, next_value, s.terminated, s.terminated | s.truncated,
-                               cfg.gamma, cfg.q_lambda)
+    returns = q_lambda_returns(s.reward.float(), value, next_value, s.terminated, recursion_ends(s), cfg.gamma,
+                               cfg.q_lambda)
     return returns, value
 
 
@@ -97,6 +97,9 @@ class PQN:
         returns, _ = batch_targets(agent, batch, cfg)
         s = batch.samples
         obs, action, target = _flat(s.observation), _flat(s.action).long(), returns.reshape(-1)
+        if bool(s.failed.any()):  # a failed env step is no transition (``Samples.failed``)
+            real = ~s.failed.reshape(-1)
+            obs, action, target = obs[real], action[real], target[real]
         n = target.shape[0]
         per_step = []
         for _ in range(cfg.epochs):
