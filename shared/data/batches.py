@@ -77,6 +77,7 @@ SequenceBatch = namedarraytuple(
         "reward",  # [L, n] f32
         "terminated",  # [L, n] bool
         "truncated",  # [L, n] bool
+        "failed",  # [L, n] bool: a failed env step (Samples.failed), no transition
         "prev_action",  # [L, n, ...] the recurrent agent's previous-action input (Memory.prev_action)
         "prev_reward",  # [L, n] f32 its previous-reward input (Memory.prev_reward)
         "start_state",  # RnnState [n, H]: the LSTM state the actor started step 0 from
