@@ -21,15 +21,8 @@ from shared.data.batches import OnPolicyBatch
 from shared.data.namedarraytuple import map_leaves
 
 
-def q_lambda_returns(
-    reward: torch.Tensor,
-    value: torch.Tensor,
-    next_value: torch.Tensor,
-    terminated: torch.Tensor,
-    done: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> torch.Tensor:
+def q_lambda_returns(reward: torch.Tensor, value: torch.Tensor, next_value: torch.Tensor, terminated: torch.Tensor,
+                     done: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
     """Peng's Q(lambda) returns G_t [T, B], as PQN trains on them; arguments as ``gae`` takes them,
     with the greedy values value[t] = max_a Q(s_t, a) and next_value[t] = max_a Q(s_{t+1}, a) of
     the same episode (value[t + 1] inside a segment, max Q of the bootstrap observation at
