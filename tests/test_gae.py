@@ -141,6 +141,7 @@ def test_batch_advantages_bootstraps_truncation_from_final_observation_only():
         final_observation=final_obs,
         agent_info=AgentInfo(log_prob=torch.zeros(T, B), value=value),
         policy_version=torch.zeros(T, B, dtype=torch.int64),
+        failed=torch.zeros(T, B, dtype=torch.bool),
     )
     agent = sum_value_agent()
     bootstrap = torch.tensor([7.0, 8.0])
@@ -167,6 +168,7 @@ def test_batch_advantages_recomputes_values_and_the_bootstrap_with_the_current_n
         terminated=no, truncated=no, final_observation=torch.zeros(T, B, 2),
         agent_info=AgentInfo(torch.zeros(T, B), torch.full((T, B), 100.0)),  # stale: unused
         policy_version=torch.zeros(T, B, dtype=torch.int64),
+        failed=torch.zeros(T, B, dtype=torch.bool),
     )
     stale_bootstrap = torch.tensor([7.0, 8.0])  # the acting network's: unused
     bootstrap_observation = torch.tensor([[0.5, 0.25], [1.0, 2.0]])
@@ -189,6 +191,7 @@ def test_batch_advantages_skips_the_value_pass_without_truncation():
         terminated=no, truncated=no, final_observation=torch.zeros(T, B, 1),
         agent_info=AgentInfo(torch.zeros(T, B), torch.zeros(T, B)),
         policy_version=torch.zeros(T, B, dtype=torch.int64),
+        failed=torch.zeros(T, B, dtype=torch.bool),
     )
     agent = sum_value_agent(1)
     _, ret, _ = batch_advantages(agent, OnPolicyBatch(samples, torch.zeros(B), torch.zeros(B, 1)),

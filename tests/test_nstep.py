@@ -11,7 +11,7 @@ from shared.replay.tables import Table, TransitionStorage, TransitionStorageConf
 
 Samples = namedarraytuple(
     "Samples",
-    "observation action reward terminated truncated final_observation agent_info policy_version",
+    "observation action reward terminated truncated final_observation agent_info policy_version failed",
 )
 
 
@@ -66,21 +66,24 @@ def test_termination_wins_over_truncation_and_n1():
 # ---------------------------------------------------------------- through the table
 
 
-def _segment(steps, term=(), trunc=()):
+def _segment(steps, term=(), trunc=(), failed=()):
     """B = 1 segment of absolute ``steps``: observation = step, reward = step + 1,
-    final_observation = 100 + step, policy_version = step."""
+    final_observation = 100 + step, policy_version = step; ``failed`` steps as a sampler records
+    them (truncated, reward 0, final_observation = observation)."""
     s = np.asarray(steps)
     T = len(s)
     col = lambda a, dt: np.asarray(a, dtype=dt).reshape(T, 1)
+    fail = np.isin(s, failed)
     return Samples(
         observation=col(s, np.float32)[..., None],
         action=col(s, np.int64),
-        reward=col(s + 1, np.float32),
+        reward=col(np.where(fail, 0, s + 1), np.float32),
         terminated=col(np.isin(s, term), bool),
-        truncated=col(np.isin(s, trunc), bool),
-        final_observation=col(100 + s, np.float32)[..., None],
+        truncated=col(np.isin(s, trunc) | fail, bool),
+        final_observation=col(np.where(fail, s, 100 + s), np.float32)[..., None],
         agent_info=None,
         policy_version=col(s, np.int64),
+        failed=col(fail, bool),
     )
 
 
@@ -125,3 +128,31 @@ def test_ring_wraparound_and_seam_reference():
     assert _drain(table) == [(10, 11 + 0.5 * 12, 0.25, 12.0), (11, 12 + 0.5 * 13, 0.25, 13.0)]
     assert table.counts.evicted == 1  # item 0; the other overwritten items had been sampled
     assert table.rate_limiter.size == table.size == 0
+
+
+def test_a_window_that_reaches_a_failed_step_ends_before_it():
+    # gamma 0.5, n 3; step 3 failed (marked truncated too, as the sampler records it).
+    reward = np.array([[1.0], [2.0], [3.0], [0.0], [5.0], [6.0], [7.0]])
+    failed = np.zeros((7, 1), bool)
+    failed[3] = True
+    tg = nstep_targets(reward, np.zeros((7, 1), bool), failed.copy(), 3, 0.5, failed)
+    assert tg.valid[:, 0].tolist() == [True, True, True, False, True, True, True]
+    np.testing.assert_allclose(tg.return_[:3, 0], [1 + 0.5 * 2 + 0.25 * 3, 2 + 0.5 * 3, 3])
+    np.testing.assert_allclose(tg.discount[:3, 0], [0.125, 0.25, 0.5])
+    assert tg.bootstrap_offset[:3, 0].tolist() == [3, 2, 1]  # observation[3]: the failed step's own
+    assert not tg.from_final[:3, 0].any() and tg.complete[:3, 0].all()
+
+
+def test_a_failed_step_is_in_no_sampled_transition():
+    """The table serves no item at a failed step, and the items before it bootstrap from the
+    observation it was taken in, one step sooner than a truncation would."""
+    storage = TransitionStorage(
+        spec_of(_segment([0, 1])), {0: 1}, TransitionStorageConfig(capacity=50, n_step=2, gamma=0.5)
+    )
+    table = Table(storage, Fifo(), RateLimiter())
+    for t0 in (0, 2, 4, 6):
+        table.insert(0, _segment([t0, t0 + 1], failed=[3]))
+    items = _drain(table)
+    assert [i[0] for i in items] == [0, 1, 2, 4, 5]  # step 3 failed; 6 and 7 wait for 8 and 9
+    assert items[1] == (1, 2 + 0.5 * 3, 0.25, 3.0)
+    assert items[2] == (2, 3.0, 0.5, 3.0)  # bootstraps V(observation 3): no reward of the failed step

@@ -53,3 +53,44 @@ def test_agents_carry_the_normaliser_in_their_state_and_targets_copy_it():
     torch.testing.assert_close(algo.target.obs_norm.mean, agent.obs_norm.mean)  # copied, not averaged
     with pytest.raises(ValueError, match="one float array"):
         make_obs_norm(np.zeros((4, 4), np.uint8), cfg)
+
+
+def test_the_learner_merges_a_batchs_statistics_after_its_update():
+    """The statistics that come with a batch merge into the normaliser after the update, so the
+    update normalises the batch as the behaviour policy did; the next version has them."""
+    from services.build import env_probe, make_agent
+    from services.learner.learner import Learner
+    from shared.agents.config import AgentInfo
+    from shared.algos.update import Update
+    from shared.config import loading
+    from shared.data.batches import OnPolicyBatch, Samples
+    from tests.pipeline import CONFIGS
+
+    exp = loading.load(CONFIGS / "cartpole_ppo.toml", ["model.normalize_observations=true"])
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe)
+    probe.close()
+
+    class Recorder:
+        seen = []
+
+        def update(self, batch, progress):
+            self.seen.append(agent.obs_norm.mean.clone())
+            return Update({})
+
+    learner = Learner(exp, agent, Recorder(), torch.device("cpu"), None)
+    T, B = 2, 3
+    z = np.zeros((T, B), np.float32)
+    obs = np.full((T, B, 4), 5.0, np.float32)
+    samples = Samples(observation=obs, action=z.astype(np.int64), reward=z, terminated=z.astype(bool),
+                      truncated=z.astype(bool), final_observation=obs, agent_info=AgentInfo(z, z),
+                      policy_version=z.astype(np.int64), failed=z.astype(bool))
+    slot = OnPolicyBatch(samples, np.zeros(B, np.float32), obs[0])
+    meta = {"env_steps": T * B, "episodes": [], "obs_count": T * B, "obs_sum": [5.0 * T * B] * 4,
+            "obs_sumsq": [25.0 * T * B] * 4}
+    before = agent.obs_norm.mean.clone()
+    learner.train(slot, meta)
+    assert torch.equal(Recorder.seen[0], before)  # the update saw the statistics the actors used
+    np.testing.assert_allclose(agent.obs_norm.mean.numpy(), 5.0)  # and the next version has the merged ones
+    learner.train(slot, {**meta, "obs_count": 0, "obs_sum": [], "obs_sumsq": []})
+    np.testing.assert_allclose(Recorder.seen[1].numpy(), 5.0)

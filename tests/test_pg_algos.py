@@ -164,6 +164,7 @@ def bandit_batch(agent, T, B, reward_fn, seed):
         final_observation=obs_t,
         agent_info=AgentInfo(info.log_prob.reshape(T, B), info.value.reshape(T, B)),
         policy_version=torch.zeros(T, B, dtype=torch.int64),
+        failed=torch.zeros(T, B, dtype=torch.bool),
     )
     return OnPolicyBatch(samples, torch.zeros(B), obs_t[-1])
 
@@ -287,6 +288,7 @@ def train_cartpole(cfg: A2CConfig, T, total_steps, seed, target, n_envs=32):
         final_observation=np.full((T, n_envs, 4), -42.42, np.float32),
         agent_info=AgentInfo(np.zeros((T, n_envs), np.float32), np.zeros((T, n_envs), np.float32)),
         policy_version=np.zeros((T, n_envs), np.int64),
+        failed=np.zeros((T, n_envs), bool),
     )
     episode_return, finished, curve = np.zeros(n_envs), [], []
     for version in range(total_steps // (T * n_envs)):
@@ -295,7 +297,7 @@ def train_cartpole(cfg: A2CConfig, T, total_steps, seed, target, n_envs=32):
             buf.observation[t] = obs
             obs, reward, terminated, truncated, infos = env.step(action.numpy())
             buf[t] = Samples(buf.observation[t], action.numpy(), reward, terminated, truncated,
-                             buf.final_observation[t], AgentInfo(*(x.numpy() for x in info)), version)
+                             buf.final_observation[t], AgentInfo(*(x.numpy() for x in info)), version, False)
             episode_return += reward
             for i in np.nonzero(terminated | truncated)[0]:
                 buf.final_observation[t, i] = infos["final_obs"][i]

@@ -52,6 +52,18 @@ def test_n_step_targets_stop_at_dones_and_at_the_sequences_end():
     assert tg.discount[5, 0] == 0.25 and tg.discount[6, 0] == 0.5 and not tg.valid[7, 0]
 
 
+def test_a_failed_step_trains_no_target_and_windows_end_before_it():
+    r = torch.arange(1.0, 9.0)[:, None]
+    failed = torch.zeros(8, 1, dtype=torch.bool)
+    failed[4] = True  # marked truncated too, as the sampler records it
+    tg = sequence_targets(r, torch.zeros_like(failed), failed.clone(), 3, 0.5, failed)
+    assert tg.valid[:, 0].tolist() == [True, True, True, True, False, True, True, False]
+    # t=2, 3: their windows reach step 4 and end before it, bootstrapping from its observation.
+    assert tg.return_[2, 0] == pytest.approx(3 + 0.5 * 4) and tg.discount[2, 0] == 0.25
+    assert tg.return_[3, 0] == 4 and tg.discount[3, 0] == 0.5
+    assert tg.bootstrap_index[2:4, 0].tolist() == [4, 4]
+
+
 def test_priorities_are_eta_max_plus_one_minus_eta_mean_per_sequence():
     td = torch.tensor([[1.0, 5.0], [3.0, 0.0], [100.0, 2.0]])
     mask = torch.tensor([[True, True], [True, True], [False, True]])
@@ -90,7 +102,7 @@ def _batch(seed=0):
     term[6, 1] = True
     return SequenceBatch(
         observation=torch.randn(L, N, 2, generator=g), action=action, reward=torch.randn(L, N, generator=g),
-        terminated=term, truncated=torch.zeros(L, N, dtype=torch.bool),
+        terminated=term, truncated=torch.zeros(L, N, dtype=torch.bool), failed=torch.zeros(L, N, dtype=torch.bool),
         prev_action=torch.cat([torch.zeros(1, N, dtype=torch.long), action[:-1]]),
         prev_reward=torch.randn(L, N, generator=g),
         start_state=RnnState(h=torch.randn(N, 1, H, generator=g), c=torch.randn(N, 1, H, generator=g)),

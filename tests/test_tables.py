@@ -17,7 +17,7 @@ from shared.replay.tables import (
 
 Samples = namedarraytuple(
     "Samples",
-    "observation action reward terminated truncated final_observation agent_info policy_version",
+    "observation action reward terminated truncated final_observation agent_info policy_version failed",
 )
 Obs = namedarraytuple("Obs", ["vec", "img"])
 AgentInfo = namedarraytuple("AgentInfo", ["value"])
@@ -41,6 +41,7 @@ def _segment(w, steps, width, rng, p_term=0.08, p_trunc=0.05):
         final_observation=Obs(final_vec, 255 - img),
         agent_info=AgentInfo(rng.normal(size=(T, width)).astype(np.float32)),
         policy_version=(step // 7).astype(np.int64),
+        failed=np.zeros((T, width), bool),
     )
 
 

@@ -120,8 +120,6 @@ class Learner:
         if self.t_first_batch is None:
             self.t_first_batch = time.monotonic()
         self.progress.record_batch(meta)
-        if meta.get("obs_count") and self.agent.obs_norm is not None:
-            self.agent.obs_norm.update(meta["obs_count"], meta["obs_sum"], meta["obs_sumsq"])
         batch = torchify(slot, self.device)
         versions = slot.samples.policy_version if "samples" in slot else slot.policy_version
         lag = float(self.version - versions.mean())
@@ -131,6 +129,10 @@ class Learner:
         skipped = optim.skipped_steps() - skipped
         if skipped:
             self._count_skipped(skipped)
+        # The observations the batch's statistics came from were acted on with the normaliser as
+        # it was: the update sees them so too, and the next version carries both.
+        if meta.get("obs_count") and self.agent.obs_norm is not None:
+            self.agent.obs_norm.update(meta["obs_count"], meta["obs_sum"], meta["obs_sumsq"])
         if self._tensors is None:  # updated in place ever after (optimizers, load_state_dict)
             self._tensors = [t for t in itertools.chain(self.agent.parameters(), self.agent.buffers())
                              if t.is_floating_point()]

@@ -170,11 +170,14 @@ class Sampler:
                           "version_min": int(vmin), "version_max": int(vmax)})
 
     def _step_envs(self, g: int, env: AnyEnvGroup, slot, step) -> None:
+        step.failed[:] = False
         try:
             ended = env.step(slot.action, slot.observation, step.reward, step.terminated, step.truncated,
                              step.final_observation)
         except EnvError as e:
-            # The group marked the failed envs' transitions as truncations, so no return crosses them.
+            # The group marked the failed envs' transitions as truncations, so no return crosses them;
+            # ``failed`` keeps them out of every loss (their outputs are no transition).
+            step.failed[list(e.failed_steps)] = True
             log.error("sampler %d: %s; recreating %d environment(s)", self.instance, e, len(e.env_indices))
             for i in e.env_indices:
                 if self.metrics is not None:

@@ -54,6 +54,10 @@ class ModelConfig:
     | minatar_cnn (the MinAtar paper's 16-filter 3x3 conv on [H, W, C] maps; with hidden_sizes = [128]
     and activation = "relu" it is Young & Tian's network), or ``"module:attribute"`` naming your own
     encoder (``shared.agents.models.CustomEncoder``)."""
+    layer_norm: bool = False
+    """A LayerNorm after each linear layer of the MLP trunk, before its activation (PQN's
+    Q-network, Gallici et al. 2024). Q and policy-gradient agents; the Q-policy-gradient
+    critics have batch renormalization instead (CrossQ). Such agents act in torch."""
     uint8_scale: float = 1.0 / 255.0
     """Factor for uint8 observation leaves: 1/255 for pixels, 1.0 for 0/1 maps (MinAtar)."""
     normalize_observations: bool = False

@@ -95,7 +95,8 @@ class CosineEmbedding(nn.Module):
 
 
 class MLP(nn.Module):
-    """Fully connected layers ``in_dim -> hidden_sizes...``, each followed by the activation.
+    """Fully connected layers ``in_dim -> hidden_sizes...``, each followed by the activation
+    (with ``layer_norm``, by a LayerNorm and then the activation, as PQN's Q-network).
 
     ``output_size`` adds a final linear layer (no activation) initialised with
     ``output_gain``. Input [N, in_dim] -> output [N, out_dim].
@@ -108,21 +109,29 @@ class MLP(nn.Module):
         activation: str = "tanh",
         output_size: int | None = None,
         output_gain: float = 1.0,
+        layer_norm: bool = False,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         module, fn = _ACTIVATIONS[activation]
         # plan: (linear, activation or None) in order; forward calls them directly, since the
         # module-call machinery costs more than a small layer's matmul (the sampler's hot path).
+        # norms: the LayerNorm after each plan entry's linear layer, or None.
         self.plan: list[tuple[nn.Linear, object]] = []
+        self.norms: list[nn.LayerNorm | None] = []
         last = in_dim
         for width in hidden_sizes:
-            layers += [init_layer(nn.Linear(last, width)), module()]
-            self.plan.append((layers[-2], fn))
+            layers.append(init_layer(nn.Linear(last, width)))
+            self.plan.append((layers[-1], fn))
+            if layer_norm:
+                layers.append(nn.LayerNorm(width))
+            self.norms.append(layers[-1] if layer_norm else None)
+            layers.append(module())
             last = width
         if output_size is not None:
             layers.append(init_layer(nn.Linear(last, output_size), output_gain))
             self.plan.append((layers[-1], None))
+            self.norms.append(None)
             last = output_size
         self.net = nn.Sequential(*layers)  # owns the parameters (state_dict keys net.<i>.weight)
         self.out_dim = last
@@ -135,8 +144,10 @@ class MLP(nn.Module):
         return self.net[0].weight.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for linear, fn in self.plan:
+        for (linear, fn), norm in zip(self.plan, self.norms):
             x = F.linear(x, linear.weight, linear.bias)
+            if norm is not None:
+                x = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
             if fn is not None:
                 x = fn(x)
         return x
@@ -441,7 +452,7 @@ class CustomEncoder(nn.Module):
         if not isinstance(self.body, nn.Module) or not isinstance(width, int) or width < 1:
             raise ValueError(f"model.encoder = {cfg.encoder!r}: must build a torch.nn.Module with an int out_dim >= 1 "
                              f"(got {type(self.body).__name__}, out_dim = {width!r})")
-        self.trunk = MLP(width, tuple(cfg.hidden_sizes), cfg.activation)
+        self.trunk = MLP(width, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm)
         self.out_dim = self.trunk.out_dim
         self.vector_only = False
 
@@ -490,6 +501,6 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
     if cfg.encoder in ("nature_cnn", "minatar_cnn") and not any(isinstance(p, (NatureCNN, MinAtarCNN)) for p in parts):
         raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
-    trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation)
+    trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm)
     encoder = Encoder(shapes, parts, trunk)
     return encoder, encoder.out_dim

@@ -77,7 +77,7 @@ class PgAgent(nn.Module):
 
         self.obs_norm = make_obs_norm(obs_example, cfg)
         self.twin = None
-        if not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg):
+        if not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and not cfg.layer_norm:
             # Two MLPs on the flattened observation, policy and value, run as one EnsembleMLP:
             # half the kernel launches of a gradient step, which is what small networks on a
             # CPU pay for. The value member's output layer is as wide as the policy's (one

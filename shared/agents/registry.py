@@ -83,7 +83,7 @@ def _sac(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=No
 PG = AgentSpec("pg", PgAgentConfig, "pg", _pg)
 """Actor-critic (``PgAgent``): A2C, PPO."""
 Q = AgentSpec("q", QAgentConfig, "q", _q)
-"""Q-network (``QAgent``, C51 and dueling as options): the DQN family, R2D1."""
+"""Q-network (``QAgent``, C51 and dueling as options): the DQN family, R2D1, PQN."""
 QUANTILE = AgentSpec("quantile", QAgentConfig, "q", _quantile)
 """Q-network with ``algo.n_quantiles`` quantiles per action at fixed fractions: QR-DQN."""
 IMPLICIT_QUANTILE = AgentSpec("implicit_quantile", QAgentConfig, "q", _implicit_quantile)

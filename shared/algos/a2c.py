@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from shared.data.batches import OnPolicyBatch
-from shared.algos.gae import explained_variance, pg_targets
+from shared.algos.gae import explained_variance, pg_targets, real_steps
 from shared.algos.hparams import A2CConfig
 from shared.algos.optim import adam, gradient_step, rmsprop, set_lr
 from shared.algos.update import Update
@@ -40,6 +40,7 @@ class A2C:
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
         data = pg_targets(self.agent, batch, cfg)
         log_prob, entropy, value = self.agent.evaluate(data.observation, data.action, data.memory, data.reset)
+        data, log_prob, entropy, value = real_steps(data, log_prob, entropy, value)  # no failed env step
         advantage = data.advantage
         if cfg.normalize_advantage and advantage.numel() > 1:
             advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)

@@ -12,11 +12,14 @@ from shared.data.batches import OnPolicyBatch
 from shared.data.namedarraytuple import map_leaves, namedarraytuple
 
 PgTargets = namedarraytuple(
-    "PgTargets", ["observation", "action", "old_log_prob", "old_value", "advantage", "returns", "memory", "reset"]
+    "PgTargets",
+    ["observation", "action", "old_log_prob", "old_value", "advantage", "returns", "memory", "reset", "valid"],
 )
 """One on-policy batch with its targets (what A2C/PPO train on): flattened to [T*B] for a
-feed-forward agent (memory and reset None); kept as sequences [T, B] for a recurrent one,
-with the stored ``Memory`` and the ``reset`` flags [T, B] its ``evaluate`` replays."""
+feed-forward agent, without the rows of failed env steps (``Samples.failed``; memory, reset
+and valid None); kept as sequences [T, B] for a recurrent one, with the stored ``Memory``, the
+``reset`` flags [T, B] its ``evaluate`` replays and ``valid`` [T, B] (False at failed steps:
+the losses drop those steps' outputs, ``real_steps``)."""
 
 
 def gae(
@@ -62,6 +65,16 @@ def gae(
     return advantage, advantage + value
 
 
+def recursion_ends(samples) -> torch.Tensor:
+    """Where the backward recursions over a segment [T, B] (GAE, V-trace, Q(lambda)) stop: a done
+    step, and the step before a failed one (``Samples.failed``), whose target bootstraps from
+    V(s_{t+1}) instead, s_{t+1} being the observation the failed step was taken in; so nothing
+    of a failed step's made-up outcome reaches a real step's target."""
+    ends = samples.terminated | samples.truncated
+    ends[:-1] |= samples.failed[1:]
+    return ends
+
+
 @torch.no_grad()
 def batch_advantages(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,7 +103,7 @@ def batch_advantages(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig
     value = value.float()
     next_value = torch.cat([value[1:], bootstrap[None].float()], dim=0)
     next_value[cut] = final.float()
-    done = s.terminated | s.truncated
+    done = recursion_ends(s)
     reward = s.reward.float() * cfg.reward_scale
     if cfg.advantages == "vtrace":
         log_rho = current_log_prob(agent, s) - s.agent_info.log_prob.float()
@@ -134,8 +147,21 @@ def pg_targets(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig) -> PgTargets:
         returns=returns,
         memory=s.agent_info.memory if recurrent else None,
         reset=sequence_reset(s.terminated, s.truncated) if recurrent else None,
+        valid=~s.failed if recurrent else None,
     )
-    return targets if recurrent else map_leaves(lambda x: x.reshape(T * B, *x.shape[2:]), targets)
+    if recurrent:
+        return targets
+    flat = map_leaves(lambda x: x.reshape(T * B, *x.shape[2:]), targets)
+    return flat[~s.failed.reshape(-1)] if bool(s.failed.any()) else flat
+
+
+def real_steps(data: PgTargets, *outputs: torch.Tensor):
+    """A recurrent batch's targets and the agent's outputs [T, B] on it, as rows [k] of the steps
+    that were real transitions (``PgTargets.valid``); a feed-forward batch's (rows already) as they are."""
+    if data.valid is None:
+        return (data, *outputs)
+    keep = data.valid
+    return (data[keep], *(x[keep] for x in outputs))
 
 
 def explained_variance(prediction: torch.Tensor, target: torch.Tensor) -> float:

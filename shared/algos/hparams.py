@@ -220,6 +220,42 @@ class IQNConfig(DQNConfig):
 
 
 @dataclass(frozen=True)
+class PQNConfig:
+    """PQN (Gallici et al. 2024): Q-learning on the on-policy queue's segments, no replay buffer
+    and no target network; Q(lambda) targets, several epochs of minibatches a batch. The
+    Q-network is the agent's (``model.layer_norm = true`` gives the paper's LayerNorm), its
+    epsilon-greedy schedule ``[agent]``'s eps_* fields (defaults: CleanRL's pqn.py on CartPole)."""
+
+    lr: float = 2.5e-4
+    """Adam learning rate at the start of the run."""
+    anneal_lr: bool = True
+    """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    gamma: float = 0.99
+    """Discount factor."""
+    q_lambda: float = 0.65
+    """lambda of the Q(lambda) targets: 0 = one-step targets r + gamma max_a Q(s', a), 1 = the
+    discounted return of the segment, bootstrapped where it is cut (``shared/algos/pqn.py``)."""
+    recompute_values: bool = True
+    """Targets from the current network's max_a Q at the start of the update instead of the
+    behaviour values stored at sampling time (stale by the policy lag)."""
+    epochs: int = 4
+    """Passes over each batch."""
+    minibatches: int = 4
+    """Minibatches per pass (the batch of T*B samples is split in this many)."""
+    max_grad_norm: float = 10.0
+    """Clip the global gradient norm to this; 0 = no clipping."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.q_lambda <= 1.0 or not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"PQNConfig: need 0 <= gamma <= 1 and 0 <= q_lambda <= 1, got {self.gamma} and "
+                             f"{self.q_lambda}")
+        if self.epochs < 1 or self.minibatches < 1:
+            raise ValueError(f"PQNConfig: epochs and minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
+
+
+@dataclass(frozen=True)
 class QpgConfig:
     """What DDPG, TD3, SAC, TQC and CrossQ share: critics regressed on n-step TD targets from
     target networks that trail by Polyak averaging, an actor that climbs the critics."""

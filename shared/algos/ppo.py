@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shared.data.batches import OnPolicyBatch
-from shared.algos.gae import explained_variance, pg_targets
+from shared.algos.gae import explained_variance, pg_targets, real_steps
 from shared.algos.hparams import PPOConfig
 from shared.algos.optim import adam, average_over_ranks, gradient_step, set_lr
 from shared.algos.update import Update
@@ -45,7 +45,7 @@ class PPO:
         n = data.advantage.shape[1 if recurrent else 0]
         # One minibatch is the whole batch: the mean loss does not depend on the order, and its
         # normalised advantages are the same in every epoch.
-        whole = -self._normalized(data.advantage) if cfg.minibatches == 1 else None
+        whole = -self._normalized(real_steps(data)[0].advantage) if cfg.minibatches == 1 else None
         # Diagnostics are kept as the steps made them and reduced at the end, without grad:
         # no ops a step for them, one host sync per update.
         per_step, log_ratios = [], []
@@ -55,6 +55,7 @@ class PPO:
             for idx in parts:
                 mb = data if idx is None else (data[:, idx] if recurrent else data[idx])
                 log_prob, entropy, value = self.agent.evaluate(mb.observation, mb.action, mb.memory, mb.reset)
+                mb, log_prob, entropy, value = real_steps(mb, log_prob, entropy, value)  # no failed env step
                 log_ratio = log_prob - mb.old_log_prob
                 ratio = log_ratio.exp()
                 neg_advantage = whole if whole is not None else -self._normalized(mb.advantage)
@@ -88,7 +89,8 @@ class PPO:
         stats = dict(zip(("policy_loss", "value_loss", "entropy", "grad_norm", "approx_kl", "clip_fraction"),
                          means.tolist()))
         stats["lr"] = lr
-        stats["explained_variance"] = explained_variance(data.old_value, data.returns)
+        real = real_steps(data)[0]
+        stats["explained_variance"] = explained_variance(real.old_value, real.returns)
         return Update(stats)
 
     def _normalized(self, advantage: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,8 @@ bootstrap observation s_{t+m} is still in the sequence (Acme's R2D2 shortens the
 windows the same way). A window closed by a termination has discount 0; one closed by a
 truncation would bootstrap from the episode's final observation, which the sequence does
 not carry, so that step is masked out of the loss (at most n steps per truncated episode).
+A failed env step (``SequenceBatch.failed``) is no transition: it never trains, and a window
+that reaches it ends before it, bootstrapping from the observation it was taken in.
 Step L-1 trains only if it terminates. Steps before B never train.
 
 Like dqn.py, ``update`` returns the priorities and never writes to replay.
@@ -73,11 +75,13 @@ class SequenceTargets(NamedTuple):
 
 
 def sequence_targets(reward: torch.Tensor, terminated: torch.Tensor, truncated: torch.Tensor, n_step: int,
-                     gamma: float) -> SequenceTargets:
+                     gamma: float, failed: torch.Tensor | None = None) -> SequenceTargets:
     """n-step targets of every step of sequences [L, n] (module doc: windows end at the first
-    done or the sequence's last step; truncation-closed windows are invalid)."""
+    done or the sequence's last step; truncation-closed windows are invalid; ``failed`` steps
+    have none, and windows that reach one end before it)."""
     L = reward.shape[0]
-    done = terminated | truncated
+    fail = torch.zeros_like(terminated) if failed is None else failed
+    done = terminated | truncated | fail
     t = torch.arange(L, device=reward.device)[:, None]
     ret = torch.zeros_like(reward, dtype=torch.float32)
     m = torch.zeros_like(reward, dtype=torch.int64)
@@ -88,8 +92,9 @@ def sequence_targets(reward: torch.Tensor, terminated: torch.Tensor, truncated: 
         idx = (t + k).clamp(max=L - 1).expand_as(done)
         inside = (t + k <= L - 1)
         d_k = done.gather(0, idx)
-        # reward t+k counts if its step is in the sequence and either ends the episode or has a successor in it.
-        take = alive & inside & (d_k | (t + k + 1 <= L - 1))
+        # reward t+k counts if its step is in the sequence, is a transition (not failed) and either
+        # ends the episode or has a successor in it.
+        take = alive & inside & ~fail.gather(0, idx) & (d_k | (t + k + 1 <= L - 1))
         ret = ret + torch.where(take, gamma**k * reward.gather(0, idx).float(), torch.zeros_like(ret))
         m = m + take.long()
         closed_term |= take & terminated.gather(0, idx)
@@ -157,7 +162,7 @@ class R2D1(TargetNetworkAlgo):
         B, eps = cfg.burn_in, cfg.value_rescale_eps
         reset = sequence_reset(batch.terminated, batch.truncated)
         action = batch.action.long()
-        tg = sequence_targets(batch.reward, batch.terminated, batch.truncated, cfg.n_step, cfg.gamma)
+        tg = sequence_targets(batch.reward, batch.terminated, batch.truncated, cfg.n_step, cfg.gamma, batch.failed)
         mask = tg.valid.clone()
         mask[:B] = False
 

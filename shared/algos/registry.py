@@ -21,7 +21,7 @@ from typing import Any, Callable
 from shared.agents import registry as agents
 from shared.agents.registry import AgentSpec
 from shared.algos.hparams import (A2CConfig, CrossQConfig, DDPGConfig, DQNConfig, ImpalaConfig, IQNConfig, PPOConfig,
-                                  QRDQNConfig, R2D1Config, SACConfig, TD3Config, TQCConfig)
+                                  PQNConfig, QRDQNConfig, R2D1Config, SACConfig, TD3Config, TQCConfig)
 from shared.runtime.plugins import is_reference, load_attribute
 
 BATCHES = {"segments": ("queue",), "transitions": ("uniform", "prioritized"), "sequences": ("sequence",)}
@@ -80,6 +80,12 @@ def _dqn(agent, cfg):  # QR-DQN and IQN too: the agent's head picks the loss (sh
     return DQN(agent, cfg)
 
 
+def _pqn(agent, cfg):
+    from shared.algos.pqn import PQN
+
+    return PQN(agent, cfg)
+
+
 def _r2d1(agent, cfg):
     from shared.algos.r2d1 import R2D1
 
@@ -111,6 +117,7 @@ ALGOS: dict[str, AlgoSpec] = {spec.name: spec for spec in (
     AlgoSpec("dqn", DQNConfig, agents.Q, "transitions", _dqn),
     AlgoSpec("qr_dqn", QRDQNConfig, agents.QUANTILE, "transitions", _dqn),
     AlgoSpec("iqn", IQNConfig, agents.IMPLICIT_QUANTILE, "transitions", _dqn),
+    AlgoSpec("pqn", PQNConfig, agents.Q, "segments", _pqn),
     AlgoSpec("r2d1", R2D1Config, agents.Q, "sequences", _r2d1, recurrent=True),
     AlgoSpec("ddpg", DDPGConfig, agents.DETERMINISTIC, "transitions", _ddpg),
     AlgoSpec("td3", TD3Config, agents.DETERMINISTIC, "transitions", _ddpg),

@@ -76,6 +76,9 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if exp.model.lstm_size and not spec.recurrent:
         raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: {spec.name} has no recurrent agent; "
                           f"recurrent algorithms: {', '.join(registry.recurrent_names())}")
+    if exp.model.layer_norm and spec.agent.family == "qpg":
+        raise ConfigError(f"model.layer_norm = true: {spec.name}'s critics have no MLP trunk to normalise; it is for "
+                          "Q and policy-gradient agents (pqn)")
     if spec.batch == "sequences" and not exp.model.lstm_size:
         raise ConfigError(f"model.lstm_size = 0: {spec.name} trains a recurrent agent on sequences; set model.lstm_size "
                           "> 0 (e.g. 64)")

@@ -13,6 +13,11 @@ Every leaf of ``Samples`` carries leading dims [T, B] (B = all env columns) in a
   garbage elsewhere. After a done step, ``observation[t + 1]`` starts the next episode.
 - ``agent_info``: ``shared.agents.config.AgentInfo`` of the behaviour policy at sampling time.
 - ``policy_version`` (int64): the parameter version that chose the action.
+- ``failed`` (bool): the env failed at this step (raised, or returned a bad value:
+  ``shared.envs.group.EnvError.failed_steps``), so the step is no real transition: no loss
+  trains on it and no n-step target crosses it. It is also marked truncated (reward 0,
+  final_observation = observation), so no return crosses it either; observation[t + 1] is
+  the recreated env's first.
 
 ``OnPolicyBatch.bootstrap_observation`` ([B, ...]) is the observation that follows step
 T-1 and ``bootstrap_value`` (float32 [B]) its behaviour value; with recomputed values the
@@ -32,6 +37,7 @@ Samples = namedarraytuple(
         "final_observation",
         "agent_info",
         "policy_version",
+        "failed",
     ],
 )
 
@@ -71,6 +77,7 @@ SequenceBatch = namedarraytuple(
         "reward",  # [L, n] f32
         "terminated",  # [L, n] bool
         "truncated",  # [L, n] bool
+        "failed",  # [L, n] bool: a failed env step (Samples.failed), no transition
         "prev_action",  # [L, n, ...] the recurrent agent's previous-action input (Memory.prev_action)
         "prev_reward",  # [L, n] f32 its previous-reward input (Memory.prev_reward)
         "start_state",  # RnnState [n, H]: the LSTM state the actor started step 0 from

@@ -29,6 +29,7 @@ def step_example(obs_example, action_example, agent_info_example) -> Samples:
         final_observation=obs_example,
         agent_info=agent_info_example,
         policy_version=np.int64(0),
+        failed=np.bool_(False),
     )
 
 

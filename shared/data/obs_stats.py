@@ -4,8 +4,11 @@ Replay (and serial mode's sink) adds every inserted segment's observations to a
 ``Moments`` accumulator: each env step the samplers produced counts once, whatever the
 replay ratio. The sums travel to the learner with the next batch (``sampled``: obs_count,
 obs_sum, obs_sumsq), which merges them into the agent's ``ObsNorm`` buffers
-(``shared.agents.models``); those are part of the agent's state, so the action-servers, local
-samplers, checkpoints and ``rlpipe evaluate`` normalise with the learner's statistics.
+(``shared.agents.models``) after that batch's update: the update normalises the batch's
+observations as the behaviour policy did, and the next version carries the new statistics
+with the parameters trained under the old ones. Those buffers are part of the agent's state,
+so the action-servers, local samplers, checkpoints and ``rlpipe evaluate`` normalise with the
+learner's statistics.
 """
 
 from __future__ import annotations

@@ -359,6 +359,7 @@ class EnvPoolGroup:
             obs_dst[:] = obs
             done = terminated | truncated
         finished: list[tuple[int, float, int]] = []
+        failed_steps = tuple(sorted(failures))  # before the resets add theirs
         if done.any():
             ended = np.flatnonzero(done)
             final_dst[ended] = obs[ended]
@@ -370,7 +371,7 @@ class EnvPoolGroup:
             self._autoreset(ended.astype(np.int32), obs_dst, failures)
         if failures:
             message = "; ".join(self._describe(i, problem) for i, problem in sorted(failures.items()))
-            raise EnvError(message, tuple(sorted(failures)), finished)
+            raise EnvError(message, tuple(sorted(failures)), finished, failed_steps)
         return finished
 
     def _autoreset(self, ended: np.ndarray, obs_dst: np.ndarray, failures: dict[int, str]) -> None:

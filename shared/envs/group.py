@@ -76,13 +76,18 @@ class EnvError(RuntimeError):
     a NaN or an infinity, or a wrongly shaped/typed observation).
 
     ``env_indices``: the failed envs (call ``EnvGroup.recreate(i, obs_out)`` for each);
-    ``finished``: the episodes that ended this step in the other envs, as ``step`` returns.
+    ``finished``: the episodes that ended this step in the other envs, as ``step`` returns;
+    ``failed_steps``: those of ``env_indices`` whose step itself failed, so that its outputs
+    are no real transition (the others' step was real and only their reset failed); all of
+    ``env_indices`` unless given.
     """
 
-    def __init__(self, message: str, env_indices: tuple[int, ...], finished: list[tuple[int, float, int]]):
+    def __init__(self, message: str, env_indices: tuple[int, ...], finished: list[tuple[int, float, int]],
+                 failed_steps: tuple[int, ...] | None = None):
         super().__init__(message)
         self.env_indices = env_indices
         self.finished = finished
+        self.failed_steps = env_indices if failed_steps is None else failed_steps
 
 
 # ---------------------------------------------------------------- config
@@ -471,10 +476,11 @@ class EnvGroup:
     def _describe(self, i: int, problem: str) -> str:
         return f"env {self.cfg.id!r} #{i}: {problem}"
 
-    def _raise_failures(self, failures: list[tuple[int, str]], finished: list[tuple[int, float, int]]) -> None:
+    def _raise_failures(self, failures: list[tuple[int, str]], finished: list[tuple[int, float, int]],
+                        failed_steps: tuple[int, ...] | None = None) -> None:
         if failures:
             message = "; ".join(self._describe(i, problem) for i, problem in failures)
-            raise EnvError(message, tuple(i for i, _ in failures), finished)
+            raise EnvError(message, tuple(i for i, _ in failures), finished, failed_steps)
 
     def _check_obs(self, obs) -> list[np.ndarray] | str:
         """The leaves of one env observation as arrays, or what is wrong with it."""
@@ -542,7 +548,8 @@ class EnvGroup:
         the true score (before reward clipping) and length in agent steps of the whole game
         (all lives under episodic life, where a life lost ends the training episode only).
 
-        Raises EnvError after stepping all envs if some failed. For a failed env i:
+        Raises EnvError after stepping all envs if some failed. For an env i whose step failed
+        (``EnvError.failed_steps``; the sampler marks the step ``Samples.failed``):
         ``reward_out[i] = 0``, ``terminated_out[i] = False``, ``truncated_out[i] = True``,
         ``final_obs_out[i]`` = what ``obs_out[i]`` held before the step, ``obs_out[i]``
         unchanged; (if only its auto-reset failed, the step's outputs are real). Call
@@ -555,6 +562,7 @@ class EnvGroup:
         env_actions = self._to_env_actions(actions)
         finished: list[tuple[int, float, int]] = []
         failures: list[tuple[int, str]] = []
+        failed_steps: list[int] = []
         for i, env in enumerate(self._envs):
             try:
                 obs, reward, terminated, truncated, _ = env.step(env_actions[i])
@@ -566,6 +574,7 @@ class EnvGroup:
                 got = self._check_obs(obs) if -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD else reward_problem(reward)
             if isinstance(got, str):
                 failures.append((i, got))
+                failed_steps.append(i)
                 reward_out[i], terminated_out[i], truncated_out[i] = 0.0, False, True
                 for d, f in zip(obs_dst, final_dst):
                     f[i] = d[i]
@@ -585,7 +594,7 @@ class EnvGroup:
                     continue
             for d, x in zip(obs_dst, got):
                 d[i] = x
-        self._raise_failures(failures, finished)
+        self._raise_failures(failures, finished, tuple(failed_steps))
         return finished
 
     def recreate(self, i: int, obs_out) -> None:

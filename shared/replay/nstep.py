@@ -20,6 +20,8 @@ class NStepTargets(NamedTuple):
     """bool: bootstrap from final_observation (a done closed the window) rather than observation."""
     complete: np.ndarray
     """bool: everything the target needs lies inside the window."""
+    valid: np.ndarray
+    """bool: the step at j is a transition (not a failed env step, which starts no item)."""
 
 
 def nstep_targets(
@@ -28,6 +30,7 @@ def nstep_targets(
     truncated: np.ndarray,
     n_step: int,
     gamma: float,
+    failed: np.ndarray | None = None,
 ) -> NStepTargets:
     """n-step targets for the transitions starting at each of W consecutive steps.
 
@@ -47,6 +50,12 @@ def nstep_targets(
     complete[j] is True when d exists inside the window or j + n <= W - 1, i.e. when
     observation[j + n] has been seen; the last n steps of a window without a done stay
     incomplete until more steps arrive. Sums are done in float64 and stored as float32.
+
+    ``failed`` [W, B] (``Samples.failed``; such steps are truncated too): a failed step f is no
+    transition. It starts no item (valid False), and a window that reaches it ends before it,
+    as if step f - 1 had been truncated with final observation observation[f] (the observation
+    the failed step was taken in, which is real): m = f - j, bootstrap from observation[j + m],
+    discount gamma^m.
     """
     if n_step < 1:
         raise ValueError(f"n_step must be >= 1, got {n_step}")
@@ -55,27 +64,33 @@ def nstep_targets(
     r = np.pad(np.asarray(reward, dtype=np.float64), pad)
     term = np.pad(np.asarray(terminated, dtype=bool), pad)
     done = term | np.pad(np.asarray(truncated, dtype=bool), pad)
+    fail = np.zeros_like(done) if failed is None else np.pad(np.asarray(failed, dtype=bool), pad)
+    done |= fail
     in_window = np.arange(W + n_step)[:, None] < W  # [W + n, 1]
 
     ret = np.zeros((W, B), dtype=np.float64)
     m = np.zeros((W, B), dtype=np.int64)
     alive = np.ones((W, B), dtype=bool)
     closed = np.zeros((W, B), dtype=bool)
+    cut = np.zeros((W, B), dtype=bool)  # a failed step ended the window before itself
     terminal = np.zeros((W, B), dtype=bool)
     for k in range(n_step):
-        take = alive & in_window[k : k + W]
+        here = alive & in_window[k : k + W]
+        cut |= here & fail[k : k + W]
+        take = here & ~fail[k : k + W]
         ret += np.where(take, gamma**k * r[k : k + W], 0.0)
         m += take
         closed |= take & done[k : k + W]
         terminal |= take & term[k : k + W]
         alive &= ~done[k : k + W]
-    complete = closed | (np.arange(W)[:, None] + n_step <= W - 1)
+    complete = closed | cut | (np.arange(W)[:, None] + n_step <= W - 1)
     discount = np.where(terminal, 0.0, float(gamma) ** m)
-    offset = np.where(closed, m - 1, n_step)
+    offset = np.where(closed, m - 1, np.where(cut, m, n_step))
     return NStepTargets(
         return_=ret.astype(np.float32),
         discount=discount.astype(np.float32),
         bootstrap_offset=offset.astype(np.int64),
         from_final=closed,
         complete=np.broadcast_to(complete, (W, B)).copy(),
+        valid=~fail[:W],
     )

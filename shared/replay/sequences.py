@@ -66,6 +66,7 @@ def sequence_batch_spec(step_spec, length: int, n: int) -> Any:
         "reward": seq("reward"),
         "terminated": seq("terminated"),
         "truncated": seq("truncated"),
+        "failed": seq("failed"),
         "prev_action": seq("prev_action", memory),
         "prev_reward": seq("prev_reward", memory),
         "start_state": with_leading_dims(_field(memory, "state"), [n]),
@@ -174,7 +175,7 @@ class SequenceStorage:
         ring.gather_observation(steps, flat_view(dest.observation))
         memory = flat.agent_info.memory
         for name, src in (("action", flat.action), ("reward", flat.reward), ("terminated", flat.terminated),
-                          ("truncated", flat.truncated), ("prev_action", memory.prev_action),
+                          ("truncated", flat.truncated), ("failed", flat.failed), ("prev_action", memory.prev_action),
                           ("prev_reward", memory.prev_reward)):
             _take_into(flat_view(getattr(dest, name)), src, steps)
         _take_into(dest.start_state, memory.state, keys)

@@ -352,7 +352,7 @@ class TransitionStorage:
         (shared/replay/arena.py: shared memory that outlives the process, or the heap)."""
         self.T, step_spec = _segment_dims(segment_spec)
         for name in ("observation", "action", "reward", "terminated", "truncated",
-                     "final_observation", "policy_version"):
+                     "final_observation", "policy_version", "failed"):
             _field(step_spec, name)
         if config.n_step < 1 or not 0 <= config.gamma <= 1:
             raise ValueError(f"TransitionStorageConfig: need n_step >= 1 and 0 <= gamma <= 1, got {config}")
@@ -412,7 +412,7 @@ class TransitionStorage:
             raise ValueError(f"segment of writer {writer_id}: T={T} > rows - n_step = {ring.live_rows - n}")
         s0 = ring.written[writer_id]
         k_old = min(n, s0 - ring.traj_start[writer_id])  # earlier steps whose items may be pending
-        old = {f: ring.read(writer_id, f, s0 - k_old, s0) for f in ("reward", "terminated", "truncated")}
+        old = {f: ring.read(writer_id, f, s0 - k_old, s0) for f in ("reward", "terminated", "truncated", "failed")}
         overwritten, lost_final = ring.write(writer_id, samples)
         if lost_final.size:
             lost = self._bootstrapping_from_final(lost_final)
@@ -420,8 +420,9 @@ class TransitionStorage:
             overwritten = np.union1d(overwritten, lost)
 
         window = {f: np.concatenate([old[f], getattr(samples, f)]) for f in old}
-        tg = nstep_targets(window["reward"], window["terminated"], window["truncated"], n, self.config.gamma)
-        new = tg.complete.copy()
+        tg = nstep_targets(window["reward"], window["terminated"], window["truncated"], n, self.config.gamma,
+                           window["failed"])
+        new = tg.complete & tg.valid  # a failed env step is no transition: never an item
         old_done = window["terminated"][:k_old] | window["truncated"][:k_old]
         new[:k_old] &= ~np.logical_or.accumulate(old_done[::-1], axis=0)[::-1]  # live already
 
