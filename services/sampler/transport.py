@@ -19,6 +19,7 @@ from shared.runtime.metrics import bad_message_counter
 from shared.data.namedarraytuple import leaves
 from shared.transport.sockets import Endpoint
 from shared.runtime import heartbeat
+from shared.runtime.retry import Backoff, worth_logging
 
 log = logging.getLogger(__name__)
 HELLO_BACKOFF_S = 1.0
@@ -56,7 +57,7 @@ class RemoteActions:
         """Say hello until an action-server welcomes us and its end of the doorbell is open.
         A refusal is retried after ``HELLO_BACKOFF_S``, doubling up to 8 times that; after
         ``give_up_s`` without a welcome, RuntimeError (supervisord restarts the sampler)."""
-        t0, refusals = time.monotonic(), 0
+        refusals = Backoff(HELLO_BACKOFF_S, 8 * HELLO_BACKOFF_S, give_up_s=self.give_up_s)
         while True:
             heartbeat.beat()
             self.ep.send("hello_actor", self.hello)
@@ -69,15 +70,14 @@ class RemoteActions:
                     log.warning("action-server at %s welcomed us but %s", self.ep.address, e)
             elif reply is not None and reply[1].type == "error":
                 log.warning("action-server at %s refused our hello: %s", self.ep.address, reply[1].body["reason"])
-                time.sleep(HELLO_BACKOFF_S * min(2 ** refusals, 8))  # a refusal comes at once: do not spin on it
-                refusals += 1
+                time.sleep(refusals.fail())  # a refusal comes at once: do not spin on it
             else:
                 log.warning("action-server at %s did not welcome us within %d ms; retrying", self.ep.address,
                             self.timeout_ms)
-            waited = time.monotonic() - t0
-            if waited >= self.give_up_s:
-                raise RuntimeError(f"action-server at {self.ep.address} did not welcome us in {waited:.0f} s "
-                                   f"({refusals} refusal(s)); giving up (is it running? its log says why it refuses)")
+            if refusals.spent():
+                raise RuntimeError(f"action-server at {self.ep.address} did not welcome us in {refusals.elapsed_s:.0f} s "
+                                   f"({refusals.failures} refusal(s)); giving up (is it running? its log says why it "
+                                   "refuses)")
             self._reconnect()
 
     def _reconnect(self) -> None:
@@ -179,7 +179,7 @@ class RemoteSink:
         self.refused += 1
         self.metrics.refused_segments.inc()
         self.metrics.dropped_steps.inc(body["steps"])
-        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th...: a log that cannot flood
+        if worth_logging(self.refused):
             log.error("segment %d (ring slot %d, %d env steps) dropped, %d so far: %s", body["serial"], index,
                       body["steps"], self.refused, why)
 
