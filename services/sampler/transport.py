@@ -95,7 +95,10 @@ class RemoteActions:
             self._recover()
 
     def wait(self, group: int) -> int:
+        """Wait for the actions of ``group``; an action-server that welcomes our hellos but
+        answers no ring for ``give_up_s`` is a RuntimeError (as one that never welcomes)."""
         t0 = time.perf_counter()
+        silent_since = None  # monotonic time of the first ring left unanswered (not read per step: the hot path)
         while group not in self.ready:
             heartbeat.beat()
             try:
@@ -105,8 +108,15 @@ class RemoteActions:
                 self._recover()
                 continue
             if not replies:
+                now = time.monotonic()
+                silent_since = silent_since or now - self.timeout_ms / 1000.0
+                if now - silent_since >= self.give_up_s:
+                    raise RuntimeError(f"action-server at {self.ep.address} sent no actions in {now - silent_since:.0f}"
+                                       " s though it welcomed our hellos; giving up (its log says why)")
                 log.warning("no actions from %s within %d ms; saying hello again", self.ep.address, self.timeout_ms)
                 self._recover()
+            else:
+                silent_since = None
             for slot, step, version in replies:
                 if slot in self.outstanding and step == self.step[slot] % STEP_MOD:
                     self.outstanding.discard(slot)
@@ -115,7 +125,10 @@ class RemoteActions:
         return self.ready.pop(group)
 
     def _recover(self) -> None:
-        """New socket, hello, and ring again for every outstanding group (the slots still hold their observations)."""
+        """New socket, hello, and ring again for every outstanding group (the slots still hold their
+        observations). A doorbell that is gone again each time after the welcome is retried after
+        a pause that doubles, and given up on after ``give_up_s`` (RuntimeError)."""
+        tries = Backoff(HELLO_BACKOFF_S, 8 * HELLO_BACKOFF_S, give_up_s=self.give_up_s)
         while True:
             self._reconnect()
             self._hello()
@@ -124,7 +137,12 @@ class RemoteActions:
                     self.bell.ring(g, self.step[g])
                 return
             except PeerGone as e:
+                if tries.spent():
+                    raise RuntimeError(f"action-server at {self.ep.address} welcomed us {tries.failures + 1} times in "
+                                       f"{tries.elapsed_s:.0f} s but its doorbell was gone each time ({e}); giving "
+                                       "up") from None
                 log.warning("action-server gone again (%s)", e)
+                time.sleep(tries.fail())
 
     def close(self) -> None:
         self.ep.close()
