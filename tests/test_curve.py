@@ -210,3 +210,14 @@ def test_a_tcp_run_learns_over_curve_and_a_keyless_client_gets_nothing(runs, ctx
                *(run.dir / "metrics").iterdir()]
     for path in [p for p in [run.dir, *run.dir.rglob("*")] if p.is_dir()] + written:
         assert stat.S_IMODE(os.lstat(path).st_mode) & 0o077 == 0, f"{path} is readable by other users"
+
+
+def test_a_process_without_the_server_key_binds_no_tcp_socket(ctx, tmp_path):
+    auth.write_curve_keys(tmp_path)
+    sockets.use_curve(auth.read_curve_keys(tmp_path, server=False))
+    try:
+        with pytest.raises(RuntimeError, match="holds no CURVE server key"):
+            Endpoint(ctx, zmq.ROUTER, f"tcp://127.0.0.1:{free_port()}", bind=True, name="sampler0")
+    finally:
+        sockets.use_curve(None)
+    assert not sockets._zap

@@ -86,9 +86,6 @@ def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     if _curve is not None and endpoint.startswith("tcp://"):
         if bind:
-            if _curve.server_secret is None:
-                sock.close(linger=0)
-                raise RuntimeError(f"{endpoint}: this process holds no CURVE server key (shared.transport.auth.CURVE_SERVERS)")
             if id(ctx) not in _zap:
                 sock.close(linger=0)
                 raise RuntimeError(f"{endpoint}: a CURVE server socket needs its context's ZAP handler (Endpoint starts it)")
@@ -114,6 +111,9 @@ def _zap_acquire(ctx: zmq.Context) -> None:
 
     It must answer before the first server socket binds: with no handler bound, libzmq lets
     every CURVE client that knows the server's public key in."""
+    if _curve.clients_dir is None:
+        raise RuntimeError("this process holds no CURVE server key, so binds no TCP socket "
+                           "(shared.transport.auth.CURVE_SERVERS)")
     with _zap_lock:
         entry = _zap.get(id(ctx))
         if entry is None:
