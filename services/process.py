@@ -15,7 +15,8 @@ from shared.config import loading, schema
 from shared.config.endpoints import socket_dir
 from shared.runtime import heartbeat
 from shared.transport import shm
-from shared.runtime.process import CONFIG_ERROR, RUN_CONFIG, install_signal_handlers, setup_logging
+from shared.runtime.process import (CONFIG_ERROR, PRIVATE_UMASK, RUN_CONFIG, check_own_dir, install_signal_handlers,
+                                    raise_open_files_limit, setup_logging)
 
 
 def service_args(service: str, argv=None) -> argparse.Namespace:
@@ -26,9 +27,10 @@ def service_args(service: str, argv=None) -> argparse.Namespace:
 
 
 def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int]:
-    """Parse args, set up logging and signals, one BLAS thread (``torch_device``), publish the
-    process's heartbeat (``shared.runtime.heartbeat``: its loops beat it), read the run's
-    resolved config."""
+    """Parse args, set up logging and signals, one BLAS thread (``torch_device``), private files
+    (umask 077), the open-files limit raised to its hard limit, publish the process's heartbeat
+    (``shared.runtime.heartbeat``: its loops beat it), check that the run directory is ours
+    (services import from it), read the run's resolved config."""
     from threadpoolctl import threadpool_limits
 
     args = service_args(service, argv)
@@ -38,7 +40,10 @@ def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int
     setup_logging(f"{service}{args.instance}")
     install_signal_handlers()
     threadpool_limits(1, user_api="blas")  # torch-free services too: a numpy acting step is numpy's BLAS
+    os.umask(PRIVATE_UMASK)  # checkpoints, snapshots, CSV rows, metrics files: the run's user's only
+    raise_open_files_limit()
     run_dir = Path(args.run_dir)
+    check_own_dir(run_dir, "not this user's run directory (swapped?); start runs with `rlpipe launch`")
     if socket_dir(run_dir).is_dir():  # made by the launch on this host (a Ray node may have none: no watchdog there)
         heartbeat.start(socket_dir(run_dir) / heartbeat.DIR / f"{service}{args.instance}")  # no beat yet: start-up grace
     exp = loading.load(run_dir / RUN_CONFIG)
@@ -46,7 +51,8 @@ def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int
         from shared.transport import auth
         from shared.transport import sockets
 
-        sockets.use_curve(auth.read_curve_keys(run_dir))  # every tcp socket of this process speaks CURVE
+        # Every tcp socket of this process speaks CURVE; only services that bind hold the server's secret key.
+        sockets.use_curve(auth.read_curve_keys(run_dir, server=service in auth.CURVE_SERVERS))
     return exp, run_dir, args.instance
 
 

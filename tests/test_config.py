@@ -90,3 +90,15 @@ def test_overrides_and_resolved_config_round_trip():
 def test_tcp_endpoints_bind_loopback_by_default(tmp_path):
     exp = loading.load(DEFAULT, ["network.transport=\"tcp\""])
     assert endpoints.endpoint(exp, tmp_path, "replay").startswith("tcp://127.0.0.1:")
+
+
+@pytest.mark.parametrize("host, ok", [("127.0.0.1", True), ("127.3.4.5", True), ("::1", True), ("localhost", True),
+                                      ("127.evil.example", False), ("0.0.0.0", False), ("10.0.0.1", False),
+                                      ("127.0.0.1.nip.io", False)])
+def test_only_a_parsed_loopback_address_binds_without_bind_any(host, ok):
+    overrides = [f"network.metrics_host='{host}'"]
+    if ok:
+        assert loading.load(DEFAULT, overrides).network.metrics_host == host
+    else:
+        with pytest.raises(schema.ConfigError, match="network.metrics_host"):
+            loading.load(DEFAULT, overrides)

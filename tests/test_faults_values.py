@@ -235,6 +235,47 @@ def test_an_action_server_that_never_welcomes_is_given_up_on_with_a_clear_error(
         ctx.destroy(linger=0)
 
 
+def test_an_action_server_that_welcomes_but_never_acts_is_given_up_on_with_a_clear_error(tmp_path):
+    """Each hello is welcomed, no ring is ever answered: that was a hello, ring, time-out loop
+    without an end."""
+    import threading
+
+    from services.sampler.transport import RemoteActions
+    from shared.transport.doorbell import ServerBell
+    from shared.transport.sockets import Endpoint
+
+    ctx = zmq.Context()
+    address, stop = f"ipc://{tmp_path}/mute", threading.Event()
+    router = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="action_server0")
+
+    def mute_server():
+        bells = []
+        while not stop.is_set():
+            got = router.recv(50)
+            if got is not None and got[1].type == "hello_actor":
+                bells = bells or [ServerBell(tmp_path, "sampler0")]  # its ends of the doorbell, open for good
+                router.send("welcome", {"peer": "x"}, to=got[0])
+        for bell in bells:
+            bell.close()
+
+    server = threading.Thread(target=mute_server, daemon=True)
+    server.start()
+    try:
+        actions = RemoteActions(ctx, address, "sampler0", 0, [{"name": "x"}], tmp_path, 50,
+                                metrics.for_service("sampler", 9), 1, SECRET, give_up_s=0.5)
+        t0 = time.monotonic()
+        actions.request(0)
+        with pytest.raises(RuntimeError, match="sent no actions in .* though it welcomed our hellos; giving up"):
+            actions.wait(0)
+        assert time.monotonic() - t0 < 3.0
+        actions.close()
+    finally:
+        stop.set()
+        server.join(5)
+        router.close()
+        ctx.destroy(linger=0)
+
+
 def test_a_learner_that_replay_keeps_refusing_backs_off_and_gives_up(tmp_path):
     """A replay that answers every message with an error: the learner asks again with growing
     pauses, not at once, and gives up with replay's reason after MAX_REFUSALS."""

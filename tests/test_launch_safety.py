@@ -176,3 +176,24 @@ def test_every_service_runs_one_blas_thread(tmp_path):
               "print(sorted({p['num_threads'] for p in threadpool_info() if p['user_api'] == 'blas'}))")
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["[1]"], out.stdout + out.stderr
+
+
+def test_runs_dir_must_be_ours_and_run_directories_are_private(tmp_path, private_base):
+    """Another user who can write to runs_dir could swap a run directory (whose modules the
+    services import); and nothing a run writes is readable by other users."""
+    runs = tmp_path / "runs"
+    exp = loading.load(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{runs}'", "network.transport='tcp'"])
+    run_dir = rundirs.make_run_dir(exp)
+    assert os.umask(0o022) == 0o022  # make_run_dir gave this process its umask back
+    for path in [run_dir, *run_dir.rglob("*")]:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o077 == 0, f"{path}: {oct(mode)}"
+    assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
+    os.chmod(runs, 0o777)
+    with pytest.raises(PermissionError, match="can be written by other users"):
+        rundirs.make_run_dir(exp)
+    os.chmod(runs, 0o755)
+    if os.getuid() == 0:  # only root can make a directory another user's
+        os.chown(runs, 12345, 12345)
+        with pytest.raises(PermissionError, match="owner uid 12345"):
+            rundirs.make_run_dir(exp)

@@ -299,3 +299,25 @@ def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_sk
         pub.ep.close()
         (writer if second is None else second).close()  # the name is the successor's segment by then
         ctx.destroy(linger=0)
+
+
+def test_a_follower_keeps_its_parameters_when_the_segment_is_not_its_agents_and_follows_the_right_one_later(run_id):
+    """An evaluator or local sampler did crash on it, and again after every restart."""
+    name = shm.segment_name(run_id, "learner", 0, "params")
+    wide, actor = make_net(2, hidden=16), make_net(1)
+    before = [t.clone() for t in actor.state_dict().values()]
+    wrong = params.ParamWriter(wide, name)
+    follower = params.ParamFollower(actor, name, learner_owner(run_id), recheck_s=0.0)
+    wrong.write(3)
+    assert not follower.poll() and not follower.poll() and follower.failed == 2 and follower.version == -1
+    assert all(torch.equal(a, b) for a, b in zip(before, actor.state_dict().values()))
+    wrong.close()
+    learner = make_net(0)
+    writer = params.ParamWriter(learner, name)
+    try:
+        writer.write(4)
+        assert follower.poll() and follower.version == 4
+        assert_same_state(learner, actor)
+    finally:
+        writer.close()
+        follower.close()

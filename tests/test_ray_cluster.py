@@ -132,3 +132,41 @@ def ray_driver() -> bool:
     """Whether this process is a Ray driver."""
     ray = sys.modules.get("ray")
     return ray is not None and ray.is_initialized()
+
+
+def test_an_actor_reports_its_spent_restart_cap_and_its_log_rotates(tmp_path, monkeypatch):
+    """No cluster needed: the actor class runs its service as a child in a plain process. A
+    service that fails on the actor's last allowed start says so in its log (the child's own
+    output copied before it); and the log is rotated as supervisord rotates its logs."""
+    import subprocess
+    import textwrap
+
+    from shared.launch import ray_backend
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "nosuch0.starts").write_text(str(ray_backend.MAX_RESTARTS))  # this start is the last Ray makes
+    script = textwrap.dedent(f"""
+        import time
+        from shared.launch.ray_backend import ServiceActor
+        ServiceActor("nosuch", 0, {str(tmp_path)!r}, False, {os.getcwd()!r})
+        time.sleep(30)  # the actor's watcher ends this process when its service fails
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    text = (logs / "nosuch0.log").read_text()
+    assert done.returncode == 1, done.stderr
+    assert f"restarted by Ray ({ray_backend.MAX_RESTARTS} of {ray_backend.MAX_RESTARTS})" in text
+    assert "No module named services.nosuch" in text  # the service's own output, before the cap line
+    assert text.rstrip().endswith("Ray will not start it again; the service stays down (`rlpipe status`: GONE)")
+    assert "restart cap" in done.stderr
+    assert (logs / "nosuch0.starts").read_text() == str(ray_backend.MAX_RESTARTS + 1)
+    assert oct(os.stat(logs / "nosuch0.log").st_mode & 0o777) == "0o600"
+
+    monkeypatch.setattr(ray_backend, "LOG_MAX_BYTES", 1000)
+    handler = ray_backend.rotating_log(tmp_path / "x.log")
+    for i in range(100):
+        ray_backend.write_line(handler, f"line {i:3d} " + "." * 40 + "\n")
+    handler.close()
+    assert sorted(p.name for p in tmp_path.glob("x.log*")) == ["x.log", "x.log.1"]
+    assert all(p.stat().st_size <= 1000 for p in tmp_path.glob("x.log*"))
+    assert (tmp_path / "x.log").read_text().rstrip().endswith("line  99 " + "." * 40)

@@ -4,6 +4,8 @@ Every ``eval.every_s`` seconds: take the newest parameter version from the learn
 segment (``ParamFollower``, as local-inference samplers do: no message, no checkpoint),
 and if it was not evaluated yet, play ``eval.episodes`` greedy episodes on held-out seeds
 and report them (services/evaluator/reports.py). Between evaluations the process sleeps.
+An evaluation that fails (an env that raises) is counted, logged and tried again after a
+pause that doubles; MAX_FAILURES in a row are an error that ends the process.
 """
 
 import logging
@@ -19,10 +21,27 @@ from shared.transport.params import ParamFollower
 from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
 from shared.runtime import heartbeat
+from shared.runtime.retry import Backoff
 
 log = logging.getLogger("services.evaluator")
 NICE = 10  # scheduling priority below the run's other processes (which keep the default 0)
 IDLE_S = 3600.0  # evaluation off (eval.every_s = 0, e.g. under the Procfile): wake this seldom
+FAILURE_PAUSE_S = 2.0  # after a failed evaluation, doubling up to 8 times this
+MAX_FAILURES = 5  # failed evaluations in a row before the evaluator gives up with an error
+
+
+def evaluation_failed(failures: Backoff, error: Exception, version: int, m) -> float:
+    """Count and log a failed evaluation (with its traceback the first time); the pause before
+    the next try, or RuntimeError naming the last error once ``failures`` is spent (supervisord
+    restarts the evaluator: an env that fails every time was a crash loop with no pause)."""
+    m.failures.inc()
+    pause = failures.fail()
+    if failures.spent():
+        raise RuntimeError(f"evaluation of version {version} failed {failures.failures} times in a row, last: "
+                           f"{type(error).__name__}: {error}; giving up (the env's error is above)") from error
+    log.error("evaluation of version %d failed (%d in a row): %s: %s; trying again in %.0f s", version,
+              failures.failures, type(error).__name__, error, pause, exc_info=failures.failures == 1)
+    return pause
 
 
 def run(exp, run_dir, instance: int) -> None:
@@ -44,13 +63,20 @@ def run(exp, run_dir, instance: int) -> None:
     log.info("evaluator: %d greedy episode(s) of %s in %d env(s) every %g s", cfg.episodes, exp.env.id,
              min(cfg.envs, cfg.episodes), cfg.every_s)
     evaluated = -1
+    failures = Backoff(FAILURE_PAUSE_S, 8 * FAILURE_PAUSE_S, max_failures=MAX_FAILURES)
     try:
         while True:
             t0 = time.monotonic()
             params.poll()
             if params.version > evaluated:
                 version, env_steps = params.version, params.env_steps
-                result = summary(play(exp, agent, cfg.episodes, cfg.envs), version, env_steps)
+                try:
+                    returns = play(exp, agent, cfg.episodes, cfg.envs)
+                except Exception as e:  # noqa: BLE001 - an env's error: retried after a pause, then given up on
+                    heartbeat.sleep(evaluation_failed(failures, e, version, m))
+                    continue
+                failures.reset()
+                result = summary(returns, version, env_steps)
                 reports.write(result, time.monotonic() - t0)
                 evaluated = version
                 log.info("version %d (%d env steps): return %.1f +- %.1f over %d episodes in %.2f s", version,

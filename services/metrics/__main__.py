@@ -11,10 +11,11 @@ import os
 import re
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from shared.runtime.process import pid_alive
+from services.metrics import server as http
 from services.process import serve
 from shared.runtime import heartbeat
 
@@ -36,7 +37,7 @@ def run(exp, run_dir, instance: int) -> None:
     directory = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR", run_dir / "metrics"))
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(directory))
-    server, thread = start_http_server(exp.network.metrics_port, exp.network.metrics_host, registry=registry)
+    server = http.start(exp.network.metrics_host, exp.network.metrics_port, registry)  # connections capped
     log.info("metrics on http://%s:%d/metrics", exp.network.metrics_host, exp.network.metrics_port)
     try:
         while True:

@@ -27,6 +27,7 @@ from shared.transport.wire import MAX_RETURN
 from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
 from shared.runtime import heartbeat
+from shared.runtime.retry import worth_logging
 
 from services.topology import Topology
 
@@ -194,7 +195,7 @@ class Sampler:
             if self.metrics is not None:
                 self.metrics.bad_returns.inc()
             self.bad_returns += 1
-            if self.bad_returns & (self.bad_returns - 1) == 0:  # the 1st, 2nd, 4th...: a log that cannot flood
+            if worth_logging(self.bad_returns):
                 log.error("sampler %d: env %d finished an episode with return %r (not finite or beyond %g); "
                           "not reported (%d so far)", self.instance, self.env_base + self.groups[g].start + i,
                           ret, MAX_RETURN, self.bad_returns)

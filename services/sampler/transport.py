@@ -19,6 +19,7 @@ from shared.runtime.metrics import bad_message_counter
 from shared.data.namedarraytuple import leaves
 from shared.transport.sockets import Endpoint
 from shared.runtime import heartbeat
+from shared.runtime.retry import Backoff, worth_logging
 
 log = logging.getLogger(__name__)
 HELLO_BACKOFF_S = 1.0
@@ -56,7 +57,7 @@ class RemoteActions:
         """Say hello until an action-server welcomes us and its end of the doorbell is open.
         A refusal is retried after ``HELLO_BACKOFF_S``, doubling up to 8 times that; after
         ``give_up_s`` without a welcome, RuntimeError (supervisord restarts the sampler)."""
-        t0, refusals = time.monotonic(), 0
+        refusals = Backoff(HELLO_BACKOFF_S, 8 * HELLO_BACKOFF_S, give_up_s=self.give_up_s)
         while True:
             heartbeat.beat()
             self.ep.send("hello_actor", self.hello)
@@ -69,15 +70,14 @@ class RemoteActions:
                     log.warning("action-server at %s welcomed us but %s", self.ep.address, e)
             elif reply is not None and reply[1].type == "error":
                 log.warning("action-server at %s refused our hello: %s", self.ep.address, reply[1].body["reason"])
-                time.sleep(HELLO_BACKOFF_S * min(2 ** refusals, 8))  # a refusal comes at once: do not spin on it
-                refusals += 1
+                time.sleep(refusals.fail())  # a refusal comes at once: do not spin on it
             else:
                 log.warning("action-server at %s did not welcome us within %d ms; retrying", self.ep.address,
                             self.timeout_ms)
-            waited = time.monotonic() - t0
-            if waited >= self.give_up_s:
-                raise RuntimeError(f"action-server at {self.ep.address} did not welcome us in {waited:.0f} s "
-                                   f"({refusals} refusal(s)); giving up (is it running? its log says why it refuses)")
+            if refusals.spent():
+                raise RuntimeError(f"action-server at {self.ep.address} did not welcome us in {refusals.elapsed_s:.0f} s "
+                                   f"({refusals.failures} refusal(s)); giving up (is it running? its log says why it "
+                                   "refuses)")
             self._reconnect()
 
     def _reconnect(self) -> None:
@@ -95,7 +95,10 @@ class RemoteActions:
             self._recover()
 
     def wait(self, group: int) -> int:
+        """Wait for the actions of ``group``; an action-server that welcomes our hellos but
+        answers no ring for ``give_up_s`` is a RuntimeError (as one that never welcomes)."""
         t0 = time.perf_counter()
+        silent_since = None  # monotonic time of the first ring left unanswered (not read per step: the hot path)
         while group not in self.ready:
             heartbeat.beat()
             try:
@@ -105,8 +108,15 @@ class RemoteActions:
                 self._recover()
                 continue
             if not replies:
+                now = time.monotonic()
+                silent_since = silent_since or now - self.timeout_ms / 1000.0
+                if now - silent_since >= self.give_up_s:
+                    raise RuntimeError(f"action-server at {self.ep.address} sent no actions in {now - silent_since:.0f}"
+                                       " s though it welcomed our hellos; giving up (its log says why)")
                 log.warning("no actions from %s within %d ms; saying hello again", self.ep.address, self.timeout_ms)
                 self._recover()
+            else:
+                silent_since = None
             for slot, step, version in replies:
                 if slot in self.outstanding and step == self.step[slot] % STEP_MOD:
                     self.outstanding.discard(slot)
@@ -115,7 +125,10 @@ class RemoteActions:
         return self.ready.pop(group)
 
     def _recover(self) -> None:
-        """New socket, hello, and ring again for every outstanding group (the slots still hold their observations)."""
+        """New socket, hello, and ring again for every outstanding group (the slots still hold their
+        observations). A doorbell that is gone again each time after the welcome is retried after
+        a pause that doubles, and given up on after ``give_up_s`` (RuntimeError)."""
+        tries = Backoff(HELLO_BACKOFF_S, 8 * HELLO_BACKOFF_S, give_up_s=self.give_up_s)
         while True:
             self._reconnect()
             self._hello()
@@ -124,7 +137,12 @@ class RemoteActions:
                     self.bell.ring(g, self.step[g])
                 return
             except PeerGone as e:
+                if tries.spent():
+                    raise RuntimeError(f"action-server at {self.ep.address} welcomed us {tries.failures + 1} times in "
+                                       f"{tries.elapsed_s:.0f} s but its doorbell was gone each time ({e}); giving "
+                                       "up") from None
                 log.warning("action-server gone again (%s)", e)
+                time.sleep(tries.fail())
 
     def close(self) -> None:
         self.ep.close()
@@ -179,7 +197,7 @@ class RemoteSink:
         self.refused += 1
         self.metrics.refused_segments.inc()
         self.metrics.dropped_steps.inc(body["steps"])
-        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th...: a log that cannot flood
+        if worth_logging(self.refused):
             log.error("segment %d (ring slot %d, %d env steps) dropped, %d so far: %s", body["serial"], index,
                       body["steps"], self.refused, why)
 

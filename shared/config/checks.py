@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import ipaddress
 import math
 import os
 from pathlib import Path
@@ -100,7 +101,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if net.transport not in ("ipc", "tcp"):
         raise ConfigError(f"network.transport = {net.transport!r}: allowed: ipc, tcp")
     for name, host in (("network.host", net.host), ("network.metrics_host", net.metrics_host)):
-        if not net.bind_any and not host.startswith("127.") and host not in ("localhost", "::1"):
+        if not net.bind_any and not is_loopback(host):
             raise ConfigError(f"{name} = {host!r}: not a loopback address; set network.bind_any = true to expose it")
     for name, port in (("network.base_port", net.base_port), ("network.metrics_port", net.metrics_port)):
         if not 0 <= port <= 65535 or (name == "network.base_port" and port == 0):
@@ -211,3 +212,14 @@ def resolve_max_count(exp: Experiment) -> Experiment:
         return exp
     room = min(max(HEADROOM * sampler.count, len(os.sched_getaffinity(0))), exp.eval.seed_offset // SAMPLER_SEED_STRIDE)
     return dataclasses.replace(exp, sampler=dataclasses.replace(sampler, max_count=max(room, sampler.count)))
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1) or ``localhost``, by parsing it:
+    a name such as ``127.evil.example`` is not one."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

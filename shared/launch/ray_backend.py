@@ -3,9 +3,11 @@
 Every service instance of the run is a detached Ray actor, named ``<service><i>`` in the
 run's namespace (``rlpipe-<run id>``). The actor starts the entry point supervisord would
 (``python -m services.<service> --run-dir RUN --instance I``) as its child, with the child's
-output appended to ``<run>/logs/<service><i>.log``, and it supervises the child as
-supervisord does: a child that fails (or, but for the learner, ends at all) ends the
-actor, and Ray restarts the actor (``MAX_RESTARTS``) with a new child. The child is killed
+output appended to ``<run>/logs/<service><i>.log`` (rotated as supervisord rotates it:
+``LOG_MAX_BYTES``, ``LOG_BACKUPS``), and it supervises the child as supervisord does: a child
+that fails (or, but for the learner, ends at all) ends the actor, and Ray restarts the actor
+(``MAX_RESTARTS``) with a new child. Each restart, and the failure after which Ray restarts
+it no more, is a line in that log (and in the actor's own, Ray's). The child is killed
 with its actor (SIGKILL on the parent's death), so ``ray.kill`` of an actor, or a node
 that dies, leaves no orphan; a restarted service removes what its predecessor left in
 /dev/shm, as under supervisord.
@@ -22,6 +24,13 @@ The run directory records the cluster's address and namespace (``cluster.json``)
 The run directory must be reachable at the same path from every node (one host, or a
 shared filesystem).
 
+Authentication: Ray's token authentication (Ray >= 2.52, ``RAY_AUTH_MODE=token`` on every
+node and in the launching shell, the token in ``~/.ray/auth_token`` or ``RAY_AUTH_TOKEN``)
+is what keeps other users of the network from running code on the cluster, and with it in
+the run's services; ``start`` says so in a warning line when it is off. Ray turns it on by
+itself for the local cluster (``auto``) when a token exists. The services get no token:
+they never talk to Ray (``RAY_AUTH_TOKEN`` is dropped from their environment).
+
 This module is the Ray backend (``shared.launch.backend.Backend``); live scaling is not
 one of its powers (``scale`` says so).
 """
@@ -30,6 +39,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import logging.handlers
 import os
 import shutil
 import signal
@@ -42,9 +53,15 @@ from pathlib import Path
 
 from shared.config import endpoints
 from shared.launch.supervisor import ScaleError, service_pids
+from shared.runtime.process import PRIVATE_UMASK
+
+log = logging.getLogger(__name__)
 
 CLUSTER_FILE = "cluster.json"
-MAX_RESTARTS = 20
+MAX_RESTARTS = 20  # an actor's restarts for the whole run (Ray's max_restarts), reported when spent
+LOG_MAX_BYTES = 20 * 2**20  # as supervisord's stdout_logfile_maxbytes
+LOG_BACKUPS = 1
+TOKEN_ENV = "RAY_AUTH_TOKEN"
 STOP_WAIT_S = 5.0  # as supervisord's stopwaitsecs: SIGTERM, then SIGKILL
 START_TIMEOUT_S = 60.0  # every actor placed and its service started
 CONNECT_TIMEOUT_S = 2.0  # the cluster's GCS must answer within this to count as there
@@ -80,24 +97,67 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
+def _count_start(path: Path) -> int:
+    """How many times this actor has started in the run, this start included (kept in ``path``:
+    Ray restarts an actor from scratch, and says nothing of how many restarts are left)."""
+    try:
+        starts = int(path.read_text() or 0) + 1
+    except (FileNotFoundError, ValueError):
+        starts = 1
+    path.write_text(str(starts))
+    return starts
+
+
+def rotating_log(path: Path) -> logging.Handler:
+    """A handler that appends a service's output lines to ``path`` as they come, rotated at
+    ``LOG_MAX_BYTES`` with ``LOG_BACKUPS`` old files, as supervisord does with its logs."""
+    handler = logging.handlers.RotatingFileHandler(path, maxBytes=LOG_MAX_BYTES, backupCount=LOG_BACKUPS,
+                                                   encoding="utf-8", errors="replace")
+    handler.terminator = ""  # the lines keep their own newlines
+    return handler
+
+
+def write_line(handler: logging.Handler, text: str) -> None:
+    handler.emit(logging.makeLogRecord({"msg": text}))
+
+
 class ServiceActor:
     """One service instance: its process as this actor's child (module doc)."""
 
     def __init__(self, service: str, instance: int, run_dir: str, restart_on_success: bool, pythonpath: str):
+        os.umask(PRIVATE_UMASK)  # this worker process is the actor's alone: its log files are private
         self.name, self.restart_on_success, self.stopping = f"{service}{instance}", restart_on_success, False
         logs = Path(run_dir) / "logs"
+        self.restarts = _count_start(logs / f"{self.name}.starts") - 1
+        self.log = rotating_log(logs / f"{self.name}.log")
+        if self.restarts:
+            write_line(self.log, f"rlpipe: actor {self.name} restarted by Ray ({self.restarts} of {MAX_RESTARTS})\n")
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(Path(run_dir) / "metrics"), "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": pythonpath}  # the launcher's: the config's module:attribute references import
-        with open(logs / f"{self.name}.log", "ab") as out:
-            self.child = subprocess.Popen(
-                [sys.executable, "-m", f"services.{service}", "--run-dir", run_dir, "--instance", str(instance)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=run_dir,
-                preexec_fn=_die_with_parent)
+        env.pop(TOKEN_ENV, None)  # the cluster's token: the services never talk to Ray
+        self.child = subprocess.Popen(
+            [sys.executable, "-m", f"services.{service}", "--run-dir", run_dir, "--instance", str(instance)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=run_dir,
+            preexec_fn=_die_with_parent)
+        self.copied = threading.Event()
+        threading.Thread(target=self._copy_output, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
+
+    def _copy_output(self) -> None:
+        for line in iter(self.child.stdout.readline, b""):
+            write_line(self.log, line.decode(errors="replace"))
+        self.copied.set()
 
     def _watch(self) -> None:
         code = self.child.wait()
         if not self.stopping and (code != 0 or self.restart_on_success):
+            self.copied.wait(2.0)  # the service's last lines first
+            if self.restarts >= MAX_RESTARTS:
+                text = (f"rlpipe: {self.name} failed (exit {code}) after {self.restarts} restarts: its restart cap "
+                        f"(ray_backend.MAX_RESTARTS = {MAX_RESTARTS}) is spent and Ray will not start it again; "
+                        "the service stays down (`rlpipe status`: GONE)")
+                write_line(self.log, text + "\n")
+                print(text, file=sys.stderr, flush=True)  # the actor's own log, in Ray's session logs
             os._exit(1)  # Ray restarts the actor, and with it the service
 
     def info(self) -> dict:
@@ -130,6 +190,10 @@ def start(exp, run_dir: Path, target: str = "ray") -> None:
 
     namespace = f"rlpipe-{run_dir.name}"
     _connect(parse_target(target), namespace)
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        log.warning("the Ray cluster is reached without token authentication: whoever can reach it can run code "
+                    "there, in this run's services too; start the cluster and this launch with RAY_AUTH_MODE=token "
+                    "(docs/architecture.md, \"Ray as the cluster engine\")")
     here = ray.get_runtime_context().get_node_id()
     instances = [(service, i, autorestart) for service, count, _, autorestart in programs(exp) for i in range(count)]
     # Written before any actor exists: a launch that fails half-way is cleaned up by these names.

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import stat
 from datetime import datetime
 from pathlib import Path
 from shared.config import endpoints, loading
@@ -14,7 +13,7 @@ from shared.transport.auth import write_curve_keys, write_secret
 from shared.config.schema import Experiment
 from shared.agents.acting import ACTING_FILE
 from shared.runtime.files import read_csv
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.process import PRIVATE_UMASK, RUN_CONFIG, check_own_dir
 
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -23,27 +22,41 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
     """A fresh run directory ``<runs_dir>/<name>_<stamp>_<random>`` (name: ``run.name`` unless
     given) with the run's config and secret, and its private socket directory. The random
-    suffix makes run ids unguessable and keeps two runs started in the same second apart."""
+    suffix makes run ids unguessable and keeps two runs started in the same second apart.
+    ``runs_dir`` must be ours and writable by no other user (``check_runs_dir``); the run
+    directory and what it holds are private (0700 directories, 0600 files)."""
     stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
     base = safe_name(name or exp.run.name)
     root = Path(exp.run.runs_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    while True:
-        run_dir = root / f"{base}_{stamp}_{secrets.token_hex(3)}"
-        try:
-            run_dir.mkdir()
-            break
-        except FileExistsError:
-            continue
-    for sub in ("logs", "metrics", "checkpoints"):
-        (run_dir / sub).mkdir()
-    make_private_dir(endpoints.socket_base())
-    endpoints.socket_dir(run_dir).mkdir(mode=0o700)
-    write_secret(run_dir)
-    if exp.network.transport == "tcp":
-        write_curve_keys(run_dir)
-    (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+    old_umask = os.umask(PRIVATE_UMASK)  # this process's, for the files made here (restored below)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        check_runs_dir(root)
+        while True:
+            run_dir = root / f"{base}_{stamp}_{secrets.token_hex(3)}"
+            try:
+                run_dir.mkdir(mode=0o700)
+                break
+            except FileExistsError:
+                continue
+        for sub in ("logs", "metrics", "checkpoints"):
+            (run_dir / sub).mkdir(mode=0o700)
+        make_private_dir(endpoints.socket_base())
+        endpoints.socket_dir(run_dir).mkdir(mode=0o700)
+        write_secret(run_dir)
+        if exp.network.transport == "tcp":
+            write_curve_keys(run_dir)
+        (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+    finally:
+        os.umask(old_umask)
     return run_dir.resolve()
+
+
+def check_runs_dir(root: Path) -> None:
+    """Refuse a ``run.runs_dir`` that is not our directory, or that another user can write to
+    (they could swap a run directory, whose modules the services import)."""
+    check_own_dir(root, "set run.runs_dir to a directory of your own that only you can write to "
+                  "(or `chmod go-w` it)", shared_ok=True)
 
 
 def reopen_run_dir(run_dir: Path) -> None:
@@ -66,12 +79,8 @@ def safe_name(name: str) -> str:
 def make_private_dir(path: Path) -> None:
     """Make ``path`` a directory only we can enter (0700), or refuse one another user owns."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise PermissionError(f"{path} is not a directory of uid {os.getuid()} (owner uid {st.st_uid}): another user "
-                              "could reach this run's sockets; remove it, or set XDG_RUNTIME_DIR to a private directory")
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    check_own_dir(path, "another user could reach this run's sockets; remove it, or set XDG_RUNTIME_DIR to a "
+                  "private directory")
 
 
 def programs(exp: Experiment) -> list[tuple[str, int, int, str]]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from shared.config import endpoints, loading, schema
 from shared.transport import shm
 from shared.config.schema import Experiment
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.process import PRIVATE_UMASK, RUN_CONFIG
 from shared.launch.rundirs import python_path, DEPLOY, programs
 
 
@@ -110,7 +110,9 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
 def start(exp: Experiment, run_dir: Path) -> None:
     conf = run_dir / "supervisord.conf"
     conf.write_text(supervisord_conf(exp, run_dir))
-    subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True)
+    # umask 077 from the start: supervisord opens its own log before it applies the config's umask.
+    subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True,
+                   preexec_fn=lambda: os.umask(PRIVATE_UMASK))
     deadline = time.monotonic() + 30  # supervisord daemonizes: wait until it answers
     while True:
         try:

@@ -97,6 +97,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "evaluations": ("counter", "evaluations_total", "Evaluations finished", ()),
         "eval_time": ("counter", "eval_seconds_total", "Seconds spent evaluating (the rest it sleeps)", ()),
         "write_errors": ("counter", "write_errors_total", "Evaluation results not written to eval.csv (a full disk); tried again later", ()),
+        "failures": ("counter", "failed_evaluations_total", "Evaluations that failed (an env error), retried after a pause", ()),
     },
     "watchdog": {
         "kills": ("counter", "kills_total", "Services killed for a heartbeat older than run.watchdog_s, by process", ("process",)),

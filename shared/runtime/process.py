@@ -10,7 +10,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import resource
 import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -33,6 +35,39 @@ def setup_logging(name: str) -> None:
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+PRIVATE_UMASK = 0o077  # what a run writes (run directory, logs, checkpoints, snapshots) only its user reads
+
+
+def check_own_dir(path: Path, fix: str, shared_ok: bool = False) -> None:
+    """Refuse ``path`` unless it is a directory (not a symlink) of our uid that no other user
+    can write to, and make it 0700; PermissionError naming ``fix`` otherwise. ``shared_ok``
+    (a directory of runs): others may read it, and a symlink to such a directory will do.
+
+    Anyone who can write to a directory of runs can swap a run directory, and services import
+    the config's ``module:attribute`` references from theirs: that would be code execution."""
+    st = os.stat(path) if shared_ok else os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"{path} is not a directory of uid {os.getuid()} (owner uid {st.st_uid}, "
+                              f"{stat.filemode(st.st_mode)}): {fix}")
+    if shared_ok:
+        if st.st_mode & 0o022:
+            raise PermissionError(f"{path} can be written by other users ({stat.filemode(st.st_mode)}): {fix}")
+    elif st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; the new soft limit.
+
+    Every TCP connection a bound socket accepts is a file descriptor (idle ones until the
+    handshake timeout), and the default soft limit (often 1024) is soon reached."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return hard
+    return soft
 
 
 def install_signal_handlers() -> None:

@@ -9,10 +9,15 @@ a sampler's role. Only a process that can read the run directory as the run's us
 say hello (ARCHITECTURE rule 5; docs/architecture.md, threat model).
 
 Over TCP (``network.transport = "tcp"``) every socket also speaks ZeroMQ CURVE: launch
-writes the run's server key pair into ``<run dir>/curve/`` (mode 0700); bound sockets are
-CURVE servers with its secret key, connecting ones CURVE clients of its public key with a
-fresh key pair each. A client that does not have the run's server key cannot complete the
-handshake, so it cannot send or receive anything, and nothing travels in clear text.
+writes the run's server key pair into ``<run dir>/curve/`` and its client key pair into
+``<run dir>/curve/clients/`` (directories 0700, secret keys 0600). Bound sockets are CURVE
+servers with the server's secret key, and their context's ZAP handler (pyzmq's
+``ThreadAuthenticator``, ``sockets.open_socket``) admits only the public keys in
+``curve/clients/``; connecting sockets are CURVE clients with the run's client key pair and
+the server's *public* key. Only services that bind (``CURVE_SERVERS``) load the server's
+secret key. The server's public key is not a password: a client that holds it but not the
+run's client secret key completes no handshake, so it sends and receives nothing, and
+nothing travels in clear text.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from shared.transport.sockets import CurveKeys, Rejected
 
 SECRET_FILE = "secret"
 CURVE_DIR = "curve"
+CLIENTS_DIR = "clients"  # inside CURVE_DIR: the public keys the ZAP handler admits (*.key), and the run's client pair
+CURVE_SERVERS = ("replay", "learner", "action_server")  # the services that bind a socket, so hold the server secret
 
 
 def write_secret(run_dir: Path) -> None:
@@ -62,18 +69,29 @@ def check_secret(body: dict, secret: str) -> None:
 
 
 def write_curve_keys(run_dir: Path) -> None:
-    """Create the run's CURVE server key pair in ``<run dir>/curve/`` (0700; the secret file 0600)."""
+    """Create the run's CURVE server and client key pairs in ``<run dir>/curve/`` and
+    ``curve/clients/`` (directories 0700, secret key files 0600)."""
     keys = Path(run_dir) / CURVE_DIR
     keys.mkdir(mode=0o700)
-    _, secret_file = zmq.auth.create_certificates(keys, "server")
-    os.chmod(secret_file, 0o600)
+    (keys / CLIENTS_DIR).mkdir(mode=0o700)
+    for directory, name in ((keys, "server"), (keys / CLIENTS_DIR, "client")):
+        _, secret_file = zmq.auth.create_certificates(directory, name)
+        os.chmod(secret_file, 0o600)
 
 
-def read_curve_keys(run_dir: Path) -> CurveKeys:
-    """The run's server key pair, for servers and clients alike (clients use its public key)."""
-    path = Path(run_dir) / CURVE_DIR / "server.key_secret"
+def read_curve_keys(run_dir: Path, server: bool) -> CurveKeys:
+    """The keys a process of the run holds: the server's public key and the run's client key
+    pair, and with ``server`` (a service that binds: ``CURVE_SERVERS``) the server's secret key
+    and the directory of client keys its ZAP handler admits."""
+    keys = Path(run_dir) / CURVE_DIR
+    server_public, server_secret = _load(keys / ("server.key_secret" if server else "server.key"))
+    client_public, client_secret = _load(keys / CLIENTS_DIR / "client.key_secret")
+    return CurveKeys(server_public=server_public, client_public=client_public, client_secret=client_secret,
+                     server_secret=server_secret if server else None, clients_dir=keys / CLIENTS_DIR if server else None)
+
+
+def _load(path: Path) -> tuple[bytes, bytes | None]:
     try:
-        public, secret = zmq.auth.load_certificate(path)
+        return zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"{path}: no CURVE keys for this TCP run ({e}); start runs with `rlpipe launch`") from None
-    return CurveKeys(server_public=public, server_secret=secret)

@@ -29,6 +29,7 @@ import numpy as np
 
 from shared.transport import shm
 from shared.data.namedarraytuple import leaves, namedarraytuple, spec_of, validate_spec, with_leading_dims
+from shared.runtime.retry import worth_logging
 
 log = logging.getLogger(__name__)
 ParamSlot = namedarraytuple("ParamSlot", ["stamp", "env_steps", "tensors"])
@@ -203,6 +204,7 @@ class ParamAnnouncements(_ThroughReader):
     def __init__(self, target, sub, owner: shm.Owner):
         self.reader = ParamReader(target, owner)
         self.sub = sub
+        self.failed = 0
 
     def poll(self) -> bool:
         """Load the newest version announced since the last poll; True if one was loaded."""
@@ -216,7 +218,10 @@ class ParamAnnouncements(_ThroughReader):
         try:
             return self.reader.read(latest.body["version"], latest.body["segment"])
         except (ValueError, FileNotFoundError) as e:
-            log.warning("cannot load parameters version %d: %s", latest.body["version"], e)
+            self.failed += 1
+            if worth_logging(self.failed):  # announced with every update: a log that cannot flood
+                log.warning("cannot load parameters version %d (%d failed loads so far): %s", latest.body["version"],
+                            self.failed, e)
             return False
 
     def close(self) -> None:
@@ -239,6 +244,7 @@ class ParamFollower(_ThroughReader):
         self.descriptor = {"name": segment_name, "nonce": None, "spec": self.reader.state.spec}
         self.recheck_s = recheck_s
         self.t_check = -float("inf")
+        self.failed = 0
 
     def poll(self) -> bool:
         """Load the newest complete version if it is newer than the one held; True if loaded."""
@@ -250,6 +256,12 @@ class ParamFollower(_ThroughReader):
                 try:
                     self.reader.attach(self.descriptor)  # first sight, or a restarted learner's new segment
                 except FileNotFoundError:  # gone between stat and open: the next recheck finds the new one
+                    return False
+                except ValueError as e:  # not the segment it should be: keep the parameters held, look again later
+                    self.failed += 1
+                    if worth_logging(self.failed):
+                        log.warning("cannot follow the learner's parameters (%d tries so far, every %g s): %s",
+                                    self.failed, self.recheck_s, e)
                     return False
         if self.reader.slots is None:
             return False

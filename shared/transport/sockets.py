@@ -17,25 +17,36 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from shared.transport import shm, wire
 
 LINGER_MS = 0  # nothing queued for a dead peer is worth blocking shutdown for
+# A TCP peer that has not finished its handshake within this is dropped (libzmq's default is
+# 30 s): idle or keyless connections hold a file descriptor of the binding service only so long.
+HANDSHAKE_IVL_MS = 5000
 ERROR_REPLY_CHARS = 400
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """A run's CURVE server key pair (z85 bytes); see shared/transport/auth.py."""
+    """The CURVE keys one process of a run holds (z85 bytes); see shared/transport/auth.py.
+    ``server_secret`` and ``clients_dir`` (the public keys the ZAP handler admits) only in
+    processes that bind."""
 
     server_public: bytes
-    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+    server_secret: bytes | None = None
+    clients_dir: Path | None = None
 
 
 _curve: CurveKeys | None = None
@@ -71,18 +82,61 @@ def open_socket(ctx: zmq.Context, kind: int, endpoint: str, bind: bool, identity
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a peer reconnecting with its (unguessable) identity gets its route back
     if kind == zmq.SUB:
         sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+    if endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
     if _curve is not None and endpoint.startswith("tcp://"):
         if bind:
+            if id(ctx) not in _zap:
+                sock.close(linger=0)
+                raise RuntimeError(f"{endpoint}: a CURVE server socket needs its context's ZAP handler (Endpoint starts it)")
             sock.curve_server = True
             sock.curve_secretkey = _curve.server_secret
         else:
             sock.curve_serverkey = _curve.server_public
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            sock.curve_publickey, sock.curve_secretkey = _curve.client_public, _curve.client_secret
     if bind:
         sock.bind(endpoint)
     else:
         sock.connect(endpoint)
     return sock
+
+
+# The ZAP handler of each context that has bound CURVE sockets: id(ctx) -> [authenticator, users].
+_zap: dict[int, list] = {}
+_zap_lock = threading.Lock()
+
+
+def _zap_acquire(ctx: zmq.Context) -> None:
+    """Start ``ctx``'s ZAP handler (once a context), admitting only the run's client keys.
+
+    It must answer before the first server socket binds: with no handler bound, libzmq lets
+    every CURVE client that knows the server's public key in."""
+    if _curve.clients_dir is None:
+        raise RuntimeError("this process holds no CURVE server key, so binds no TCP socket "
+                           "(shared.transport.auth.CURVE_SERVERS)")
+    with _zap_lock:
+        entry = _zap.get(id(ctx))
+        if entry is None:
+            auth = ThreadAuthenticator(ctx, log=logging.getLogger("rlpipe.zap"))
+            auth.start()
+            auth.configure_curve(domain="*", location=str(_curve.clients_dir))
+            if not auth.certs.get("*"):
+                auth.stop()
+                raise RuntimeError(f"{_curve.clients_dir}: no client public key (*.key) to admit; recreate the run")
+            entry = _zap[id(ctx)] = [auth, 0]
+        entry[1] += 1
+
+
+def _zap_release(ctx: zmq.Context) -> None:
+    """Stop ``ctx``'s ZAP handler with its last server socket (``ctx.term()`` waits for its sockets)."""
+    with _zap_lock:
+        entry = _zap.get(id(ctx))
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _zap[id(ctx)]
+            entry[0].stop()
 
 
 class Endpoint:
@@ -101,7 +155,14 @@ class Endpoint:
         self.seq = 0
         self.identity = f"{name}.{secrets.token_hex(8)}".encode() if kind == zmq.DEALER else None
         self._internal_seen: set[str] = set()
-        self.sock = open_socket(ctx, kind, address, bind, identity=self.identity, subscribe=subscribe)
+        self._zap = bind and _curve is not None and address.startswith("tcp://")
+        if self._zap:
+            _zap_acquire(ctx)
+        try:
+            self.sock = open_socket(ctx, kind, address, bind, identity=self.identity, subscribe=subscribe)
+        except BaseException:
+            self._release_zap()
+            raise
 
     def send(self, mtype: str, body: dict, arrays: list | None = None, to: bytes | None = None) -> None:
         self.seq += 1
@@ -187,6 +248,12 @@ class Endpoint:
 
     def close(self) -> None:
         self.sock.close(linger=LINGER_MS)
+        self._release_zap()
+
+    def _release_zap(self) -> None:
+        if self._zap:
+            self._zap = False
+            _zap_release(self.ctx)
 
 
 def _who(peer: bytes | None) -> str:
