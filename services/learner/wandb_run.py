@@ -22,7 +22,7 @@ WANDB_ID = "wandb_id"
 """File in the run directory holding the W&B run id."""
 STEP = "env_steps"
 """The x axis of every progress scalar (W&B's own step counts ``log`` calls, which a restart repeats)."""
-PROGRESS_PREFIXES = ("progress", "algo")
+PROGRESS_PREFIXES = ("progress", "algo", "time")
 """The progress scalars' tag prefixes (``services/learner/progress.py``)."""
 EVAL_STEP = "eval/env_steps"
 """The x axis of the ``eval/`` scalars: the env steps at the evaluated version, as in TensorBoard."""
