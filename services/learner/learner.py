@@ -325,7 +325,7 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
             reason = learner.finished()
             if reason is not None:
                 break
-            learner.clock.to("wait")
+            learner.clock.to("batch")
             t0 = time.perf_counter()
             item = source.next(REANNOUNCE_MS)
             if learner.m is not None:

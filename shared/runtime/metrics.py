@@ -140,13 +140,13 @@ PHASES: dict[str, tuple[str, ...]] = {
     # idle: waiting for messages; messages: handling them; insert: copying segments into the
     # table; sample: filling the learner's batch slots; snapshot: copying the table to disk.
     "replay": ("startup", "idle", "messages", "insert", "sample", "snapshot"),
-    # wait: for a batch from replay; update: the algorithm's update (and the lag and finiteness
+    # batch: waiting for a batch from replay; update: the algorithm's update (and the lag and finiteness
     # checks); publish: priorities, the next request and the new parameter version; report:
     # progress rows (CSV, TensorBoard, W&B); checkpoint: writing one.
-    "learner": ("startup", "wait", "update", "publish", "report", "checkpoint"),
+    "learner": ("startup", "batch", "update", "publish", "report", "checkpoint"),
 }
 WAITING: dict[str, tuple[str, ...]] = {
-    "sampler": ("actions", "ring"), "action_server": ("idle", "gather"), "replay": ("idle",), "learner": ("wait",),
+    "sampler": ("actions", "ring"), "action_server": ("idle", "gather"), "replay": ("idle",), "learner": ("batch",),
 }
 FLUSH_S = 1.0
 """Seconds between two flushes of a ``Phases`` clock's sums into its Prometheus counter."""
