@@ -10,7 +10,8 @@ import logging
 import os
 import time
 
-from services.evaluator.episodes import play, summary
+from services.evaluator.episodes import CannotRender, play, record_episode, summary
+from shared.runtime import evaluation
 from services.evaluator.reports import Reports
 from shared.runtime import metrics as metrics_mod
 from shared.transport import shm
@@ -44,6 +45,7 @@ def run(exp, run_dir, instance: int) -> None:
     log.info("evaluator: %d greedy episode(s) of %s in %d env(s) every %g s", cfg.episodes, exp.env.id,
              min(cfg.envs, cfg.episodes), cfg.every_s)
     evaluated = -1
+    video = cfg.video
     try:
         while True:
             t0 = time.monotonic()
@@ -51,6 +53,14 @@ def run(exp, run_dir, instance: int) -> None:
             if params.version > evaluated:
                 version, env_steps = params.version, params.env_steps
                 result = summary(play(exp, agent, cfg.episodes, cfg.envs), version, env_steps)
+                result["video"] = ""
+                if video:
+                    try:
+                        record_episode(exp, agent, evaluation.video_path(run_dir, version))
+                        result["video"] = str(evaluation.video_path(run_dir, version).relative_to(run_dir))
+                    except CannotRender as e:
+                        log.error("eval.video: %s; evaluations go on without", e)
+                        video = False
                 reports.write(result, time.monotonic() - t0)
                 evaluated = version
                 log.info("version %d (%d env steps): return %.1f +- %.1f over %d episodes in %.2f s", version,

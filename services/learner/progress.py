@@ -116,7 +116,8 @@ class Progress:
         return min(to_budget, max(0.0, self.budget.max_wall_s - now))
 
     def time_shares(self) -> dict[str, float]:
-        """The learner's phases' shares of its wall time since the last call (start-up left out)."""
+        """The learner's phases' shares of its wall time since the last call (start-up, which only the first
+        row's interval holds, is not shown)."""
         if self.clock is None:
             return {}
         now = self.clock.totals()
