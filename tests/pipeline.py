@@ -212,16 +212,24 @@ def wall_seconds(pid: int) -> float:
     return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
+MIN_AGE_S = 8.0
+"""Process age from which ``check_time_split`` holds a split to 10% of it."""
+
+
 def check_time_split(run: Run) -> str:
     """Every running service's time split (its phase counters, as `rlpipe status` reads them)
-    adds up to its process's wall time within 10%; returns `rlpipe status`'s output."""
+    adds up to its process's wall time within 10%, once the youngest is MIN_AGE_S old (the
+    counters trail the clocks by up to FLUSH_S); returns `rlpipe status`'s output."""
     from shared.launch import timesplit
     from shared.runtime.metrics import PHASES
 
     # The services that keep a split (not the metrics endpoint, the watchdog or the evaluator,
     # whose time is its eval_seconds_total).
-    ages = {name: wall_seconds(pid) for name, (_, pid) in run.status().items()
+    pids = {name: pid for name, (_, pid) in run.status().items()
             if pid is not None and name.rstrip("0123456789") in PHASES}
+    youngest = min(wall_seconds(pid) for pid in pids.values())
+    time.sleep(max(0.0, MIN_AGE_S - youngest))
+    ages = {name: wall_seconds(pid) for name, pid in pids.items()}
     split = timesplit.read(run.dir)
     sums = {}
     for (service, instance, _), seconds in split.items():

@@ -148,7 +148,7 @@ PHASES: dict[str, tuple[str, ...]] = {
 WAITING: dict[str, tuple[str, ...]] = {
     "sampler": ("actions", "ring"), "action_server": ("idle", "gather"), "replay": ("idle",), "learner": ("batch",),
 }
-FLUSH_S = 1.0
+FLUSH_S = 0.25
 """Seconds between two flushes of a ``Phases`` clock's sums into its Prometheus counter."""
 _families: dict[str, object] = {}
 
