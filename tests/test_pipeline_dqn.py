@@ -11,7 +11,7 @@ import time
 import pytest
 
 from shared.launch import supervisor as launch
-from tests.pipeline import check_nstep, check_time_split, cpu_seconds, instances, metric_value
+from tests.pipeline import check_nstep, check_time_split, cpu_seconds, instances, metric_value, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -84,6 +84,8 @@ def test_rate_limiter_holds_the_ratio_the_learner_waits_without_spinning_and_a_k
     status = check_time_split(run)
     assert re.search(r"bottleneck: learner \(update \d+%\)", status), status
     assert re.search(r"sampler +x3 .*waiting: .*ring \d+%", status), status
+    top = rlpipe_here("top", str(run.dir), "--interval", "1", "--count", "1")
+    assert top.returncode == 0 and "where the time goes (over the last 1 s): bottleneck: " in top.stdout, top
 
     # No sampler alive: the learner blocks on its poll timeout instead of spinning.
     launch.supervisorctl(run.dir, "stop", "sampler0", "sampler1", "sampler2", capture=True)

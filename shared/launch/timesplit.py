@@ -61,7 +61,7 @@ def shares(split: Split) -> dict[str, dict]:
         rows = {key: value for key, value in split.items() if key[0] == service}
         if not rows:
             continue
-        instances = {instance for _, instance, _ in rows}
+        instances = {instance for (_, instance, _), v in rows.items() if v > 0}  # over an interval: those that ran
         startup = sum(v for (_, _, phase), v in rows.items() if phase == "startup")
         by_phase = {phase: sum(v for (_, _, p), v in rows.items() if p == phase) for phase in PHASES[service][1:]}
         total = sum(by_phase.values())
