@@ -104,9 +104,10 @@ def lines(split: Split, over: str) -> list[str]:
     return out
 
 
-def top(run_dir: Path, running, interval_s: float = 2.0, count: int | None = None, out=sys.stdout) -> None:
-    """Print the split over each ``interval_s`` until the run stops (``running()`` false), or
-    ``count`` times."""
+def top(run_dir: Path, running, interval_s: float = 2.0, count: int | None = None, out=None) -> None:
+    """Print the split over each ``interval_s`` to ``out`` (None: sys.stdout as it is then) until
+    the run stops (``running()`` false), or ``count`` times."""
+    out = sys.stdout if out is None else out
     before = read(run_dir)
     shown = 0
     while count is None or shown < count:
