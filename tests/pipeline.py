@@ -206,6 +206,42 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wall_seconds(pid: int) -> float:
+    """Seconds since process ``pid`` started (the kernel's start time, to its clock tick)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+MIN_AGE_S = 8.0
+"""Process age from which ``check_time_split`` holds a split to 10% of it."""
+
+
+def check_time_split(run: Run) -> str:
+    """Every running service's time split (its phase counters, as `rlpipe status` reads them)
+    adds up to its process's wall time within 10%, once the youngest is MIN_AGE_S old (the
+    counters trail the clocks by up to FLUSH_S); returns `rlpipe status`'s output."""
+    from shared.launch import timesplit
+    from shared.runtime.metrics import PHASES
+
+    # The services that keep a split (not the metrics endpoint, the watchdog or the evaluator,
+    # whose time is its eval_seconds_total).
+    pids = {name: pid for name, (_, pid) in run.status().items()
+            if pid is not None and name.rstrip("0123456789") in PHASES}
+    youngest = min(wall_seconds(pid) for pid in pids.values())
+    time.sleep(max(0.0, MIN_AGE_S - youngest))
+    ages = {name: wall_seconds(pid) for name, pid in pids.items()}
+    split = timesplit.read(run.dir)
+    sums = {}
+    for (service, instance, _), seconds in split.items():
+        sums[f"{service}{instance}"] = sums.get(f"{service}{instance}", 0.0) + seconds
+    assert ages.keys() <= sums.keys(), (ages, sums)
+    for name in ages:
+        assert abs(sums[name] - ages[name]) <= 0.1 * ages[name], (name, sums[name], ages[name], split)
+    out = rlpipe_here("status", str(run.dir))
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 def maps_torch(pid: int) -> bool:
     """Whether process ``pid`` has torch's shared library mapped (it imported torch)."""
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()

@@ -27,7 +27,7 @@ from shared.runtime.process import RUN_CONFIG, TB_DIR
 from tests.pipeline import CONFIGS, Run, rlpipe, rlpipe_here
 
 PPO = CONFIGS / "cartpole_ppo.toml"
-ROW = re.compile(r"^\[ *\d+\.\ds\] steps +\d+ \( *\d+/s\)  updates +\d+  return +\S+  episodes +\d+  lag \d+\.\d\d$",
+ROW = re.compile(r"^\[ *\d+\.\ds\] steps +\d+ \( *\d+/s\)  updates +\d+  return +\S+  episodes +\d+  lag \d+\.\d\d(  eta (\d+h)?(\d+m)?\d+s)?$",
                  re.M)
 """A progress row as `rlpipe launch` prints it (``follow.follow``)."""
 
@@ -81,7 +81,7 @@ def test_serial_rows_are_printed_as_launch_prints_them(tmp_path):
              "episodes": 7, "mean_return": 12.14, "policy_lag": 0.0},
             {**base, "wall_s": 61.2, "env_steps": 1_234_567, "env_steps_per_s": 20123.0, "updates": 4821,
              "policy_version": 4821, "episodes": 9000, "mean_return": float("nan"), "policy_lag": 1.06,
-             "eval_return": 475.5, "eval_policy_version": 4800}]
+             "eval_return": 475.5, "eval_policy_version": 4800, "eta_s": 185.04}]
     assert set(evaluation.PROGRESS_COLUMNS) <= set(PROGRESS_FIELDS)
     for row in rows:
         append_csv(run_dir / "progress.csv", PROGRESS_FIELDS, row)
@@ -89,7 +89,7 @@ def test_serial_rows_are_printed_as_launch_prints_them(tmp_path):
     out = io.StringIO()
     assert follow.follow(run_dir, 1.0, out) == {"reason": "target"}
     assert out.getvalue().splitlines() == [follow.format_row(row) for row in rundirs.read_progress(run_dir)]
-    assert ROW.match(out.getvalue().splitlines()[0]) and out.getvalue().splitlines()[1].endswith("  eval 475.5 (v4800)")
+    assert ROW.match(out.getvalue().splitlines()[0]) and out.getvalue().splitlines()[1].endswith("  eval 475.5 (v4800)  eta 3m05s")
 
 
 @pytest.mark.learning
@@ -108,6 +108,13 @@ def test_the_api_launches_a_cartpole_ppo_run_and_follows_it_to_its_result(tmp_pa
             lines = out.getvalue().splitlines()
             assert lines and all(ROW.match(line) for line in lines), lines
             assert len(lines) == len(run.progress())
+            # The ETA to the step budget: none at the first row (its rate would count the start-up),
+            # then the remaining steps at the rate of the rows before.
+            rows = run.progress()
+            assert rows[0]["eta_s"] == "nan" and "eta" not in lines[0] and " eta " in lines[-1]
+            for row, before in zip(rows[1:], rows):
+                rate = (int(row["env_steps"]) - int(before["env_steps"])) / (float(row["wall_s"]) - float(before["wall_s"]))
+                assert 0 < float(row["eta_s"]) < 5 * (exp.run.max_env_steps - int(row["env_steps"])) / rate, row
             assert list(run.rows()) == run.progress()  # an ended run: its rows, then the end
             assert not run.running() and supervisor.service_pids(run.dir) == [] and segments(run.dir) == []
         finally:

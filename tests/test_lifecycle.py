@@ -122,7 +122,12 @@ def test_tensorboard_files_hold_the_progress_scalars_and_diagnostics_against_env
                                           "policy_lag", "wall_s", "episodes", "updates", "dropped", "replay_size")}
     expected |= {f"algo/{t}" for t in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction",
                                        "grad_norm", "explained_variance", "lr")}
+    expected |= {f"time/learner_{phase}" for phase in ("batch", "update", "publish", "report", "checkpoint")}
     assert expected <= tags, expected - tags
+    # The learner's time split: its phases' shares of each row's interval add up to 1.
+    split = [sum(acc.Scalars(f"time/learner_{p}")[i].value for p in ("batch", "update", "publish", "report",
+                                                                       "checkpoint")) for i in (1, -1)]
+    assert split == [pytest.approx(1.0, abs=0.02)] * 2, split
     rows = rundirs.read_progress(run_dir)
     returns = {int(r["env_steps"]): float(r["mean_return"]) for r in rows if math.isfinite(float(r["mean_return"]))}
     events = {e.step: e.value for e in acc.Scalars("progress/mean_return")}

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from shared.launch import supervisor as launch
-from tests.pipeline import check_nstep, cpu_seconds, instances, metric_value
+from tests.pipeline import check_nstep, check_time_split, cpu_seconds, instances, metric_value, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -79,6 +79,13 @@ def test_rate_limiter_holds_the_ratio_the_learner_waits_without_spinning_and_a_k
     # grows with the inserts, below capacity (100k) nothing leaves it.
     sizes = [int(r["replay_size"]) for r in run.progress() if int(r["updates"]) > 0]
     assert sizes == sorted(sizes) and 15_000 < sizes[-1] <= inserts, (sizes, inserts)
+    # Where the time goes: each process's phases add up to its wall time; the learner is the
+    # bottleneck (one update per 16 env steps here), its samplers wait on the rate limiter.
+    status = check_time_split(run)
+    assert re.search(r"bottleneck: learner \(update \d+%\)", status), status
+    assert re.search(r"sampler +x3 .*waiting: .*ring \d+%", status), status
+    top = rlpipe_here("top", str(run.dir), "--interval", "1", "--count", "1")
+    assert top.returncode == 0 and "where the time goes (over the last 1 s): bottleneck: " in top.stdout, top
 
     # No sampler alive: the learner blocks on its poll timeout instead of spinning.
     launch.supervisorctl(run.dir, "stop", "sampler0", "sampler1", "sampler2", capture=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pipeline import free_port
+from shared.runtime.metrics import PHASES
+from tests.pipeline import check_time_split, free_port
 from tests.test_deploy import DASHBOARD, PROMETHEUS
 
 pytestmark = pytest.mark.learning
@@ -134,6 +136,14 @@ def test_prometheus_scrapes_a_live_run_and_every_panel_returns_data(runs, promet
         assert not empty, f"panel expressions without data after 60 s: {empty}"
         # The evaluator's numbers went through Prometheus as the endpoint shows them.
         assert server.query("max(rlpipe_evaluator_policy_version) >= 0")
+        # Every phase of every service's time split is there (the row's panels sum over them),
+        # and the split adds up to each process's wall time.
+        for service, phases in PHASES.items():
+            found = server.query(f"sum by (phase) (rlpipe_{service}_phase_seconds_total)")
+            assert {r["metric"]["phase"] for r in found} == set(phases), (service, found)
+        status = check_time_split(run)
+        assert re.search(r"bottleneck: \w+ \(\w+ \d+%\)", status), status
+        assert all(f"  {service} " in status for service in ("sampler", "action_server", "replay", "learner")), status
 
         page = run.metrics()
         check = subprocess.run([promtool, "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)

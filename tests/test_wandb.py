@@ -5,6 +5,7 @@ package is one config error line. Offline throughout: nothing here touches the n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import tomllib
@@ -136,3 +137,39 @@ def test_wandb_asked_for_without_the_package_is_one_config_error_line(tmp_path, 
     assert out.returncode == 2
     assert out.stderr.splitlines() == ["rlpipe: config error: logging.mode = 'sometimes': allowed: online, offline, "
                                        "disabled"]
+
+
+def test_the_evaluators_video_goes_to_wandb_with_its_evaluation(tmp_path, offline_wandb):
+    """``eval.video``: the evaluator's recording of a version (``record_episode``, what it runs after
+    each evaluation) reaches the W&B run as eval/video with that evaluation's scalars, read back
+    from the offline run's files; a row without a new evaluation logs no video again."""
+    from services.evaluator.episodes import record_episode
+    from services.learner.wandb_run import EVAL_VIDEO, WandbRun
+    from shared.config import loading
+    from shared.runtime import evaluation
+    from tests.test_evaluator_service import untrained_agent
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    exp = loading.from_dict({"logging": {"wandb": True, "mode": "offline", "project": "rlpipe-test"},
+                             "eval": {"video": True}})
+    (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+    video = evaluation.video_path(run_dir, 7)
+    ret = record_episode(exp, untrained_agent(exp), video)
+    assert ret >= 1 and video.read_bytes()[4:8] == b"ftyp"  # an MP4 container
+    evaluation.record(run_dir, {"wall_time": 0.0, "policy_version": 7, "env_steps": 512, "episodes": 4,
+                                "mean_return": 21.5, "std_return": 2.0, "min_return": 19.0, "max_return": 24.0,
+                                "eval_s": 0.4, "video": str(video.relative_to(run_dir))})
+    wandb = WandbRun(exp.logging, run_dir)
+    wandb.log({"progress/mean_return": 20.0}, 600)
+    wandb.log({"progress/mean_return": 22.0}, 700)
+    wandb.close()
+
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    history = read_offline_run(offline)["history"]
+    (with_video,) = [h for h in history if f"{EVAL_VIDEO}/_type" in h]  # a media value's fields, flattened
+    assert with_video["eval/env_steps"] == 512 and with_video["eval/mean_return"] == 21.5
+    assert with_video[f"{EVAL_VIDEO}/_type"] == "video-file"
+    assert with_video[f"{EVAL_VIDEO}/sha256"] == hashlib.sha256(video.read_bytes()).hexdigest()
+    assert (offline / "files" / with_video[f"{EVAL_VIDEO}/path"]).read_bytes() == video.read_bytes()
+    assert [h["env_steps"] for h in history if "env_steps" in h] == [600, 700]

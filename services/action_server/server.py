@@ -155,8 +155,10 @@ class ActionServer:
 
     def follow_params(self) -> None:
         """Load the newest parameter version that came (older ones are skipped)."""
+        was = self.m.time.to("params")
         if self.reader.poll():
             self.m.policy_version.set(self.reader.version)
+        self.m.time.to(was)
 
     # ------------------------------------------------------------ the step path
 
@@ -190,6 +192,7 @@ class ActionServer:
 
     def serve_batch(self) -> None:
         """Answer up to max_batch pending requests with one forward pass."""
+        self.m.time.to("forward")
         batch, self.pending = self.pending[: self.cfg.max_batch], self.pending[self.cfg.max_batch:]
         peers = [self.peers[r.peer] for r in batch]
         slots = [p.slots[r.slot] for p, r in zip(peers, batch)]
@@ -199,6 +202,7 @@ class ActionServer:
         first = _join(*[s.first for s in slots])
         reward = _join(*[s.reward for s in slots])
         action, info = self.act(obs, env_index, first, reward, self.reader.env_steps, self.envs_total)
+        self.m.time.to("reply")
         start = 0
         version = max(self.reader.version, 0)
         lost = []
@@ -234,8 +238,10 @@ class ActionServer:
         last_check = time.monotonic()
         while not should_stop():
             heartbeat.beat()
+            self.m.time.to("idle")
             self.poll(0 if self.pending else POLL_MS)
             if self.pending:
+                self.m.time.to("gather")
                 self._gather()
             if self.pending:  # a sampler lost while gathering takes its requests with it
                 self.serve_batch()

@@ -12,7 +12,8 @@ import logging
 import os
 import time
 
-from services.evaluator.episodes import play, summary
+from services.evaluator.episodes import CannotRender, play, record_episode, summary
+from shared.runtime import evaluation
 from services.evaluator.reports import Reports
 from shared.runtime import metrics as metrics_mod
 from shared.transport import shm
@@ -64,6 +65,7 @@ def run(exp, run_dir, instance: int) -> None:
              min(cfg.envs, cfg.episodes), cfg.every_s)
     evaluated = -1
     failures = Backoff(FAILURE_PAUSE_S, 8 * FAILURE_PAUSE_S, max_failures=MAX_FAILURES)
+    video = cfg.video
     try:
         while True:
             t0 = time.monotonic()
@@ -77,6 +79,14 @@ def run(exp, run_dir, instance: int) -> None:
                     continue
                 failures.reset()
                 result = summary(returns, version, env_steps)
+                result["video"] = ""
+                if video:
+                    try:
+                        record_episode(exp, agent, evaluation.video_path(run_dir, version))
+                        result["video"] = str(evaluation.video_path(run_dir, version).relative_to(run_dir))
+                    except CannotRender as e:
+                        log.error("eval.video: %s; evaluations go on without", e)
+                        video = False
                 reports.write(result, time.monotonic() - t0)
                 evaluated = version
                 log.info("version %d (%d env steps): return %.1f +- %.1f over %d episodes in %.2f s", version,

@@ -10,6 +10,8 @@ run plays the same start states.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -95,6 +97,19 @@ def recording(directory: Path) -> MakeEnv:
     return make
 
 
+def record_episode(exp: Experiment, agent: torch.nn.Module, path: Path) -> float:
+    """Play one greedy episode (the first held-out seed) on gymnasium's env and record it to
+    ``path`` (an mp4); its return. CannotRender for an env without RGB frames."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        folder = Path(tmp) / "video"  # one RecordVideo makes (it warns of one that exists)
+        (ret,) = play(on_gymnasium(exp), agent, 1, 1, recording(folder))
+        (recorded,) = folder.glob("*.mp4")
+        os.replace(recorded, path)  # whole or not at all, for W&B's reader in the learner
+    return float(ret)
+
+
 def load_agent(exp: Experiment, run_dir: Path) -> tuple[torch.nn.Module, dict]:
     """The run's agent on the CPU in eval mode with its latest checkpoint loaded, and that
     checkpoint's state (``agent``, ``version``, ``env_steps``, ...). FileNotFoundError (one
@@ -119,7 +134,11 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None =
     if video is None:
         returns = play(exp, agent, episodes, exp.eval.envs)
     else:
-        # Frames come from gymnasium's env (EnvPool renders none): the policy plays the same task there.
-        on_gymnasium = replace(exp, env=replace(exp.env, backend="gymnasium", threads=0))
-        returns = play(on_gymnasium, agent, episodes, 1, recording(Path(video)))
+        returns = play(on_gymnasium(exp), agent, episodes, 1, recording(Path(video)))
     return summary(returns, state["version"], state["env_steps"])
+
+
+def on_gymnasium(exp: Experiment) -> Experiment:
+    """``exp`` on gymnasium's env, for videos: frames come from there (EnvPool renders none), and
+    the policy plays the same task."""
+    return replace(exp, env=replace(exp.env, backend="gymnasium", threads=0))

@@ -42,6 +42,7 @@ from services.learner.progress import COUNTERS, PROGRESS, PROGRESS_FIELDS, Progr
 from services.learner.stopping import Stopping
 from shared.runtime.files import WriteErrors, publish
 from shared.runtime import heartbeat
+from shared.runtime.metrics import PHASES, Phases
 
 log = logging.getLogger(__name__)
 RESULT = "result.json"
@@ -90,7 +91,10 @@ class Learner:
         wandb = WandbRun(exp.logging, reports) if reports is not None and exp.logging.to_wandb else None
         count = (lambda what: None) if metrics is None else (lambda what: metrics.write_errors.labels(file=what).inc())
         self.errors = WriteErrors(count)  # files of the run directory it cannot write (a full disk)
-        self.progress = Progress(exp.run.return_window, reports, wandb, self.errors)
+                # Where the learner's time goes: Prometheus's counter where there are metrics, and the
+        # progress rows' time/ scalars in any case (serial mode too).
+        self.clock = Phases(PHASES["learner"]) if metrics is None else metrics.time
+        self.progress = Progress(exp.run.return_window, reports, wandb, self.errors, self.clock, exp.run)
         self.stopping = Stopping(exp.run, self.progress, group)
         self.checkpoints = None if run_dir is None else Checkpoints(run_dir)
         self.identical_at: tuple[int, int] | None = None  # (update, checksum) of the ranks' last comparison
@@ -188,6 +192,13 @@ class Learner:
     def maybe_report(self, force: bool = False) -> dict | None:
         if not force and time.monotonic() - self.t_progress < self.log_interval_s:
             return None
+        was = self.clock.to("report")
+        try:
+            return self._report()
+        finally:
+            self.clock.to(was)
+
+    def _report(self) -> dict:
         self.t_progress = time.monotonic()
         row = self.progress.row(self.version)
         if not self.leads:
@@ -205,6 +216,13 @@ class Learner:
             return
         if not force and time.monotonic() - self.t_checkpoint < self.checkpoint_interval_s:
             return
+        was = self.clock.to("checkpoint")
+        try:
+            self._checkpoint()
+        finally:
+            self.clock.to(was)
+
+    def _checkpoint(self) -> None:
         self.t_checkpoint = time.monotonic()
         state = {"agent": self.agent.state_dict(), "algo": self.algo.state_dict()}
         bad = non_finite(state)
@@ -309,17 +327,21 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
             reason = learner.finished()
             if reason is not None:
                 break
+            learner.clock.to("batch")
             t0 = time.perf_counter()
             item = source.next(REANNOUNCE_MS)
             if learner.m is not None:
                 learner.m.batch_wait.inc(time.perf_counter() - t0)
+            learner.clock.to("publish")
             if item is None:
                 params.publish(learner.version, learner.env_steps)  # re-announce for action-servers that (re)started meanwhile
                 if learner.group is not None:
                     learner.group.check_peers()  # a rank waiting for its share of a batch a lost peer never asks for
                 continue
             i, meta = item
+            learner.clock.to("update")
             priorities = learner.train(slots[i], meta)
+            learner.clock.to("publish")
             if priorities is not None and "keys" in meta:
                 source.update_priorities(meta, priorities)
             source.request(i, learner.min_version())  # first: replay fills the slot while we publish

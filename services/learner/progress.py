@@ -16,16 +16,20 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.config.schema import RunConfig
 from shared.runtime import evaluation
 from shared.runtime.files import WriteErrors, append_csv
+from shared.runtime.metrics import Phases
 from shared.runtime.process import TB_DIR
 from services.learner.wandb_run import WandbRun
 
 log = logging.getLogger("services.learner.learner")
 PROGRESS = "progress.csv"
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
-                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped", "replay_size",
+                   "episodes", "mean_return", "mean_length", "policy_lag", "dropped", "replay_size", "eta_s",
                    *evaluation.PROGRESS_COLUMNS]
+ETA_ROWS = 10
+"""Progress rows the ETA's env-step rate is measured over (the rows before it, this incarnation's)."""
 COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
 """The counters a checkpoint keeps (with the returns, lengths and wall time)."""
 
@@ -36,13 +40,17 @@ MAX_UNWRITTEN = 10_000
 
 class Progress:
     def __init__(self, return_window: int, run_dir: Path | None, wandb: WandbRun | None = None,
-                 errors: WriteErrors | None = None):
+                 errors: WriteErrors | None = None, clock: Phases | None = None, budget: RunConfig | None = None):
         """``wandb``: where the scalars also go (None: TensorBoard only); ``errors``: how a file
         that cannot be written (a full disk) is reported; its rows and scalars are written at
-        the next row that can be."""
-        self.run_dir, self.wandb = run_dir, wandb
+        the next row that can be; ``clock``: the learner's time split, whose shares since the
+        last row go to TensorBoard as ``time/<phase>``; ``budget``: the run's env-step and wall
+        budgets the ETA aims at (None: no ETA)."""
+        self.run_dir, self.wandb, self.clock, self.budget = run_dir, wandb, clock, budget
         self.errors = WriteErrors() if errors is None else errors
         self.unwritten: list[dict] = []  # progress rows not in progress.csv yet, oldest first
+        self.recent: collections.deque = collections.deque(maxlen=ETA_ROWS + 1)  # (wall_s, env_steps) of rows
+        self.time_at_row = clock.totals() if clock is not None else {}
         self.env_steps = 0
         self.updates = 0
         self.episodes_seen = 0
@@ -94,7 +102,29 @@ class Progress:
                 "updates": self.updates, "updates_per_s": round(update_rate, 2), "policy_version": version,
                 "episodes": self.episodes_seen, "mean_return": round(self.mean_return(), 2),
                 "mean_length": round(mean_length, 1), "policy_lag": round(self.last_lag, 2), "dropped": self.dropped,
-                "replay_size": self.replay_size}
+                "replay_size": self.replay_size, "eta_s": round(self.eta_s(now), 1)}
+
+    def eta_s(self, now: float) -> float:
+        """Seconds until the env-step budget at the env-step rate since the last ETA_ROWS rows of this
+        incarnation, or until the wall budget if that comes first; NaN at its first row (the
+        rate from the start would count the start-up) and while no env step comes."""
+        self.recent.append((now, self.env_steps))
+        (wall0, steps0), (wall1, steps1) = self.recent[0], self.recent[-1]
+        if self.budget is None or steps1 <= steps0 or wall1 <= wall0:  # also at the first row: one entry
+            return float("nan")
+        to_budget = max(0, self.budget.max_env_steps - steps1) * (wall1 - wall0) / (steps1 - steps0)
+        return min(to_budget, max(0.0, self.budget.max_wall_s - now))
+
+    def time_shares(self) -> dict[str, float]:
+        """The learner's phases' shares of its wall time since the last call (start-up, which only the first
+        row's interval holds, is not shown)."""
+        if self.clock is None:
+            return {}
+        now = self.clock.totals()
+        spent = {phase: now[phase] - self.time_at_row.get(phase, 0.0) for phase in now}
+        self.time_at_row = now
+        total = sum(spent.values())
+        return {phase: t / total for phase, t in spent.items() if phase != "startup"} if total > 0 else {}
 
     def write(self, row: dict) -> None:
         """``row`` to TensorBoard and W&B (``progress/<field>``, and ``algo/<term>``: the means of
@@ -102,6 +132,7 @@ class Progress:
         (with the evaluator's latest result) and the log."""
         scalars = {f"progress/{field}": value for field, value in row.items() if field != "env_steps"}
         scalars.update({f"algo/{term}": total / self.diag_updates for term, total in self.diag_sums.items()})
+        scalars.update({f"time/learner_{phase}": share for phase, share in self.time_shares().items()})
         self.diag_sums.clear()
         self.diag_updates = 0
         # No mean return before the first episode ends.
@@ -113,9 +144,9 @@ class Progress:
             row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
             self.unwritten = self.unwritten[-MAX_UNWRITTEN + 1:] + [row]
             self.write_rows()
-        log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f",
+        log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f, eta %.0f s",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
-                 len(self.returns), row["policy_lag"])
+                 len(self.returns), row["policy_lag"], row["eta_s"])
 
     def _tensorboard(self, scalars: dict) -> None:
         """The scalars to TensorBoard; a writer that failed (a full disk) is dropped and the

@@ -1,5 +1,5 @@
 """The learner's Weights & Biases run (``[logging] wandb``): the progress scalars against env steps,
-the evaluator's latest result and the resolved config, with W&B's files in the run directory.
+the evaluator's latest result (with its video, ``eval.video``) and the resolved config, with W&B's files in the run directory.
 
 The W&B run id is kept in ``<run>/wandb_id``: a run started again (``rlpipe launch --resume``, a
 supervisord restart of the learner) continues the same W&B run. ``wandb`` is imported at the
@@ -22,12 +22,14 @@ WANDB_ID = "wandb_id"
 """File in the run directory holding the W&B run id."""
 STEP = "env_steps"
 """The x axis of every progress scalar (W&B's own step counts ``log`` calls, which a restart repeats)."""
-PROGRESS_PREFIXES = ("progress", "algo")
+PROGRESS_PREFIXES = ("progress", "algo", "time")
 """The progress scalars' tag prefixes (``services/learner/progress.py``)."""
 EVAL_STEP = "eval/env_steps"
 """The x axis of the ``eval/`` scalars: the env steps at the evaluated version, as in TensorBoard."""
 EVAL_FIELDS = ("mean_return", "std_return", "policy_version")
 """The evaluation's fields logged as ``eval/<field>`` (TensorBoard's tags)."""
+EVAL_VIDEO = "eval/video"
+"""Where the evaluation's video goes (``eval.video``), with its scalars."""
 
 
 class WandbRun:
@@ -53,7 +55,13 @@ class WandbRun:
         latest = evaluation.latest(self.run_dir)
         if latest is not None and latest["policy_version"] != self.evaluated:
             self.evaluated = latest["policy_version"]
-            self.run.log({EVAL_STEP: latest["env_steps"], **{f"eval/{f}": latest[f] for f in EVAL_FIELDS}})
+            logged = {EVAL_STEP: latest["env_steps"], **{f"eval/{f}": latest[f] for f in EVAL_FIELDS}}
+            video = self.run_dir / latest["video"] if latest.get("video") else None
+            if video is not None and video.is_file():  # eval.video: the episode recorded with this evaluation
+                import wandb
+
+                logged[EVAL_VIDEO] = wandb.Video(str(video), format="mp4")
+            self.run.log(logged)
 
     def _start(self):
         import wandb

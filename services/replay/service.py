@@ -267,9 +267,11 @@ class ReplayService:
                 break
             body, arrived, segment = w.pending.popleft()
             self.m.blocked.labels(side="sampler").inc(time.monotonic() - arrived)
+            self.m.time.to("insert")
             self._insert(w, body, segment)
         if self.table is None:
             return
+        self.m.time.to("sample")
         self._serve_rounds()
         self.m.size.set(self.table.size)
         if self.cfg.table in PRIORITIZED:
@@ -429,7 +431,9 @@ class ReplayService:
         every = self.cfg.snapshot_interval_s
         while not should_stop():
             heartbeat.beat()
+            self.m.time.to("idle")
             item = self.router.recv(POLL_MS)
+            self.m.time.to("messages")
             if item is not None:
                 self.router.serve(self.handle, *item)
                 for peer, msg in self.router.drain():
@@ -440,6 +444,7 @@ class ReplayService:
                 self.check_peers()
                 last_check = now
             if every and self.table is not None and now - last_snapshot > every:
+                self.m.time.to("snapshot")
                 self.snapshot()
                 last_snapshot = now
 

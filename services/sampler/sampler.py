@@ -27,6 +27,7 @@ from shared.transport.wire import MAX_RETURN
 from shared.data.layout import segment_spec, slot_spec, step_example
 from shared.data.namedarraytuple import from_spec, with_leading_dims
 from shared.runtime import heartbeat
+from shared.runtime.metrics import NoPhases
 from shared.runtime.retry import worth_logging
 
 from services.topology import Topology
@@ -77,6 +78,9 @@ class Sampler:
         """``agent_info(action_example)``: one env's agent info (``services.build.agent_info``),
         the layout of what the acting side writes back with each action."""
         self.cfg, self.instance, self.metrics = cfg, instance, metrics
+        self.clock = NoPhases() if metrics is None else metrics.time  # where the time goes
+        # Asking for actions is the forward pass itself with local inference, a wait otherwise.
+        self.acting = "inference" if cfg.inference == "local" else "actions"
         self.env_base = topo.env_base(instance)
         # Alternating pays only while another process computes the actions.
         self.groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
@@ -122,18 +126,23 @@ class Sampler:
         first step (already requested), so it is announced before this one needs a ring
         slot: with a ring of one segment the sampler runs at most one segment ahead.
         """
+        clock, acting = self.clock, self.acting  # one clock read a phase boundary, per group step (not per env)
+        clock.to(acting)
         first = [actions.wait(g) for g in range(len(self.groups))]
+        clock.to("write")
         if self.pending is not None:
             for cols, slot in zip(self.groups, self.slots):
                 self._bootstrap(self.pending, cols, slot)
             self._announce(sink, self.pending)
             self.pending = None
+        clock.to("ring")
         sink.acquire(self.k)
         seg = self.ring[self.k]
         versions = []
         for t in range(self.cfg.horizon):
             for g, (cols, env) in enumerate(zip(self.groups, self.envs)):
-                version = first[g] if t == 0 else actions.wait(g)
+                version = first[g] if t == 0 else actions.wait(g)  # in the acting phase since its request
+                clock.to("write")
                 slot = self.slots[g]
                 step = seg.samples[t, cols]
                 step.observation[:] = slot.observation
@@ -141,8 +150,10 @@ class Sampler:
                 step.agent_info[:] = slot.agent_info
                 step.policy_version[:] = version
                 versions.append(version)
+                clock.to("env")
                 self._step_envs(g, env, slot, step)
                 self.unannounced += cols.stop - cols.start
+                clock.to(acting)
                 actions.request(g)
         self.pending = (self.k, min(versions), max(versions), self.episodes)
         self.episodes = []

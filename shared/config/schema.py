@@ -226,6 +226,10 @@ class EvalConfig:
     seed_offset: int = 1_000_003
     """The evaluation envs are seeded from run.seed + seed_offset (env i: + i), apart from every
     sampler's seeds (run.seed + 10007 * instance + env); each evaluation replays the same seeds."""
+    video: bool = False
+    """The evaluator also plays one more greedy episode of each version it evaluates and records
+    it to <run>/videos/eval_v<version>.mp4 (a gymnasium env that renders RGB frames), which
+    W&B gets as eval/video; it costs that episode's rendering and encoding every evaluation."""
 
 
 @dataclass(frozen=True)

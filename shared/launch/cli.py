@@ -1,5 +1,5 @@
-"""The `rlpipe` command line: launch, train, grid, tune, status, ls, scale, stop, logs, clean, evaluate, export, package,
-plot, tensorboard."""
+"""The `rlpipe` command line: launch, train, grid, tune, status, top, ls, scale, stop, logs, clean, evaluate, export,
+package, plot, tensorboard."""
 
 from __future__ import annotations
 
@@ -32,10 +32,16 @@ def main(argv=None) -> int:
     c = sub.add_parser("prepare", help="make a run directory and print its path (for honcho/foreman and the Procfile)")
     c.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG), help="experiment TOML file")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    for name, help_ in (("status", "supervisorctl status of a run"), ("stop", "stop a run"),
+    for name, help_ in (("status", "supervisorctl status of a run, and where its services' time went"),
+                        ("stop", "stop a run"),
                         ("clean", "stop what is left of a run and remove its shared memory from /dev/shm")):
         c = sub.add_parser(name, help=help_)
         c.add_argument("run", help="run directory or run id (under runs/)")
+    c = sub.add_parser("top", help="where a live run's time goes, one line a service with the bottleneck named, "
+                                   "over each interval until the run ends")
+    c.add_argument("run", help="run directory or run id (under runs/)")
+    c.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between two views (default: 2)")
+    c.add_argument("--count", type=int, metavar="N", help="views to show (default: until the run ends)")
     c = sub.add_parser("scale", help="change how many samplers (action-servers) a live run has, e.g. "
                                      "`rlpipe scale RUN sampler=4 action_server=2`")
     c.add_argument("run", help="run directory or run id (under runs/)")
@@ -106,7 +112,7 @@ def main(argv=None) -> int:
 
     args = p.parse_args(argv)
     return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "export": _export,
-            "package": _package, "status": _status, "stop": _stop, "logs": _logs, "scale": _scale,
+            "package": _package, "status": _status, "top": _top, "stop": _stop, "logs": _logs, "scale": _scale,
             "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
 
 
@@ -247,7 +253,7 @@ def _run_dir(args):
 
 
 def _status(args) -> int:
-    from shared.launch import backend, rundirs
+    from shared.launch import backend, rundirs, timesplit
 
     run_dir = _run_dir(args)
     if run_dir is None:
@@ -256,8 +262,32 @@ def _status(args) -> int:
     if not runner.running(run_dir):
         result = rundirs.read_result(run_dir)
         print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
-        return 0
-    return runner.status(run_dir)
+        code = 0
+    else:
+        code = runner.status(run_dir)
+    for line in timesplit.lines(timesplit.read(run_dir), "since the start"):
+        print(line)
+    return code
+
+
+def _top(args) -> int:
+    from shared.launch import backend, timesplit
+
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    if args.interval <= 0 or (args.count is not None and args.count < 1):
+        print("rlpipe: top: --interval takes seconds > 0 and --count a number >= 1", file=sys.stderr)
+        return 2
+    runner = backend.for_run(run_dir)
+    if not runner.running(run_dir):
+        print(f"{run_dir.name}: not running (`rlpipe status {run_dir}` shows where its time went)")
+        return 1
+    try:
+        timesplit.top(run_dir, lambda: runner.running(run_dir), args.interval, args.count)
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 def _stop(args) -> int:

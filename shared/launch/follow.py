@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
@@ -131,7 +132,20 @@ def format_row(row: dict) -> str:
             f"lag {float(row['policy_lag']):.2f}")
     if row.get("eval_return"):  # the evaluator's latest return, once there is one
         line += f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
+    eta = float(row.get("eta_s") or "nan")  # rows of runs made before the ETA have none
+    if math.isfinite(eta):
+        line += f"  eta {duration(eta)}"
     return line
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for a person: 42s, 3m05s, 2h07m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 class StopFollowing(Exception):

@@ -16,9 +16,17 @@ from shared.runtime.files import append_csv, publish, read_csv
 EVAL_CSV = "eval.csv"
 LATEST = "eval.json"
 FIELDS = ["wall_time", "policy_version", "env_steps", "episodes", "mean_return", "std_return", "min_return",
-          "max_return", "eval_s"]
+          "max_return", "eval_s", "video"]
 """Columns of eval.csv: Unix time the evaluation ended, the version and run env steps it
-measured, its episodes, their return statistics and the seconds it took."""
+measured, its episodes, their return statistics, the seconds it took and its video (a path
+relative to the run directory, ``eval.video``; empty without one)."""
+VIDEOS = "videos"
+"""The run directory's folder of the evaluator's videos."""
+
+
+def video_path(run_dir: Path, policy_version: int) -> Path:
+    """Where the evaluator's video of ``policy_version`` goes."""
+    return Path(run_dir) / VIDEOS / f"eval_v{policy_version}.mp4"
 PROGRESS_COLUMNS = {"eval_return": "mean_return", "eval_return_std": "std_return",
                     "eval_policy_version": "policy_version", "eval_env_steps": "env_steps"}
 """progress.csv column -> the latest evaluation's field (empty until the first evaluation)."""

@@ -21,6 +21,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -52,6 +53,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "refused_segments": ("counter", "refused_segments_total", "Segments replay refused (or would): dropped", ()),
         "bad_returns": ("counter", "bad_returns_total", "Finished episodes not reported: return not finite or beyond 1e15", ()),
         "reconnects": ("counter", "reconnects_total", "Peer timeouts that led to a reconnect", ("peer",)),
+        "phase": ("counter", "phase_seconds_total", "Wall seconds of the process, by what it was doing (PHASES)", ("phase",)),
     },
     "action_server": {
         "requests": ("counter", "requests_total", "Observation requests served", ()),
@@ -61,6 +63,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "policy_version": ("gauge", "policy_version", "Parameter version in use", ()),
         "peers": ("gauge", "peers", "Samplers attached", ()),
         "peers_lost": ("counter", "peers_lost_total", "Samplers detached after going silent", ()),
+        "phase": ("counter", "phase_seconds_total", "Wall seconds of the process, by what it was doing (PHASES)", ("phase",)),
     },
     "replay": {
         "size": ("gauge", "size_items", "Items in the table", ()),
@@ -76,6 +79,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "restarts": ("gauge", "table_restarts", "Times the table was re-attached from shared memory after a kill", ()),
         "torn_items": ("counter", "torn_items_total", "Items dropped at a re-attach: a kill tore the write that held them", ()),
         "snapshot_errors": ("counter", "snapshot_errors_total", "Table snapshots not written (a full disk); tried again later", ()),
+        "phase": ("counter", "phase_seconds_total", "Wall seconds of the process, by what it was doing (PHASES)", ("phase",)),
     },
     "learner": {
         "updates": ("counter", "updates_total", "Optimisation updates (one per batch)", ()),
@@ -88,6 +92,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "update_time": ("counter", "update_seconds_total", "Seconds spent in updates", ()),
         "skipped_steps": ("counter", "skipped_steps_total", "Gradient steps skipped: loss or gradient norm not finite", ()),
         "write_errors": ("counter", "write_errors_total", "Files of the run directory not written (a full disk), by file; tried again later", ("file",)),
+        "phase": ("counter", "phase_seconds_total", "Wall seconds of the process, by what it was doing (PHASES)", ("phase",)),
     },
     "evaluator": {
         "mean_return": ("gauge", "mean_return", "Mean return of the latest evaluation's greedy episodes", ()),
@@ -119,6 +124,33 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "side": ("sampler", "learner"),
     "file": ("progress.csv", "checkpoint", "tensorboard", "result.json"),
 }
+# Where a service's wall time goes (``m.time``, a ``Phases`` clock; docs/architecture.md, "Where the
+# time goes"): every second of the process belongs to one phase, from the process's start
+# ("startup": imports, building, connecting) on. WAITING: the phases in which the service waits
+# for another one; the rest is its own work, and the busiest service is the run's bottleneck.
+PHASES: dict[str, tuple[str, ...]] = {
+    # env: stepping the envs; inference: the policy's forward pass in this process (local
+    # inference, parameter versions followed there); actions: waiting for an action-server's
+    # actions; write: copying steps into the segment ring and handing segments over; ring:
+    # waiting for replay to release a ring slot (back-pressure, the rate limiter).
+    "sampler": ("startup", "env", "inference", "actions", "write", "ring"),
+    # idle: waiting for requests; gather: waiting up to max_wait_ms for more; forward: the
+    # batch's forward pass (with joining the observations); reply: writing actions back and
+    # ringing the samplers; params: loading a new parameter version.
+    "action_server": ("startup", "idle", "gather", "forward", "reply", "params"),
+    # idle: waiting for messages; messages: handling them; insert: copying segments into the
+    # table; sample: filling the learner's batch slots; snapshot: copying the table to disk.
+    "replay": ("startup", "idle", "messages", "insert", "sample", "snapshot"),
+    # batch: waiting for a batch from replay; update: the algorithm's update (and the lag and finiteness
+    # checks); publish: priorities, the next request and the new parameter version; report:
+    # progress rows (CSV, TensorBoard, W&B); checkpoint: writing one.
+    "learner": ("startup", "batch", "update", "publish", "report", "checkpoint"),
+}
+WAITING: dict[str, tuple[str, ...]] = {
+    "sampler": ("actions", "ring"), "action_server": ("idle", "gather"), "replay": ("idle",), "learner": ("batch",),
+}
+FLUSH_S = 0.25
+"""Seconds between two flushes of a ``Phases`` clock's sums into its Prometheus counter."""
 _families: dict[str, object] = {}
 
 
@@ -187,12 +219,82 @@ def for_service(service: str, instance: int, node: str = "main") -> SimpleNamesp
     for attr, (kind, suffix, doc, extra, *buckets) in defs.items():
         fam = _family(kind, f"rlpipe_{service}_{suffix}", doc, LABELS + extra, buckets[0] if buckets else None)
         out[attr] = _Partial(fam, fixed) if extra else fam.labels(**fixed)
-        if extra and kind == "counter" and all(label in KNOWN_LABEL_VALUES for label in extra):
-            for values in itertools.product(*(KNOWN_LABEL_VALUES[label] for label in extra)):
+        known = {**KNOWN_LABEL_VALUES, "phase": PHASES.get(service, ())}
+        if extra and kind == "counter" and all(label in known for label in extra):
+            for values in itertools.product(*(known[label] for label in extra)):
                 out[attr].labels(**dict(zip(extra, values)))
     m = SimpleNamespace(**out)
     m.up.set(1)
+    if service in PHASES:
+        m.time = Phases(PHASES[service], m.phase)
     return m
+
+
+def phase_metric(service: str) -> str:
+    """The sample name of ``service``'s time split (``rlpipe_<service>_phase_seconds_total``)."""
+    return f"rlpipe_{service}_{_DEFS[service]['phase'][1]}"
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: its start time in /proc; elsewhere 0)."""
+    try:
+        with open("/proc/self/stat") as f:
+            started_ticks = int(f.read().rpartition(")")[2].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return 0.0
+
+
+class Phases:
+    """Where a loop's wall time goes: the process is always in one of ``names``; ``to(phase)``
+    ends the current one and starts ``phase`` (one clock read and a float sum: cheap enough
+    for the sampler's every batch step), and returns the phase it ended. The first phase began
+    when the process started. The sums go to ``counter`` (a family with the ``phase`` label,
+    or None) at most every FLUSH_S seconds, the current phase's time so far included, so the
+    counters add up to the process's wall time, less at most FLUSH_S."""
+
+    def __init__(self, names: tuple[str, ...], counter=None):
+        self.names, self.counter = names, counter
+        self.spent = dict.fromkeys(names, 0.0)  # seconds by phase since the process started
+        self.flushed = dict.fromkeys(names, 0.0)
+        self.phase = names[0]
+        self.since = time.perf_counter() - process_age_s()
+        self.flush_at = self.since + FLUSH_S
+
+    def to(self, phase: str) -> str:
+        now = time.perf_counter()
+        self.spent[self.phase] += now - self.since
+        ended, self.phase, self.since = self.phase, phase, now
+        if now >= self.flush_at:
+            self.flush(now)
+        return ended
+
+    def totals(self) -> dict[str, float]:
+        """Seconds by phase since the process started, the current phase's until now."""
+        out = dict(self.spent)
+        out[self.phase] += time.perf_counter() - self.since
+        return out
+
+    def flush(self, now: float | None = None) -> None:
+        """Add what was spent since the last flush to the counter."""
+        now = time.perf_counter() if now is None else now
+        self.spent[self.phase] += now - self.since
+        self.since, self.flush_at = now, now + FLUSH_S
+        if self.counter is None:
+            return
+        for name, total in self.spent.items():
+            if total > self.flushed[name]:
+                self.counter.labels(phase=name).inc(total - self.flushed[name])
+                self.flushed[name] = total
+
+
+class NoPhases:
+    """A ``Phases`` that measures nothing (a sampler without metrics: unit tests)."""
+
+    phase = "startup"
+
+    def to(self, phase: str) -> str:
+        return self.phase
 
 
 def bad_message_counter(m: SimpleNamespace):
