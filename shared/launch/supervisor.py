@@ -232,10 +232,15 @@ def supervisord_pid(run_dir: Path) -> int | None:
         pid = int((run_dir / "supervisord.pid").read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
+    return pid if _of_run(pid, run_dir) else None
+
+
+def _of_run(pid: int, run_dir: Path) -> bool:
+    """Whether process ``pid`` is one of the run's (its arguments name the run directory)."""
     try:
-        return pid if Path(run_dir).resolve() in _run_dirs_named(Path(f"/proc/{pid}")) else None
+        return Path(run_dir).resolve() in _run_dirs_named(Path(f"/proc/{pid}"))
     except OSError:  # no such process (any more)
-        return None
+        return False
 
 
 def running(run_dir: Path) -> bool:
@@ -290,7 +295,9 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
             _signal(pid, signal.SIGKILL)  # a stopped process takes no SIGTERM, a hung one may ignore it
         except xmlrpc.client.Error:
             pass  # it answered, with a fault: already shutting down (another stop)
-        while supervisord_pid(run_dir) is not None and time.monotonic() < deadline:
+        # supervisord removes its pidfile before it has exited: wait for the process itself, or
+        # what is left of its exit would be taken for an orphan of the run.
+        while _of_run(pid, run_dir) and time.monotonic() < deadline:
             time.sleep(0.05)
             _nudge(run_dir)
             _terminate_unguarded(run_dir)
