@@ -6,8 +6,8 @@ flip an argmax) and written by the learner's checkpoint writer into a run direct
 in every format (ONNX run by onnxruntime, the others loaded back) then plays the same greedy
 actions and values as the agent's own ``step`` on >= 500 observations from the env: PPO and
 DQN on CartPole, SAC on Pendulum with a non-trivial observation normaliser, recurrent PPO
-step by step over 50-step episodes with its state fed back, and PPO on a Dict observation
-whose leaves are named inputs.
+step by step over 50-step episodes with its state fed back, PPO on a Dict observation
+whose leaves are named inputs, and PPO and DQN with an action mask among their inputs.
 """
 
 from __future__ import annotations
@@ -228,6 +228,31 @@ def test_each_leaf_of_a_dict_observation_is_a_named_input(tmp_path):
     got_action, got_value = session.run(None, batch)
     np.testing.assert_array_equal(got_action, action.numpy())
     np.testing.assert_allclose(got_value, info.value.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["masked_choice_ppo.toml", "masked_choice_dqn.toml"])
+def test_an_action_mask_is_an_input_and_the_export_plays_the_agents_legal_actions(tmp_path, name):
+    """rlpipe/MaskedChoice-v0 (about half of the actions illegal at each step): the export's
+    greedy actions are the agent's on 500 env observations, every one legal; with the mask
+    input set to all ones they differ, so the mask is in the graph, not in the weights."""
+    cfg = config(name, agent={"eps_eval": 0.0}) if "dqn" in name else config(name)
+    run_dir = checkpointed_run(tmp_path / "run", cfg)
+    exp, agent = loaded(run_dir)
+    observations = env_observations(exp)
+    batch = {k: np.stack([o[k] for o in observations]) for k in ("action_mask", "cue")}
+    probe = env_probe(exp)
+    tree = type(probe.example_observation())(**batch)
+    probe.close()
+    with torch.inference_mode():
+        action, _ = agent.step(tree, EVALUATE)
+    path = export.export(run_dir, "onnx", tmp_path / "out")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [(i.name, i.type) for i in session.get_inputs()] == [("action_mask", "tensor(int8)"), ("cue", "tensor(float)")]
+    got = session.run(None, batch)[0]
+    np.testing.assert_array_equal(got, action.numpy())
+    assert batch["action_mask"].astype(bool)[np.arange(OBSERVATIONS), got].all()
+    unmasked = session.run(None, {**batch, "action_mask": np.ones_like(batch["action_mask"])})[0]
+    assert (unmasked != got).mean() > 0.1
 
 
 # ------------------------------------------------------------------ bad input: one line each
