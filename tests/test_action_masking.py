@@ -93,6 +93,7 @@ AGENTS = {
                           quantiles=QuantileHead(n_cosines=8, acting_samples=4)),
     "r2d1": lambda: QAgent(EXAMPLE, gym.spaces.Discrete(A), replace(MODEL, lstm_size=8), QCFG, obs_space=SPACE),
 }
+torch.manual_seed(0)
 BUILT = {name: _moved(make()) for name, make in AGENTS.items()}
 MASKS = st.integers(1, 16).flatmap(lambda b: arrays(np.bool_, (b, A)))
 
@@ -183,23 +184,27 @@ def _transitions(n: int, only: int, seed: int = 0) -> Transition:
 def test_dqn_bootstraps_from_the_best_legal_action(name, double):
     """With one legal action at every bootstrap observation, the target is r + d Q_target(s', that
     action) whatever the online and target nets think of the illegal ones."""
-    agent = AGENTS[name]()
-    algo = DQN(agent, DQNConfig(double=double))
+    torch.manual_seed(0)
+    algo = DQN(_moved(AGENTS[name]()), DQNConfig(double=double))
+    unmasked_differs = []
     for only in range(A):
         batch = _transitions(64, only)
         with torch.no_grad():
             q_next = algo.target.q_values(batch.bootstrap_observation)
         want = (batch.return_ + batch.bootstrap_discount * q_next[:, only]).mean().item()
-        assert q_next.argmax(-1).ne(only).any()  # unmasked, some other action would be picked
+        unmasked_differs.append(bool(q_next.argmax(-1).ne(only).any()))
         stats = algo.update(batch, 0.0).stats
         assert stats["target_mean"] == pytest.approx(want, rel=1e-5)
-        algo._update_target()  # the next round's target net is the updated one; recompute from it
+    # Unmasked, other actions would have been picked in every round but (at most) the one where
+    # the legal action is the one the net prefers anyway.
+    assert sum(unmasked_differs) >= A - 1, unmasked_differs
 
 
 def test_r2d1_bootstraps_from_the_best_legal_action():
     """R2D1's targets: y_t = h(R_t + d_t h^-1(Q_target(s_{t+m}, a*))) with a* the masked argmax
     at the bootstrap step; with one legal action there, a* is that action."""
     L, n, only = 12, 4, 2
+    torch.manual_seed(0)
     agent = _moved(AGENTS["r2d1"]())
     algo = R2D1(agent, R2D1Config(burn_in=2, n_step=3))
     g = torch.Generator().manual_seed(0)
