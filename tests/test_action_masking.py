@@ -26,10 +26,11 @@ from services.evaluator.episodes import play
 from shared.agents import EVALUATE, StepContext
 from shared.agents.acting import numpy_actor
 from shared.agents.actor import Actor, acting_plan, state_arrays
-from shared.agents.config import Memory, ModelConfig, QAgentConfig, QuantileHead, RnnState
+from shared.agents.config import Memory, ModelConfig, QAgentConfig, QpgAgentConfig, QuantileHead, RnnState
 from shared.agents.masking import MASKED_LOGIT, legal, mask_path
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
+from shared.agents.qpg import SacAgent
 from shared.algos.hparams import DQNConfig, R2D1Config
 from shared.algos.dqn import DQN
 from shared.algos.r2d1 import R2D1, sequence_targets, h, h_inv
@@ -255,6 +256,17 @@ def test_a_mask_the_env_does_not_have_is_one_config_error_line(overrides, messag
     finally:
         probe.close()
     assert "\n" not in str(e.value) and str(e.value).endswith(message), str(e.value)
+
+
+def test_a_mask_with_box_actions_is_a_config_error():
+    """DDPG/TD3/SAC (and a Gaussian PPO) have no actions to mask: an env offering a mask says so."""
+    example = MultiObs(action_mask=np.ones(2, np.int8), x=np.zeros(3, np.float32))
+    box = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    for make in (lambda: PgAgent(example, box, MODEL), lambda: SacAgent(example, box, MODEL, QpgAgentConfig())):
+        with pytest.raises(ValueError, match="model.action_mask: the observation has a mask 'action_mask', but masks "
+                                             "need a Discrete or MultiDiscrete action space"):
+            make()
+    PgAgent(example, box, replace(MODEL, action_mask=""))  # turned off: the leaf is one more input
 
 
 def test_auto_masks_only_where_the_key_is_and_empty_turns_masking_off():
