@@ -297,7 +297,7 @@ def test_evaluation_episodes_play_no_illegal_action(config):
 @pytest.mark.parametrize("config", ["masked_choice_ppo.toml", "masked_choice_dqn.toml"])
 def test_serial_mode_learns_the_masked_task_without_an_illegal_action(tmp_path, config):
     result = api.train_serial(api.experiment(CONFIGS / config, [f"run.runs_dir='{tmp_path}'"]), out=io.StringIO())
-    assert result["reason"] == "target" and result["mean_return"] >= 14, result
+    assert result["reason"] == "target" and result["mean_return"] >= 7.5, result
     rows = [r for r in rundirs.read_progress(Path(result["run_dir"])) if int(r["episodes"]) > 0]
     assert rows and all(float(r["mean_length"]) == 16 for r in rows), rows  # an illegal action ends one early
 
@@ -309,7 +309,7 @@ def test_the_pipeline_learns_the_masked_task_without_an_illegal_action(runs, con
     """PPO with a local-inference sampler (numpy acting), DQN with an action-server (torch)."""
     run = runs(config, f"sampler.inference={inference}")
     result = run.wait_result(90)
-    assert result["reason"] == "target" and result["mean_return"] >= 14, result
+    assert result["reason"] == "target" and result["mean_return"] >= 7.5, result
     rows = [r for r in run.progress() if int(r["episodes"]) > 0]
     assert rows and all(float(r["mean_length"]) == 16 for r in rows), rows
     plan = json.loads((run.dir / "acting.json").read_text())["plan"]

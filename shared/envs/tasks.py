@@ -37,15 +37,16 @@ def cartpole_no_velocity(**kwargs) -> gym.Env:
 
 
 class MaskedChoice(gym.Env):
-    """Each step one of ``n_actions`` actions is the target, cued one-hot in ``cue``; the target
-    is legal and every other action is legal with probability ``p_legal``, as the observation's
-    ``action_mask`` (MultiBinary) says. Reward: +1 for the target, 0 for another legal action;
-    an illegal action costs ``penalty`` and terminates the episode. Registered with a 16-step
-    limit: a policy that never plays an illegal action has episodes of exactly 16 steps, the
-    best one a return of 16. A uniformly random legal action earns ~2.6 an episode; uniformly
-    random actions, unmasked, end their episodes after ~2 steps."""
+    """Each step one of ``n_actions`` actions is the target, cued one-hot in ``cue``; every action
+    (the target too) is legal with probability ``p_legal`` (one at random if that leaves none),
+    as the observation's ``action_mask`` (MultiBinary) says. Reward: +1 for the target, 0 for
+    another legal action; an illegal action costs ``penalty`` and terminates the episode.
+    Registered with a 16-step limit: a policy that never plays an illegal action has episodes
+    of exactly 16 steps, the best one (the target when it is legal, else any legal action) a
+    return of ~8. Masked, "prefer the target" is all there is to learn; unmasked, a policy
+    must also read from the mask when the target is illegal and what else is legal."""
 
-    def __init__(self, n_actions: int = 6, p_legal: float = 0.4, penalty: float = 1.0):
+    def __init__(self, n_actions: int = 6, p_legal: float = 0.5, penalty: float = 1.0):
         self.n_actions, self.p_legal, self.penalty = n_actions, p_legal, penalty
         self.observation_space = gym.spaces.Dict({"cue": gym.spaces.Box(0.0, 1.0, (n_actions,), np.float32),
                                                   "action_mask": gym.spaces.MultiBinary(n_actions)})
@@ -54,7 +55,8 @@ class MaskedChoice(gym.Env):
     def _draw(self) -> dict:
         self.target = int(self.np_random.integers(self.n_actions))
         self.legal = self.np_random.random(self.n_actions) < self.p_legal
-        self.legal[self.target] = True
+        if not self.legal.any():
+            self.legal[self.np_random.integers(self.n_actions)] = True
         cue = np.zeros(self.n_actions, np.float32)
         cue[self.target] = 1.0
         return {"cue": cue, "action_mask": self.legal.astype(np.int8)}
