@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -293,10 +294,19 @@ def test_evaluation_episodes_play_no_illegal_action(config):
     assert len(returns) == 32 and returns.min() >= 0, returns
 
 
+def _serial_config(name: str, runs_dir: Path) -> dict:
+    """The shipped PPO or DQN config, or A2C on the PPO one's env, sampler and model (a dict of the TOML's)."""
+    cfg = tomllib.loads((CONFIGS / f"masked_choice_{'dqn' if name == 'dqn' else 'ppo'}.toml").read_text())
+    if name == "a2c":
+        cfg.update(algo={"name": "a2c", "lr": 3e-3, "gamma": 0.9}, sampler={"count": 1, "envs": 16, "horizon": 5})
+    cfg["run"]["runs_dir"] = str(runs_dir)
+    return cfg
+
+
 @pytest.mark.learning
-@pytest.mark.parametrize("config", ["masked_choice_ppo.toml", "masked_choice_dqn.toml"])
-def test_serial_mode_learns_the_masked_task_without_an_illegal_action(tmp_path, config):
-    result = api.train_serial(api.experiment(CONFIGS / config, [f"run.runs_dir='{tmp_path}'"]), out=io.StringIO())
+@pytest.mark.parametrize("name", ["ppo", "a2c", "dqn"])
+def test_serial_mode_learns_the_masked_task_without_an_illegal_action(tmp_path, name):
+    result = api.train_serial(api.experiment(_serial_config(name, tmp_path)), out=io.StringIO())
     assert result["reason"] == "target" and result["mean_return"] >= 7.5, result
     rows = [r for r in rundirs.read_progress(Path(result["run_dir"])) if int(r["episodes"]) > 0]
     assert rows and all(float(r["mean_length"]) == 16 for r in rows), rows  # an illegal action ends one early
