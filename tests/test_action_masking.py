@@ -4,7 +4,7 @@ and a torch-acting sampler's step, evaluation) and in numpy (a local sampler's a
 PPO's log-probabilities and entropy are over the legal actions; DQN's and R2D1's bootstrap
 actions are legal ones; a mask the config names wrongly is one line. The learning checks run
 rlpipe/MaskedChoice-v0 (shared/envs/tasks.py) through the pipeline in both inference modes
-and in serial mode."""
+(PPO, DQN) and in serial mode (PPO, A2C, DQN, R2D1)."""
 
 from __future__ import annotations
 
@@ -295,16 +295,22 @@ def test_evaluation_episodes_play_no_illegal_action(config):
 
 
 def _serial_config(name: str, runs_dir: Path) -> dict:
-    """The shipped PPO or DQN config, or A2C on the PPO one's env, sampler and model (a dict of the TOML's)."""
-    cfg = tomllib.loads((CONFIGS / f"masked_choice_{'dqn' if name == 'dqn' else 'ppo'}.toml").read_text())
+    """The shipped PPO or DQN config; A2C on the PPO one's env, sampler and model; R2D1 on the
+    DQN one's, with a small LSTM on 8-step sequences (a dict of the TOML's)."""
+    cfg = tomllib.loads((CONFIGS / f"masked_choice_{'ppo' if name in ('ppo', 'a2c') else 'dqn'}.toml").read_text())
     if name == "a2c":
         cfg.update(algo={"name": "a2c", "lr": 3e-3, "gamma": 0.9}, sampler={"count": 1, "envs": 16, "horizon": 5})
+    if name == "r2d1":
+        cfg["model"].update(hidden_sizes=[32], activation="relu", lstm_size=16)
+        cfg["replay"].update(table="sequence", capacity=10000, sequence_length=8, sequence_period=4,
+                             samples_per_insert=2.0, min_size_to_sample=100)
+        cfg["algo"] = {"name": "r2d1", "lr": 1e-3, "batch_size": 16, "burn_in": 0, "n_step": 1, "gamma": 0.9}
     cfg["run"]["runs_dir"] = str(runs_dir)
     return cfg
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("name", ["ppo", "a2c", "dqn"])
+@pytest.mark.parametrize("name", ["ppo", "a2c", "dqn", "r2d1"])
 def test_serial_mode_learns_the_masked_task_without_an_illegal_action(tmp_path, name):
     result = api.train_serial(api.experiment(_serial_config(name, tmp_path)), out=io.StringIO())
     assert result["reason"] == "target" and result["mean_return"] >= 7.5, result
