@@ -177,8 +177,8 @@ class QAgent(nn.Module):
         """Epsilon-greedy actions for obs tree [B, ...].
 
         ``epsilon``: a float for all rows or one per row [B].
-        Returns action int64 [B] in 0..A-1 and QAgentInfo(value float32 [B] = max_a Q).
-        """
+        Returns action int64 [B] in 0..A-1 and QAgentInfo(value float32 [B] = max_a Q, over the
+        legal actions with an action mask)."""
         action, value = self._pick(self.q_values(obs), epsilon, self.legal_actions(obs))
         return action, QAgentInfo(value=value)
 
