@@ -4,7 +4,7 @@ and a torch-acting sampler's step, evaluation) and in numpy (a local sampler's a
 PPO's log-probabilities and entropy are over the legal actions; DQN's and R2D1's bootstrap
 actions are legal ones; a mask the config names wrongly is one line. The learning checks run
 rlpipe/MaskedChoice-v0 (shared/envs/tasks.py) through the pipeline in both inference modes
-(PPO, DQN) and in serial mode (PPO, A2C, DQN, R2D1)."""
+(PPO, DQN) and in serial mode (PPO, A2C, DQN, R2D1, PQN)."""
 
 from __future__ import annotations
 
@@ -217,12 +217,12 @@ def test_r2d1_bootstraps_from_the_best_legal_action():
     batch = SequenceBatch(
         observation=obs, action=action, reward=torch.randn(L, n, generator=g),
         terminated=torch.zeros(L, n, dtype=torch.bool), truncated=torch.zeros(L, n, dtype=torch.bool),
-        prev_action=torch.cat([torch.zeros(1, n, dtype=torch.long), action[:-1]]), prev_reward=torch.zeros(L, n),
+        failed=torch.zeros(L, n, dtype=torch.bool), prev_action=torch.cat([torch.zeros(1, n, dtype=torch.long), action[:-1]]), prev_reward=torch.zeros(L, n),
         start_state=RnnState(h=torch.randn(n, 1, 8, generator=g), c=torch.randn(n, 1, 8, generator=g)),
         is_weight=torch.ones(n), policy_version=torch.zeros(n, dtype=torch.long))
     _, extra = algo.loss(batch)
     cfg = algo.cfg
-    tg = sequence_targets(batch.reward, batch.terminated, batch.truncated, cfg.n_step, cfg.gamma)
+    tg = sequence_targets(batch.reward, batch.terminated, batch.truncated, cfg.n_step, cfg.gamma, batch.failed)
     memory = Memory(prev_action=batch.prev_action, prev_reward=batch.prev_reward,
                     state=RnnState(h=batch.start_state.h[None], c=batch.start_state.c[None]))
     with torch.no_grad():
@@ -296,7 +296,7 @@ def test_evaluation_episodes_play_no_illegal_action(config):
 
 def _serial_config(name: str, runs_dir: Path) -> dict:
     """The shipped PPO or DQN config; A2C on the PPO one's env, sampler and model; R2D1 on the
-    DQN one's, with a small LSTM on 8-step sequences (a dict of the TOML's)."""
+    DQN one's, with a small LSTM on 8-step sequences; PQN (a dict of the TOML's)."""
     cfg = tomllib.loads((CONFIGS / f"masked_choice_{'ppo' if name in ('ppo', 'a2c') else 'dqn'}.toml").read_text())
     if name == "a2c":
         cfg.update(algo={"name": "a2c", "lr": 3e-3, "gamma": 0.9}, sampler={"count": 1, "envs": 16, "horizon": 5})
@@ -305,12 +305,17 @@ def _serial_config(name: str, runs_dir: Path) -> dict:
         cfg["replay"].update(table="sequence", capacity=10000, sequence_length=8, sequence_period=4,
                              samples_per_insert=2.0, min_size_to_sample=100)
         cfg["algo"] = {"name": "r2d1", "lr": 1e-3, "batch_size": 16, "burn_in": 0, "n_step": 1, "gamma": 0.9}
+    if name == "pqn":  # the shipped CartPole config's network and settings, one hidden layer, gamma 0.9
+        pqn = tomllib.loads((CONFIGS / "cartpole_pqn.toml").read_text())
+        cfg.update(model=dict(pqn["model"], hidden_sizes=[64]), agent=dict(pqn["agent"], eps_decay_steps=3000),
+                   sampler=pqn["sampler"], learner=pqn["learner"], algo=dict(pqn["algo"], gamma=0.9))
+        del cfg["replay"]
     cfg["run"]["runs_dir"] = str(runs_dir)
     return cfg
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("name", ["ppo", "a2c", "dqn", "r2d1"])
+@pytest.mark.parametrize("name", ["ppo", "a2c", "dqn", "r2d1", "pqn"])
 def test_serial_mode_learns_the_masked_task_without_an_illegal_action(tmp_path, name):
     result = api.train_serial(api.experiment(_serial_config(name, tmp_path)), out=io.StringIO())
     assert result["reason"] == "target" and result["mean_return"] >= 7.5, result

@@ -116,6 +116,11 @@ class QAgent(nn.Module):
             return None
         return torch.as_tensor(legal(obs, self.mask_path)).to(self.device)
 
+    def greedy_values(self, obs) -> torch.Tensor:
+        """max_a Q(obs, a) float32 [N] over the legal actions (all, without an action mask) for
+        obs tree [N, ...], with grad."""
+        return masked(self.q_values(obs), self.legal_actions(obs), -math.inf).max(-1).values
+
     def q_sequence(self, obs, memory: Memory, reset: torch.Tensor | None = None) -> torch.Tensor:
         """Recurrent agents: Q [T, B, A] over whole sequences, with grad: obs tree [T, B, ...],
         their stored ``memory`` [T, B] (the state at step 0 is the one used, [cores = 1, H]) and ``reset``
