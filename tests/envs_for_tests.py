@@ -186,3 +186,12 @@ def make_env_failing_under_supervisord() -> gym.Env:
     if os.environ.get("SUPERVISOR_ENABLED"):
         raise RuntimeError("simulated start-up crash of a service")
     return gym.make("CartPole-v1")
+
+
+def make_wrong_mask_env() -> gym.Env:
+    """MaskedChoice with one action more than its ``action_mask`` has entries (a config error)."""
+    from shared.envs.tasks import MaskedChoice
+
+    env = MaskedChoice(6)
+    env.action_space = spaces.Discrete(7)
+    return env

@@ -6,8 +6,8 @@ flip an argmax) and written by the learner's checkpoint writer into a run direct
 in every format (ONNX run by onnxruntime, the others loaded back) then plays the same greedy
 actions and values as the agent's own ``step`` on >= 500 observations from the env: PPO and
 DQN on CartPole, SAC on Pendulum with a non-trivial observation normaliser, recurrent PPO
-step by step over 50-step episodes with its state fed back, and PPO on a Dict observation
-whose leaves are named inputs.
+step by step over 50-step episodes with its state fed back, PPO on a Dict observation
+whose leaves are named inputs, and PPO and DQN with an action mask among their inputs.
 """
 
 from __future__ import annotations
@@ -212,22 +212,44 @@ def test_a_recurrent_export_carries_its_state_as_inputs_and_outputs(tmp_path):
         np.testing.assert_allclose([v for _, v in got], [v for _, v in expected], atol=1e-4, err_msg=fmt)
 
 
-def test_each_leaf_of_a_dict_observation_is_a_named_input(tmp_path):
-    run_dir = checkpointed_run(tmp_path / "run", {"env": {"id": "tests.envs_for_tests:make_image_cartpole"}})
+def dict_export(tmp_path: Path, cfg: dict, n: int):
+    """A Dict-observation run's ONNX session, ``n`` env observations as its inputs {key: [n, ...]},
+    and the agent's greedy step on them (action, info)."""
+    run_dir = checkpointed_run(tmp_path / "run", cfg)
     exp, agent = loaded(run_dir)
-    observations = env_observations(exp, 64)
-    batch = {k: np.stack([o[k] for o in observations]) for k in ("image", "state")}
+    observations = env_observations(exp, n)
+    batch = {k: np.stack([o[k] for o in observations]) for k in observations[0]}
     probe = env_probe(exp)
     tree = type(probe.example_observation())(**batch)
     probe.close()
     with torch.inference_mode():
         action, info = agent.step(tree, EVALUATE)
     path = export.export(run_dir, "onnx", tmp_path / "out")
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]), batch, action, info
+
+
+def test_each_leaf_of_a_dict_observation_is_a_named_input(tmp_path):
+    session, batch, action, info = dict_export(tmp_path, {"env": {"id": "tests.envs_for_tests:make_image_cartpole"}},
+                                               64)
     assert [(i.name, i.type) for i in session.get_inputs()] == [("image", "tensor(uint8)"), ("state", "tensor(float)")]
     got_action, got_value = session.run(None, batch)
     np.testing.assert_array_equal(got_action, action.numpy())
     np.testing.assert_allclose(got_value, info.value.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["masked_choice_ppo.toml", "masked_choice_dqn.toml"])
+def test_an_action_mask_is_an_input_and_the_export_plays_the_agents_legal_actions(tmp_path, name):
+    """rlpipe/MaskedChoice-v0 (about half of the actions illegal at each step): the export's
+    greedy actions are the agent's on 500 env observations, every one legal; with the mask
+    input set to all ones they differ, so the mask is in the graph, not in the weights."""
+    cfg = config(name, agent={"eps_eval": 0.0}) if "dqn" in name else config(name)
+    session, batch, action, _ = dict_export(tmp_path, cfg, OBSERVATIONS)
+    assert [(i.name, i.type) for i in session.get_inputs()] == [("action_mask", "tensor(int8)"), ("cue", "tensor(float)")]
+    got = session.run(None, batch)[0]
+    np.testing.assert_array_equal(got, action.numpy())
+    assert batch["action_mask"].astype(bool)[np.arange(OBSERVATIONS), got].all()
+    unmasked = session.run(None, {**batch, "action_mask": np.ones_like(batch["action_mask"])})[0]
+    assert (unmasked != got).mean() > 0.1
 
 
 # ------------------------------------------------------------------ bad input: one line each

@@ -20,6 +20,7 @@ from shared.agents.actor import Actor, acting_plan, state_arrays
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.agents.qpg import SacAgent
+from shared.data.namedarraytuple import namedarraytuple
 from shared.transport.params import ParamFollower, ParamWriter, StateArrays
 
 OBS = np.zeros(4, np.float32)
@@ -132,6 +133,27 @@ def test_the_actor_follows_parameters_loaded_in_place():
     after = actor.step(obs, EVALUATE)[1].value
     assert not np.allclose(before, want)
     np.testing.assert_allclose(after, want, atol=ATOL)
+
+
+@pytest.mark.parametrize("family", ["pg", "q"])
+def test_a_dict_of_flat_leaves_acts_in_numpy_as_in_torch(family):
+    """Leaves the encoder flattens as they are (a float vector, a small uint8 map scaled by
+    ``uint8_scale``) are concatenated in field order in numpy too."""
+    Obs = namedarraytuple("Obs", ["img", "x"])
+    example = Obs(img=np.zeros((2, 2), np.uint8), x=np.zeros(3, np.float32))
+    torch.manual_seed(0)
+    model = ModelConfig(hidden_sizes=(16,))
+    agent = PgAgent(example, gym.spaces.Discrete(3), model) if family == "pg" else \
+        QAgent(example, gym.spaces.Discrete(3), model, QAgentConfig(eps_eval=0.0))
+    plan = acting_plan(agent)
+    assert plan["inputs"] == [["img", pytest.approx(1 / 255)], ["x", 1.0]] and plan["mask"] is None
+    rng = np.random.default_rng(0)
+    obs = Obs(img=rng.integers(0, 256, (64, 2, 2)).astype(np.uint8), x=rng.normal(size=(64, 3)).astype(np.float32))
+    with torch.no_grad():
+        want_action, want = agent.step(obs, EVALUATE)
+    action, info = _numpy_actor(agent).step(obs, EVALUATE)
+    np.testing.assert_array_equal(action, want_action.numpy())
+    np.testing.assert_allclose(info.value, want.value.numpy(), atol=ATOL)
 
 
 def test_agents_the_numpy_step_does_not_cover_act_in_torch():

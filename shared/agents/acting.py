@@ -15,8 +15,10 @@ space's shape, where the observation statistics are. ``shared.agents.actor.actin
 makes it from a torch agent, for the agents whose acting is a plain stack of linear layers
 on one vector observation: ``PgAgent`` (categorical: Discrete, MultiDiscrete; diagonal
 Gaussian: Box) and ``QAgent`` (scalar, C51 or QR-DQN head, plain or dueling), feed-forward,
-with or without observation normalisation, on the CPU. Every other agent (recurrent, image
-or dict observations, IQN, DDPG/TD3/SAC) has no plan and acts in torch. IQN's step is not a
+with or without observation normalisation, on the CPU; on one vector or on a Dict of leaves
+the encoder flattens as they are (no image, no one-hot leaf), with an action mask among
+them or not (``shared.agents.masking``: the same masked picks as the torch agents). Every
+other agent (recurrent, image or one-hot leaves, IQN, DDPG/TD3/SAC) has no plan and acts in torch. IQN's step is not a
 stack of linear layers on the observation: it draws K fractions per row, embeds them with
 cosines and multiplies them into the features, so its head runs on K rows per observation;
 the plan format does not describe that, and IQN acts in torch.
@@ -39,6 +41,8 @@ import numpy as np
 
 from shared.agents.config import AgentInfo, QAgentConfig, QAgentInfo
 from shared.agents import HALF_LOG_2PI, StepContext
+from shared.agents.masking import legal, masked, random_legal
+from shared.data.namedarraytuple import leaves
 
 ACTING_FILE = "acting.json"
 _ACTIVATIONS = {"tanh": lambda x: np.tanh(x, out=x), "relu": lambda x: np.maximum(x, 0.0, out=x), None: None}
@@ -84,6 +88,10 @@ class NumpyActor:
         self.trunks = [_Mlp(layers, arrays) for layers in plan["trunks"]]
         norm = plan["norm"]
         self.norm = None if norm is None else (arrays[norm["mean"]], arrays[norm["var"]], float(norm["clip"]))
+        self.inputs = plan.get("inputs")
+        """(path, scale) of the observation's leaves, flattened and concatenated; None: one vector as is."""
+        self.mask = plan.get("mask")
+        """The action mask's path in the observation (``shared.agents.masking``), or None."""
 
     def __call__(self, obs, env_index: np.ndarray, first: np.ndarray, reward: np.ndarray, env_steps: int,
                  envs_total: int):
@@ -94,8 +102,14 @@ class NumpyActor:
         return self.step(obs, StepContext(env_index=env_index, first=first, reward=reward, env_steps=env_steps,
                                           envs_total=envs_total))
 
-    def _features(self, obs: np.ndarray) -> list[np.ndarray]:
-        x = np.asarray(obs, dtype=np.float32)
+    def _features(self, obs) -> list[np.ndarray]:
+        if self.inputs is None:
+            x = np.asarray(obs, dtype=np.float32)
+        else:  # as the torch Encoder's flattening parts: each leaf [N, ...] -> float32 [N, size], times its scale
+            tree = dict(leaves(obs))
+            flat = [tree[path].reshape(len(tree[path]), -1).astype(np.float32) * np.float32(scale)
+                    for path, scale in self.inputs]
+            x = np.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
         if self.norm is not None:
             mean, var, clip = self.norm
             x = np.clip((x - mean.astype(np.float32)) / np.sqrt(var.astype(np.float32) + 1e-8), -clip, clip)
@@ -129,6 +143,7 @@ class NumpyPgActor(NumpyActor):
             action = mean + noise * np.exp(log_std)
             log_prob = (-0.5 * noise * noise - log_std - HALF_LOG_2PI).reshape(len(mean), -1).sum(-1)
             return action, AgentInfo(log_prob=log_prob.astype(np.float32), value=value)
+        out = masked(out, legal(obs, self.mask))
         picks, log_prob, start = [], np.zeros(len(out), np.float32), 0
         for n in self.nvec:
             logits = out[:, start:start + n]
@@ -166,8 +181,12 @@ class NumpyQActor(NumpyActor):
             q = (p * self.support).sum(-1) / p.sum(-1)
         eps = self.cfg.eps_eval if ctx.greedy else self.cfg.epsilon(ctx.env_steps, *ctx.rows(n))
         explore = self.rng.random(n) < eps
-        action = np.where(explore, self.rng.integers(self.n_actions, size=n), q.argmax(-1))
-        return action.astype(np.int64), QAgentInfo(value=q.max(-1).astype(np.float32))
+        ok = legal(obs, self.mask)
+        random = self.rng.integers(self.n_actions, size=n) if ok is None else \
+            random_legal(self.rng.random((n, self.n_actions)), ok)
+        best = masked(q, ok, -np.inf)  # as QAgent._pick
+        action = np.where(explore, random, best.argmax(-1))
+        return action.astype(np.int64), QAgentInfo(value=best.max(-1).astype(np.float32))
 
 
 def numpy_actor(plan: dict, arrays: Mapping[str, np.ndarray], agent_cfg, rng: np.random.Generator) -> NumpyActor:
@@ -193,6 +212,10 @@ def check_plan(plan, arrays: Mapping[str, np.ndarray]) -> None:
         members = [(w, m) for w, _, _, *m in layers if m and w in arrays]
         strays = [f"{w}[{m[0]}]" for w, m in members
                   if not (isinstance(m[0], int) and arrays[w].ndim == 3 and 0 <= m[0] < len(arrays[w]))]
+        inputs, mask = plan.get("inputs") or [], plan.get("mask")
+        if not all(isinstance(path, str) and float(scale) > 0 for path, scale in inputs) or \
+                not isinstance(mask, (str, type(None))):
+            raise ValueError("inputs must be [path, scale > 0] pairs and mask a path or None")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"acting plan: malformed ({type(e).__name__}: {e}): {str(plan)[:200]}") from None
     if missing or bad or strays:

@@ -43,11 +43,15 @@ def acting_plan(agent) -> dict | None:
                 for k, (w, b) in enumerate(zip(twin.weights, twin.biases))]
 
     def trunk(encoder: Encoder | None) -> list | None:
-        return None if encoder is None or not encoder.vector_only else layers(encoder.trunk)
+        flat = isinstance(encoder, Encoder) and (encoder.vector_only or encoder.flat_inputs() is not None)
+        return layers(encoder.trunk) if flat else None
 
     norm = agent.obs_norm
+    encoder = agent.encoder if isinstance(agent, QAgent) else getattr(agent, "pi_encoder", None)
+    inputs = None if not isinstance(encoder, Encoder) or encoder.vector_only else encoder.flat_inputs()
     plan = {"norm": None if norm is None else
-            {"mean": fields[id(norm.mean)], "var": fields[id(norm.var)], "clip": float(norm.clip)}}
+            {"mean": fields[id(norm.mean)], "var": fields[id(norm.var)], "clip": float(norm.clip)},
+            "inputs": inputs and [list(i) for i in inputs], "mask": getattr(agent, "mask_path", None)}
     if isinstance(agent, PgAgent):
         plan.update(family="pg", trunks=[trunk(agent.pi_encoder)] + ([] if agent.v_encoder is None else
                                                                      [trunk(agent.v_encoder)]), kind=agent.kind)

@@ -74,6 +74,12 @@ class ModelConfig:
     """Feed the previous action (one-hot for discrete spaces) to the LSTM with the features."""
     lstm_prev_reward: bool = False
     """Feed the previous reward to the LSTM with the features."""
+    action_mask: str = "auto"
+    """The observation key of the legal actions (``shared.agents.masking``): "auto" = ``action_mask``
+    where a Dict observation has it, a key path (``"legal"``, ``"inner.mask"``) = that leaf, which
+    must exist, "" = no masking. The leaf is MultiBinary(n) or a bool Box of n, n = the Discrete
+    space's size (sum(nvec) for MultiDiscrete); PPO, A2C and the DQN family (R2D1 too) never pick
+    an illegal action, in acting, evaluation, export and the DQN targets' bootstrap action."""
 
     def __post_init__(self) -> None:
         if self.activation not in ACTIVATIONS:

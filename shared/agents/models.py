@@ -379,9 +379,12 @@ class Encoder(nn.Module):
     each by its own part (``NatureCNN``, ``MinAtarCNN`` or flatten), concatenated, then the MLP trunk.
     """
 
-    def __init__(self, leaf_shapes: list[tuple[int, ...]], parts: list[nn.Module], trunk: MLP) -> None:
+    def __init__(self, leaf_shapes: list[tuple[int, ...]], parts: list[nn.Module], trunk: MLP,
+                 leaf_paths: list[str] | None = None) -> None:
         super().__init__()
         self.leaf_shapes = leaf_shapes
+        self.leaf_paths = leaf_paths or [""] * len(parts)
+        """Each leaf's dotted path in the observation tree ("" for a single array)."""
         self.parts = nn.ModuleList(parts)
         self.trunk = trunk
         self.out_dim = trunk.out_dim
@@ -389,6 +392,13 @@ class Encoder(nn.Module):
         # to the trunk, skipping the per-leaf machinery on the acting hot path.
         self.vector_only = (len(parts) == 1 and isinstance(parts[0], _Flatten) and parts[0].scale == 1.0
                              and len(leaf_shapes[0]) == 1)
+
+    def flat_inputs(self) -> list[tuple[str, float]] | None:
+        """(path, scale) of each leaf when every one is flattened as is (no CNN, no one-hot):
+        the features are then a plain concatenation, which the numpy actor can compute."""
+        if not all(isinstance(p, _Flatten) for p in self.parts):
+            return None
+        return [(path, p.scale) for path, p in zip(self.leaf_paths, self.parts)]
 
     def forward(self, obs) -> torch.Tensor:
         if self.vector_only and isinstance(obs, torch.Tensor) and obs.dim() == 2 and obs.dtype == torch.float32:
@@ -502,5 +512,5 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
         raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
     trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm)
-    encoder = Encoder(shapes, parts, trunk)
+    encoder = Encoder(shapes, parts, trunk, [path for path, _ in example])
     return encoder, encoder.out_dim

@@ -19,6 +19,7 @@ from torch.distributions import Normal
 
 from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
+from shared.agents.masking import legal, mask_path, masked
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import leading_len, map_leaves
@@ -37,6 +38,10 @@ class PgAgent(nn.Module):
 
     Separate policy and value networks on an observation without learned encoders (vectors,
     flattened maps: no CNN, no LSTM) are one two-member ``EnsembleMLP``, ``twin``.
+
+    With an action mask (``ModelConfig.action_mask``) the illegal actions' logits are
+    ``masking.MASKED_LOGIT`` in ``step``, ``evaluate`` and export: never sampled, no share of
+    the log-probabilities or the entropy.
 
     Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
     policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each
@@ -74,6 +79,9 @@ class PgAgent(nn.Module):
             )
         # Discrete actions are indices 0..n-1 (as shared.envs.group specifies); EnvGroup adds a
         # space's ``start`` when it hands them to the env.
+        self.mask_path = mask_path(cfg.action_mask, obs_example, None if self.kind == "box" else sum(self.nvec),
+                                   obs_space)
+        """Where the observation holds the legal actions (``shared.agents.masking``), or None."""
 
         self.obs_norm = make_obs_norm(obs_example, cfg)
         self.twin = None
@@ -148,6 +156,7 @@ class PgAgent(nn.Module):
             action = mean + noise * log_std.exp()
             log_prob = (-0.5 * noise.square() - log_std - HALF_LOG_2PI).flatten(1).sum(-1)
         else:
+            out = masked(out, legal(obs, self.mask_path))
             idx, log_prob = [], 0.0
             for chunk in torch.split(out, self.nvec, dim=-1):
                 # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits).
@@ -176,6 +185,7 @@ class PgAgent(nn.Module):
         """
         obs = obs_to(obs, self.device, self.obs_norm)
         action = torch.as_tensor(action).to(self.device)
+        ok = legal(obs, self.mask_path)
         if self.core is None:
             out, value = self._forward(obs)
         else:
@@ -183,7 +193,8 @@ class PgAgent(nn.Module):
             h = [core(encoder(obs), core_memory(memory, k), reset) for k, (core, encoder) in enumerate(self._cores())]
             out, value = self.pi_head(h[0]), self.v_head(h[-1]).squeeze(-1)
             out, value, action = out.flatten(0, 1), value.flatten(0, 1), action.flatten(0, 1)
-        log_prob, entropy = self._log_prob_entropy(out, action)
+            ok = None if ok is None else ok.flatten(0, 1)
+        log_prob, entropy = self._log_prob_entropy(masked(out, ok), action)
         if self.core is not None:
             log_prob, entropy, value = log_prob.reshape(lead), entropy.reshape(lead), value.reshape(lead)
         return log_prob, entropy, value

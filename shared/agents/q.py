@@ -12,6 +12,8 @@ exactly what the learner publishes.
 
 from __future__ import annotations
 
+import math
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from torch import nn
 
 from shared.agents.config import Memory, ModelConfig, QAgentConfig, QAgentInfo, QuantileHead, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
+from shared.agents.masking import legal, mask_path, masked, random_legal
 from shared.agents.memory import ActingMemory, core_memory, make_core
 from shared.agents.models import MLP, CosineEmbedding, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import leading_len, map_leaves
@@ -33,6 +36,10 @@ class QAgent(nn.Module):
     fixed ``taus`` buffer [T]; IQN: fractions given with each call, the features multiplied by
     their ``CosineEmbedding``). All inputs are moved to the device the module is on; outputs
     live there too.
+
+    With an action mask (``ModelConfig.action_mask``) greedy actions are the argmax over the
+    legal ones and epsilon's random actions uniform over them (``legal_actions`` gives the
+    algorithms the same mask for their bootstrap actions).
 
     Recurrent (``ModelConfig.lstm_size``, R2D1): an ``LstmCore`` sits between encoder and
     head; ``step`` keeps each env's state and returns it in ``RecurrentQAgentInfo``, and
@@ -56,6 +63,8 @@ class QAgent(nn.Module):
                              "head of their own, set it to false")
         self.cfg, self.quantile_head = cfg, quantiles
         self.n_actions = int(action_space.n)
+        self.mask_path = mask_path(model_cfg.action_mask, obs_example, self.n_actions, obs_space)
+        """Where the observation holds the legal actions (``shared.agents.masking``), or None."""
         # Atoms a head row outputs per action: C51's, QR-DQN's quantiles; 1 for scalar Q and IQN
         # (whose quantiles are rows of their own, one per fraction).
         self.n_atoms = cfg.n_atoms if cfg.distributional else (quantiles.n_quantiles if quantiles else 0) or 1
@@ -99,6 +108,18 @@ class QAgent(nn.Module):
         if self.value is not None:
             out = self.value(features).unsqueeze(-2) + out - out.mean(dim=-2, keepdim=True)
         return out if self.per_atom else out.squeeze(-1)
+
+    def legal_actions(self, obs) -> torch.Tensor | None:
+        """bool [*L, A] on the agent's device: the legal actions of obs tree [*L, ...], or None
+        for an agent without an action mask."""
+        if self.mask_path is None:
+            return None
+        return torch.as_tensor(legal(obs, self.mask_path)).to(self.device)
+
+    def greedy_values(self, obs) -> torch.Tensor:
+        """max_a Q(obs, a) float32 [N] over the legal actions (all, without an action mask) for
+        obs tree [N, ...], with grad."""
+        return masked(self.q_values(obs), self.legal_actions(obs), -math.inf).max(-1).values
 
     def q_sequence(self, obs, memory: Memory, reset: torch.Tensor | None = None) -> torch.Tensor:
         """Recurrent agents: Q [T, B, A] over whole sequences, with grad: obs tree [T, B, ...],
@@ -152,7 +173,7 @@ class QAgent(nn.Module):
             memory = self.acting.recall(ctx, n, self.device)
             features = self.encoder(obs_to(obs, self.device, self.obs_norm))
             h, c = self.core.run(features[None], map_leaves(lambda x: x[None], core_memory(memory, 0)))
-            action, value = self._pick(self._from_features(h[0]), eps)
+            action, value = self._pick(self._from_features(h[0]), eps, self.legal_actions(obs))
         self.acting.remember(ctx, action, h[0][:, None], c[0][:, None])
         return action, RecurrentQAgentInfo(value=value, memory=memory)
 
@@ -161,16 +182,21 @@ class QAgent(nn.Module):
         """Epsilon-greedy actions for obs tree [B, ...].
 
         ``epsilon``: a float for all rows or one per row [B].
-        Returns action int64 [B] in 0..A-1 and QAgentInfo(value float32 [B] = max_a Q).
-        """
-        action, value = self._pick(self.q_values(obs), epsilon)
+        Returns action int64 [B] in 0..A-1 and QAgentInfo(value float32 [B] = max_a Q, over the
+        legal actions with an action mask)."""
+        action, value = self._pick(self.q_values(obs), epsilon, self.legal_actions(obs))
         return action, QAgentInfo(value=value)
 
-    def _pick(self, q: torch.Tensor, epsilon) -> tuple[torch.Tensor, torch.Tensor]:
-        """Epsilon-greedy actions [B] and max_a Q [B] for Q [B, A]."""
+    def _pick(self, q: torch.Tensor, epsilon, ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Epsilon-greedy actions [B] and max_a Q [B] for Q [B, A], among the legal actions ``ok``
+        [B, A] (None: all)."""
         B, device = q.shape[0], q.device
         eps = torch.as_tensor(epsilon, dtype=torch.float32, device=device)
         explore = torch.rand(B, device=device) < eps
-        random = torch.randint(self.n_actions, (B,), device=device)
-        return torch.where(explore, random, q.argmax(-1)), q.max(-1).values.float()
+        if ok is None:
+            random = torch.randint(self.n_actions, (B,), device=device)
+        else:
+            random = random_legal(torch.rand(B, self.n_actions, device=device), ok)
+        best = masked(q, ok, -math.inf)
+        return torch.where(explore, random, best.argmax(-1)), best.max(-1).values.float()
 

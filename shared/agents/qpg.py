@@ -25,6 +25,7 @@ from torch import nn
 
 from shared.agents.config import CriticConfig, ModelConfig, QpgAgentConfig, QpgAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
+from shared.agents.masking import mask_path
 from shared.agents.models import MLP, BatchRenorm, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import leading_len
 
@@ -96,6 +97,7 @@ class QpgAgent(nn.Module):
         self.action_dim = low.size
         self.register_buffer("low", torch.as_tensor(low, dtype=torch.float32), persistent=False)
         self.register_buffer("high", torch.as_tensor(high, dtype=torch.float32), persistent=False)
+        mask_path(model_cfg.action_mask, obs_example, None, obs_space)  # a mask here is a config error: Box actions
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
         self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
         self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN)

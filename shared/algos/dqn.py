@@ -9,7 +9,8 @@
   against the target's quantiles, each shifted by r + gamma^m z (QR-DQN, Dabney et al. 2017:
   fixed fractions; IQN, Dabney et al. 2018: N online and N' target fractions drawn afresh per
   item); a scalar one gets the Huber (or squared) TD loss. Bootstrap actions maximise the
-  expectation (C51) or the mean of the quantiles.
+  expectation (C51) or the mean of the quantiles, over the actions legal at the bootstrap
+  observation when the agent has an action mask (``shared.agents.masking``).
 - replay supplies n-step returns, bootstrap discounts (gamma^m, 0 after a termination) and
   importance weights, so one update covers 1- and n-step, uniform and prioritized replay.
   With a dueling, distributional agent, double = True, n-step prioritized replay this is
@@ -32,6 +33,7 @@ from shared.algos.optim import set_lr
 from shared.algos.quantiles import quantile_huber
 from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
+from shared.agents.masking import masked_argmax
 from shared.agents.q import QAgent
 from shared.data.batches import Transition
 
@@ -46,10 +48,10 @@ class DQN(TargetNetworkAlgo):
         self.cfg = cfg
 
     def _bootstrap_action(self, target_q: torch.Tensor, bootstrap_observation) -> torch.Tensor:
-        """a* [N] at the bootstrap observation: argmax of the online net (double) or the target's."""
-        if self.cfg.double:
-            return self.agent.q_values(bootstrap_observation).argmax(-1)
-        return target_q.argmax(-1)
+        """a* [N] at the bootstrap observation: argmax of the online net (double) or the target's,
+        over the actions legal there (the agent's action mask, if it has one)."""
+        q = self.agent.q_values(bootstrap_observation) if self.cfg.double else target_q
+        return masked_argmax(q, self.agent.legal_actions(bootstrap_observation))
 
     def _fractions(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The quantile fractions of the loss: IQN's, fresh U(0, 1) draws for the online [n, N]

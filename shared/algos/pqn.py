@@ -49,21 +49,21 @@ def _flat(x):
 @torch.no_grad()
 def batch_targets(agent, batch: OnPolicyBatch, cfg: PQNConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Q(lambda) targets and the greedy values they were computed from, both [T, B], for a batch
-    on the agent's device: max_a Q from the current network (``recompute_values``) or the
+    on the agent's device: max_a Q (over the legal actions, with an action mask) from the current network (``recompute_values``) or the
     behaviour values stored at sampling time; at truncations max_a Q(final observation) from
     the current network."""
     s = batch.samples
     T, B = s.reward.shape
     cut = s.truncated & ~s.terminated
     if cfg.recompute_values:
-        value = agent.q_values(_flat(s.observation)).max(-1).values.reshape(T, B)
-        bootstrap = agent.q_values(batch.bootstrap_observation).max(-1).values
+        value = agent.greedy_values(_flat(s.observation)).reshape(T, B)
+        bootstrap = agent.greedy_values(batch.bootstrap_observation)
     else:
         value, bootstrap = s.agent_info.value, batch.bootstrap_value
     value = value.float()
     next_value = torch.cat([value[1:], bootstrap[None].float()], dim=0)
     if bool(cut.any()):
-        next_value[cut] = agent.q_values(s.final_observation[cut]).max(-1).values.float()
+        next_value[cut] = agent.greedy_values(s.final_observation[cut]).float()
     returns = q_lambda_returns(s.reward.float(), value, next_value, s.terminated, recursion_ends(s), cfg.gamma,
                                cfg.q_lambda)
     return returns, value

@@ -9,6 +9,7 @@ with the LSTM state the actor started each from. Per update:
    step (its own burn-in included);
 3. n-step double-Q targets inside the sequence on value-rescaled Q:
    ``y_t = h(sum_{k<m} gamma^k r_{t+k} + gamma^m h^-1(Q_target(s_{t+m}, argmax_a Q_online(s_{t+m}, a))))``;
+   with an action mask (``shared.agents.masking``) the argmax is over the actions legal at s_{t+m};
 4. loss 0.5 (y_t - Q(s_t, a_t))^2 averaged over the trained steps of each sequence,
    weighted by the sequence's importance weight; priority of a sequence
    ``eta max_t |td_t| + (1 - eta) mean_t |td_t|`` over its trained steps (a sequence with none
@@ -34,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from shared.agents.config import Memory, RnnState
+from shared.agents.masking import masked_argmax
 from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
@@ -176,7 +178,9 @@ class R2D1(TargetNetworkAlgo):
             online = torch.cat([q_target[:B], q.detach()], 0)  # the first B rows are never read
             boot = tg.bootstrap_index
             picker = online if cfg.double else q_target
-            a_star = picker.gather(0, boot[..., None].expand(-1, -1, picker.shape[-1])).argmax(-1)  # [L, n]
+            at_boot = boot[..., None].expand(-1, -1, picker.shape[-1])
+            ok = agent.legal_actions(batch.observation)  # [L, n, A], or None without an action mask
+            a_star = masked_argmax(picker.gather(0, at_boot), None if ok is None else ok.gather(0, at_boot))  # [L, n]
             q_boot = q_target.gather(0, boot[..., None].expand(-1, -1, q_target.shape[-1]))
             q_boot = q_boot.gather(-1, a_star[..., None]).squeeze(-1)
             if eps > 0:

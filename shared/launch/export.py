@@ -13,6 +13,9 @@ loads it) into a module of plain tensors in and out, which the three formats ser
   [B, A] for Q agents, ``q`` [B, n_critics] Q_i(s, greedy action) for DDPG/TD3/SAC, quantile
   critics averaged over their quantiles), then ``h_out``, ``c_out`` for a recurrent agent.
 
+An action mask (``model.action_mask``, ``shared.agents.masking``) is an observation input like
+any other leaf, and the greedy action is the best legal one, as in rlpipe.
+
 The observation normaliser is part of the graph: the policy takes raw env observations.
 Greedy is what evaluation plays with exploration off: the policy's mode (PPO, A2C), argmax Q
 (the DQN family, R2D1; ``agent.eps_eval`` is not applied), the actor's mean (DDPG, TD3, SAC).
@@ -31,6 +34,7 @@ from torch import nn
 
 from services.evaluator.episodes import load_agent
 from shared.agents.config import Memory, RnnState
+from shared.agents.masking import legal, masked, masked_argmax
 from shared.agents.memory import core_memory
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
@@ -150,6 +154,7 @@ class GreedyPolicy(nn.Module):
         if agent.kind == "box":
             action = out.reshape(-1, *agent.action_shape)
         else:
+            out = masked(out, legal(obs, agent.mask_path))
             picks = torch.stack([chunk.argmax(-1) for chunk in torch.split(out, agent.nvec, dim=-1)], dim=-1)
             action = picks[:, 0] if agent.kind == "discrete" else picks
         if memory is None:
@@ -157,13 +162,14 @@ class GreedyPolicy(nn.Module):
         return (action, value, torch.stack([h for h, _ in states], 1), torch.stack([c for _, c in states], 1))
 
     def _q(self, agent: QAgent, obs, memory: Memory | None) -> tuple[torch.Tensor, ...]:
+        ok = agent.legal_actions(obs)
         if memory is None:
             q = agent.q_values(obs)
-            return q.argmax(-1), q
+            return masked_argmax(q, ok), q
         obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
         ((h, c),) = self._core_steps([(agent.core, agent.encoder)], obs, memory)
         q = agent._from_features(h)
-        return q.argmax(-1), q, h[:, None], c[:, None]
+        return masked_argmax(q, ok), q, h[:, None], c[:, None]
 
 
 def example_inputs(policy: GreedyPolicy, batch: int = EXAMPLE_BATCH) -> tuple[torch.Tensor, ...]:
