@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shared.config import loading
-from shared.launch import grid, stats
+from shared.launch import grid, plots, stats
 from shared.runtime.process import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe_here
 
@@ -144,3 +144,11 @@ def test_grid_stats_of_a_grid_directory_count_finished_runs_per_variant_and_env(
         ("lr=0.001", "all (normalised)", "3 x 2 tasks"), ("lr=0.0005", "all (normalised)", "3 x 2 tasks")]
     assert float(written[0]["iqm"]) == pytest.approx(800.0)  # of 3 runs int(3 / 4) = 0 are cut: their mean
     assert image.imread(tmp_path / grid.PROFILE).shape[:2] == (500, 800)
+
+
+def test_a_target_out_of_the_curves_reach_gets_no_line_and_the_others_do():
+    """MinAtar's budget-only configs set target_return = 1e9: a line there would stretch the y
+    axis to 1e9 and draw every curve flat on the floor."""
+    assert plots.targets_in_reach({1e9, 475.0, 30.0}, 0.0, 500.0) == [30.0, 475.0]
+    assert plots.targets_in_reach({1e9}, -2.0, 12.0) == []
+    assert plots.targets_in_reach({-200.0, -100.0}, -1500.0, -150.0) == [-200.0, -100.0]

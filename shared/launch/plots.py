@@ -80,7 +80,8 @@ def plot_runs(run_dirs, out, x: str = "steps", group_by: str | None = None) -> P
     grid of GRID_POINTS x values from 0 to the group's longest run and drawn as their mean with
     a min–max band (a lone run as its line). A run counts from its first mean return on; one
     that ended earlier (at its target, mostly) holds its last value to the end of the grid, so
-    the mean does not jump where a seed stops. A dashed line marks each ``run.target_return``.
+    the mean does not jump where a seed stops. A dashed line marks each ``run.target_return``
+    within reach of the curves (``targets_in_reach``).
     ``x`` is "steps" (env steps) or "time" (wall seconds).
     Raises ValueError when no run has a mean return yet.
     """
@@ -98,11 +99,12 @@ def plot_runs(run_dirs, out, x: str = "steps", group_by: str | None = None) -> P
         for i, (label, runs) in enumerate(curves.items()):
             if runs:
                 _draw_group(ax, f"C{i}", label, runs)
-        targets = {c["run.target_return"] for c in configs.values()}
-        for target in sorted(targets):
-            ax.axhline(target, color="0.3", linestyle="--", linewidth=1, label=f"target {target:g}")
         low, high = ax.get_ylim()
-        ax.set_ylim(low, max(high, max(targets) + 0.05 * (high - low)))  # the target line clear of the frame
+        targets = targets_in_reach({c["run.target_return"] for c in configs.values()}, low, high)
+        for target in targets:
+            ax.axhline(target, color="0.3", linestyle="--", linewidth=1, label=f"target {target:g}")
+        if targets:
+            ax.set_ylim(low, max(high, targets[-1] + 0.05 * (high - low)))  # the target line clear of the frame
         names = sorted({c["env.id"] for c in configs.values()})
         ax.set_title(f"mean return of the last episodes on {', '.join(names)}")
         ax.set_xlabel(X_AXES[x][1])
@@ -110,6 +112,13 @@ def plot_runs(run_dirs, out, x: str = "steps", group_by: str | None = None) -> P
         return _save(fig, ax, out)
     finally:
         plt.close(fig)
+
+
+def targets_in_reach(targets, low: float, high: float) -> list[float]:
+    """The targets worth a line on a y axis from ``low`` to ``high`` (the curves' returns): at most
+    one span of it above the top, sorted. A budget-only run's out-of-reach target (1e9) is left
+    out, or the frame would stretch to it and flatten every curve."""
+    return sorted(t for t in targets if t <= high + (high - low))
 
 
 def final_scores(run_dirs, group_by: str | None = None) -> dict[str, dict[str, list[float]]]:
