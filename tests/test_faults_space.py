@@ -41,11 +41,14 @@ def _no_namespace() -> str | None:
 
 def in_namespace(script: str, mounts: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run python ``script`` in a private mount namespace where each path of ``mounts`` is a fresh
-    tmpfs of the given size (e.g. ``{"/dev/shm": "4m"}``); the mounts go with the namespace."""
+    tmpfs of the given size (e.g. ``{"/dev/shm": "4m"}``); the mounts go with the namespace.
+    /dev/shm is world-writable as ever; any other mount is private to us, as ``run.runs_dir``
+    must be (a tmpfs is mode 1777 unless told)."""
     why = _no_namespace()
     if why is not None:
         pytest.skip(why)
-    mount = " && ".join(f"mkdir -p {path} && mount -t tmpfs -o size={size} tmpfs {path}" for path, size in mounts.items())
+    mount = " && ".join(f"mkdir -p {path} && mount -t tmpfs -o size={size},mode={'1777' if path == '/dev/shm' else '0700'} "
+                        f"tmpfs {path}" for path, size in mounts.items())
     return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
                            f'{mount} && exec "$0" -c "$1"', sys.executable, textwrap.dedent(script)],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
