@@ -3,7 +3,7 @@
 deploy/configs/cartpole_qr_dqn.toml and cartpole_iqn.toml, local inference (QR-DQN's
 samplers act in numpy from its acting plan, IQN's in torch), seeds 0-4: seconds from
 `rlpipe launch` to result.json and env steps, each run asserted to reach the target within
-its 150k budget. Not part of `make test`: a run takes minutes on the 2-core machine (the
+its 150k budget. Not part of `make test`: a run takes over a minute on the 2-core machine (the
 suite allows ~25 s a learning check), and QR-DQN does not reach it on every seed yet
 (docs/benchmarks.md); run with `make bench`.
 """
