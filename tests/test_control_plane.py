@@ -1,8 +1,8 @@
 """The control plane when supervisord itself fails: stopped (SIGSTOP) or hung, `rlpipe stop`,
 `clean` and `status` still return and leave nothing running; killed under a foreground
 `rlpipe launch`, its services do not run on as orphans, and `launch --resume` starts exactly
-one set of them. One process a service instance: a second replay or action-server of a run
-exits on the run's lock before it touches anything."""
+one set of them. One process a service instance: a second replay, action-server or sampler of
+a run exits on the run's lock before it touches anything."""
 
 from __future__ import annotations
 
@@ -109,11 +109,11 @@ def test_a_killed_supervisord_leaves_no_orphans_and_resume_starts_one_set(tmp_pa
             assert not run.segments()
 
 
-def test_a_second_replay_or_action_server_of_a_run_exits_on_its_lock(runs):
+def test_a_second_replay_action_server_or_sampler_of_a_run_exits_on_its_lock(runs):
     run = runs("cartpole_ppo.toml", "sampler.inference='server'", "run.target_return=1e9")
     run.wait_steps(500, timeout=60)
     before = run.status()
-    for service in ("replay", "action_server"):
+    for service in ("replay", "action_server", "sampler"):
         second = subprocess.run([sys.executable, "-m", f"services.{service}", "--run-dir", str(run.dir), "--instance",
                                  "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
         holder = before[f"{service}0"][1]
