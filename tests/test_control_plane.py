@@ -102,6 +102,7 @@ def test_a_killed_supervisord_leaves_no_orphans_and_resume_starts_one_set(tmp_pa
             sampler0 = {("services.sampler", "0"): 1}
             run.wait_for(lambda: services_running(run.dir) == sampler0, 10, "the services to exit but sampler0")
             took = time.monotonic() - t0
+            assert supervisor.killed(run.dir)  # what a grid reports it as
             assert all("-sampler0-" in name for name in run.segments()), run.segments()
             status = rlpipe("status", str(run.dir))
             assert status.returncode == 1 and "supervisord is gone" in status.stdout, status.stdout + status.stderr
