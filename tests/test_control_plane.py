@@ -100,8 +100,10 @@ def test_a_killed_supervisord_leaves_no_orphans_and_resume_starts_one_set(tmp_pa
             os.kill(supervisor.supervisord_pid(run.dir), signal.SIGKILL)
             t0 = time.monotonic()
             sampler0 = {("services.sampler", "0"): 1}
-            run.wait_for(lambda: services_running(run.dir) == sampler0, 10,
-                         f"the services to exit but sampler0 (left: {services_running(run.dir)})")
+            try:
+                run.wait_for(lambda: services_running(run.dir) == sampler0, 10, "the services to exit but sampler0")
+            except AssertionError as e:
+                raise AssertionError(f"left running: {services_running(run.dir)}") from e
             took = time.monotonic() - t0
             assert supervisor.killed(run.dir)  # what a grid reports it as
             assert all("-sampler0-" in name for name in run.segments()), run.segments()
