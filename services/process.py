@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -15,8 +16,10 @@ from shared.config import loading, schema
 from shared.config.endpoints import socket_dir
 from shared.runtime import heartbeat
 from shared.transport import shm
-from shared.runtime.process import (CONFIG_ERROR, PRIVATE_UMASK, RUN_CONFIG, check_own_dir, install_signal_handlers,
-                                    raise_open_files_limit, setup_logging)
+from shared.runtime.process import (CONFIG_ERROR, PRIVATE_UMASK, RUN_CONFIG, check_own_dir, exit_with_supervisord,
+                                    install_signal_handlers, lock_service, raise_open_files_limit, setup_logging)
+
+_lock = None  # the process's service-instance lock, held until it exits
 
 
 def service_args(service: str, argv=None) -> argparse.Namespace:
@@ -27,10 +30,13 @@ def service_args(service: str, argv=None) -> argparse.Namespace:
 
 
 def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int]:
-    """Parse args, set up logging and signals, one BLAS thread (``torch_device``), private files
-    (umask 077), the open-files limit raised to its hard limit, publish the process's heartbeat
-    (``shared.runtime.heartbeat``: its loops beat it), check that the run directory is ours
-    (services import from it), read the run's resolved config."""
+    """Parse args, set up logging and signals (an exit when the run's supervisord dies:
+    ``runtime.process.exit_with_supervisord``), one BLAS thread (``torch_device``), private files
+    (umask 077), the open-files limit raised to its hard limit, check that the run directory is
+    ours (services import from it), take the instance's lock (``runtime.process.lock_service``:
+    one process a service instance of a run), publish the process's heartbeat
+    (``shared.runtime.heartbeat``: its loops beat it), read the run's resolved config."""
+    global _lock
     from threadpoolctl import threadpool_limits
 
     args = service_args(service, argv)
@@ -44,6 +50,10 @@ def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int
     raise_open_files_limit()
     run_dir = Path(args.run_dir)
     check_own_dir(run_dir, "not this user's run directory (swapped?); start runs with `rlpipe launch`")
+    exit_with_supervisord(run_dir, f"{service}{args.instance}")  # no orphans of a killed supervisord
+    # Before anything of the instance's is touched (its heartbeat file, endpoint, segments, table):
+    # a second process of it (started by hand, or by a supervisord beside orphans) exits here.
+    _lock = lock_service(run_dir, service, args.instance)
     if socket_dir(run_dir).is_dir():  # made by the launch on this host (a Ray node may have none: no watchdog there)
         heartbeat.start(socket_dir(run_dir) / heartbeat.DIR / f"{service}{args.instance}")  # no beat yet: start-up grace
     exp = loading.load(run_dir / RUN_CONFIG)
@@ -79,7 +89,8 @@ def serve(service: str, run: Callable[[schema.Experiment, Path, int], None]) -> 
         code = 1
     finally:
         shm.unlink_all_owned()
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(OSError):  # a log pipe whose reader is gone (a killed supervisord)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(code)

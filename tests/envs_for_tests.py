@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
@@ -51,7 +53,8 @@ class FaultyEnv(gym.Env):
     """obs {"x": float32 [3] = (steps, seed, 0), "img": uint8 [2, 2]}; reward 1 a step.
     If reset with seed ``fail_seed``, its step number ``fail_at`` misbehaves as ``mode``
     says: "raise", "nan" (x has a NaN), "inf" / "neg_inf" (x has +inf / -inf), "shape" (x
-    has 4 values), "dtype" (img is float64), "nan_reward", "inf_reward", "huge_reward" (1e16)."""
+    has 4 values), "dtype" (img is float64), "nan_reward", "inf_reward", "huge_reward" (1e16),
+    "sleep" (sleeps 60 s in ``step``: a hung env)."""
 
     def __init__(self, fail_seed: int, fail_at: int, mode: str):
         self.fail_seed, self.fail_at, self.mode = fail_seed, fail_at, mode
@@ -85,6 +88,8 @@ class FaultyEnv(gym.Env):
         failing = self.seed_used == self.fail_seed and self.count == self.fail_at
         if failing and self.mode == "raise":
             raise RuntimeError("simulated emulator crash")
+        if failing and self.mode == "sleep":
+            time.sleep(60)
         bad = {"nan_reward": float("nan"), "inf_reward": float("inf"), "huge_reward": 1e16}
         reward = bad[self.mode] if failing and self.mode in bad else 1.0
         return self._obs(failing), reward, False, False, {}
@@ -99,7 +104,8 @@ _steps_in_process = 0
 
 class CartPoleFailingOnce(gym.Wrapper):
     """CartPole-v1 whose ``at``-th step in this process (over all its envs) returns +inf as
-    its reward (``mode = "inf_reward"``) or an observation with +inf (``"inf_obs"``): once."""
+    its reward (``mode = "inf_reward"``), an observation with +inf (``"inf_obs"``), or sleeps
+    for 60 s first (``"sleep"``: a hung step, for ``env.step_timeout_s``): once."""
 
     def __init__(self, mode: str, at: int):
         super().__init__(gym.make("CartPole-v1"))
@@ -107,12 +113,15 @@ class CartPoleFailingOnce(gym.Wrapper):
 
     def step(self, action):
         global _steps_in_process
+        if _steps_in_process + 1 == self.at and self.mode == "sleep":
+            _steps_in_process += 1
+            time.sleep(60)
         obs, reward, terminated, truncated, info = self.env.step(action)
         _steps_in_process += 1
         if _steps_in_process == self.at:
             if self.mode == "inf_reward":
                 reward = float("inf")
-            else:
+            elif self.mode == "inf_obs":
                 obs = obs.copy()
                 obs[0] = np.inf
         return obs, reward, terminated, truncated, info
@@ -195,3 +204,38 @@ def make_wrong_mask_env() -> gym.Env:
     env = MaskedChoice(6)
     env.action_space = spaces.Discrete(7)
     return env
+
+
+class SleepyEnv(gym.Env):
+    """obs float32 [1] = steps so far; ``step`` sleeps ``step_s`` and ``reset`` ``reset_s``,
+    in a loop that swallows every ``Exception`` (as careless env code does)."""
+
+    def __init__(self, step_s: float = 0.0, reset_s: float = 0.0):
+        self.step_s, self.reset_s = step_s, reset_s
+        self.observation_space = spaces.Box(0.0, np.inf, (1,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.count = 0
+
+    @staticmethod
+    def _sleep(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                time.sleep(end - time.monotonic())
+            except Exception:  # noqa: BLE001 - the point: an env that eats errors
+                pass
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._sleep(self.reset_s)
+        self.count = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self._sleep(self.step_s)
+        self.count += 1
+        return np.array([self.count], np.float32), 1.0, False, False, {}
+
+
+def make_sleepy_env(step_s: float = 0.0, reset_s: float = 0.0) -> gym.Env:
+    return SleepyEnv(step_s, reset_s)

@@ -4,6 +4,8 @@ transitions), while the steps before it keep their own targets."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -25,13 +27,14 @@ torch.set_num_threads(1)
 T, B, FAIL_ENV, FAIL_AT = 8, 3, 1, 3  # env 1's 3rd step raises: step t = 2 of the first segment
 
 
-def collect(config: str, *overrides: str, segments: int = 2):
+def collect(config: str, *overrides: str, segments: int = 2, mode: str = "raise"):
     """(experiment, agent, segments as torch trees) of one local sampler over FaultyEnv, whose
-    env FAIL_ENV raises at its FAIL_AT-th step (once: the recreated env has another seed)."""
+    env FAIL_ENV fails at its FAIL_AT-th step (once: the recreated env has another seed): it
+    raises, or with ``mode = "sleep"`` hangs (give ``env.step_timeout_s`` in ``overrides``)."""
     seed = topology(loading.load(f"deploy/configs/{config}")).env_seed(0) + FAIL_ENV
     exp = loading.load(f"deploy/configs/{config}", [
         "env.id='tests.envs_for_tests:make_faulty_env'",
-        f"env.kwargs='{{\"fail_seed\": {seed}, \"fail_at\": {FAIL_AT}, \"mode\": \"raise\"}}'",
+        f"env.kwargs='{{\"fail_seed\": {seed}, \"fail_at\": {FAIL_AT}, \"mode\": \"{mode}\"}}'",
         "sampler.count=1", f"sampler.envs={B}", f"sampler.horizon={T}", f"sampler.ring={segments + 1}",
         "sampler.inference='local'", "learner.batch_segments=1", *overrides])
     probe = env_probe(exp)
@@ -54,8 +57,12 @@ def failed_x(exp) -> torch.Tensor:
     return torch.tensor([FAIL_AT - 1, seed, 0.0])
 
 
-def test_the_sampler_marks_the_failed_step_and_truncates_it():
-    exp, _, (seg, _) = collect("cartpole_ppo.toml")
+@pytest.mark.parametrize("mode", ["raise", "sleep"])
+def test_the_sampler_marks_the_failed_step_and_truncates_it(mode):
+    """An env that raises, or hangs in ``step()`` past ``env.step_timeout_s`` (interrupted)."""
+    t0 = time.monotonic()
+    exp, _, (seg, _) = collect("cartpole_ppo.toml", "env.step_timeout_s=0.2", mode=mode)
+    assert time.monotonic() - t0 < 10  # the 60 s sleep was cut short
     s = seg.samples
     expected = torch.zeros(T, B, dtype=torch.bool)
     expected[FAIL_AT - 1, FAIL_ENV] = True

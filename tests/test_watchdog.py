@@ -103,3 +103,15 @@ def test_a_stopped_sampler_is_killed_by_the_watchdog_restarted_and_ships_segment
     assert log.count("killed (SIGKILL)") == 1, log  # nothing else was taken for hung
     assert "exited: sampler0 (terminated by SIGKILL" in (run.dir / "logs" / "supervisord.log").read_text()
     assert metric_value(run.metrics(), "rlpipe_watchdog_kills_total", process="sampler0") == 1
+
+
+def test_an_env_that_hangs_in_step_is_interrupted_and_its_sampler_ships_on(runs):
+    """``env.step_timeout_s``: the sampler's env sleeps 60 s in one step; the step is cut at 1 s,
+    counted as an env failure, the env recreated, and the same sampler process goes on."""
+    run = runs("cartpole_ppo.toml", "env.id='tests.envs_for_tests:make_cartpole_failing_once'",
+               "env.kwargs='{\"mode\": \"sleep\", \"at\": 300}'", "env.step_timeout_s=1.0", "run.target_return=1e9")
+    pid = run.pid("sampler0")
+    run.wait_steps(2_000, timeout=60)
+    assert metric_value(run.metrics(), "rlpipe_sampler_env_errors_total") == 1
+    assert "step took longer than env.step_timeout_s = 1 s: interrupted" in run.logs("sampler0")
+    assert run.status()["sampler0"] == ("RUNNING", pid)  # not restarted: neither a crash nor the watchdog

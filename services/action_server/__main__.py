@@ -13,7 +13,7 @@ from shared.config.endpoints import endpoint, socket_dir
 from services.build import env_probe, example_step, make_agent
 from shared.data.layout import slot_spec
 from shared.data.namedarraytuple import drop_leading_dims
-from shared.runtime.process import lock_service, run_id_of, torch_device
+from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
 from shared.transport.sockets import Endpoint
 from services.topology import topology
@@ -22,8 +22,6 @@ log = logging.getLogger("services.action_server")
 
 
 def run(exp, run_dir, instance: int) -> None:
-    # Held until exit: a second action-server would take over the endpoint the samplers say hello to.
-    lock = lock_service(run_dir, "action_server", instance)  # noqa: F841
     m = metrics_mod.for_service("action_server", instance, exp.placement.node("action_server"))
     device = torch_device(exp.run.device)
     probe = env_probe(exp)

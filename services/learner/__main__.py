@@ -15,7 +15,7 @@ from shared.transport.auth import read_secret
 from shared.config.endpoints import endpoint
 from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.transport.params import ParamWriter
-from shared.runtime.process import lock_service, run_id_of, torch_device
+from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
 
 log = logging.getLogger("services.learner")
@@ -24,8 +24,6 @@ JOIN_TIMEOUT_S = 120.0
 
 
 def run(exp, run_dir, instance: int) -> None:
-    # Held until exit: a second learner would unlink our segments.
-    lock = lock_service(run_dir, "learner", instance)  # noqa: F841
     m = metrics_mod.for_service("learner", instance, exp.placement.node("learner"))
     device = torch_device(exp.run.device)
     group = None

@@ -19,8 +19,6 @@ log = logging.getLogger("services.replay")
 
 
 def run(exp, run_dir, instance: int) -> None:
-    # Held until exit: a second replay would take over the endpoint and discard the live table.
-    lock = runtime.lock_service(run_dir, "replay", instance)  # noqa: F841
     m = metrics_mod.for_service("replay", instance, exp.placement.node("replay"))
     columns = topology(exp).columns()  # room for `rlpipe scale`
     ctx = zmq.Context()

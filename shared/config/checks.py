@@ -107,6 +107,10 @@ def check(exp: Experiment, check_ports: bool) -> None:
         if not 0 <= port <= 65535 or (name == "network.base_port" and port == 0):
             raise ConfigError(f"{name} = {port}: must be in 1..65535" + (" (0 = off)" if "metrics" in name else ""))
     _check_placement(exp)
+    limit = exp.env.step_timeout_s
+    if limit and exp.run.watchdog_s and limit >= exp.run.watchdog_s:
+        raise ConfigError(f"env.step_timeout_s = {limit:g}: must be under run.watchdog_s = {exp.run.watchdog_s:g} "
+                          "(the watchdog would kill the sampler before its env is interrupted)")
     try:
         validate_env_config(exp.env)
     except ValueError as e:

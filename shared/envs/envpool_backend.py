@@ -153,6 +153,10 @@ def pool_options(cfg: EnvConfig) -> tuple[str, dict[str, Any], bool]:
 def validate_envpool(cfg: EnvConfig) -> None:
     """Raise ValueError (one line naming the field, the backend and what it lacks) if EnvPool
     cannot provide ``cfg``'s envs as rlpipe takes them."""
+    if cfg.step_timeout_s:
+        raise ValueError(f"env.step_timeout_s = {cfg.step_timeout_s:g}: env.backend = 'envpool' steps its envs in C++ "
+                         "threads that no signal interrupts; leave it 0 (the watchdog, run.watchdog_s, kills a sampler "
+                         "whose pool hangs) or set env.backend = 'gymnasium'")
     task, options, _ = pool_options(cfg)
     envpool = _envpool()
     try:

@@ -31,10 +31,13 @@ Wrapper names for ``EnvConfig.wrappers`` (order-free; applied inner to outer as 
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import keyword
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -44,6 +47,7 @@ from gymnasium import spaces
 from gymnasium.wrappers import FrameStackObservation, TimeLimit, TransformReward
 
 from shared.envs import atari, tasks
+from shared.envs.step_limit import StepLimit, StepTimeout
 from shared.data.namedarraytuple import is_nat, leaves, namedarraytuple
 from shared.runtime.plugins import load_attribute
 from shared.transport.wire import MAX_RETURN
@@ -69,6 +73,12 @@ class EnvConfig:
     threads: int = 0
     """Envpool backend: worker threads of each env group's pool; 0 = one per env, at most the CPUs
     this process may run on. The gymnasium backend has none (leave 0)."""
+    step_timeout_s: float = 0.0
+    """Seconds an env's ``step()`` or ``reset()`` may take: one that runs longer is interrupted and is
+    an env failure like one that raised (the env recreated, the step a truncation marked failed,
+    counted). 0: off. Gymnasium backend, pure-Python hangs only (``shared.envs.step_limit``): a C
+    extension that holds the GIL is not interrupted, and the watchdog (``run.watchdog_s``) is the
+    backstop; keep it well under that."""
 
 
 class EnvError(RuntimeError):
@@ -191,6 +201,8 @@ def check_common(cfg: EnvConfig) -> tuple[dict[str, Any], dict[str, int]]:
         raise ValueError(f"env.seed: must be >= 0, got {cfg.seed}")
     if cfg.threads < 0:
         raise ValueError(f"env.threads: must be >= 0 (0 = one per env, at most the CPUs), got {cfg.threads}")
+    if not (math.isfinite(cfg.step_timeout_s) and cfg.step_timeout_s >= 0):
+        raise ValueError(f"env.step_timeout_s: must be >= 0 seconds (0 = off), got {cfg.step_timeout_s}")
     return kwargs, wrappers
 
 
@@ -458,6 +470,7 @@ class EnvGroup:
         self._to_env_actions = _action_converter(self.action_space, n_envs)
         self._generation = [0] * n_envs
         self._seeded = False
+        self._limit = StepLimit(cfg.step_timeout_s) if cfg.step_timeout_s else None
 
     def example_observation(self):
         """One observation (no leading dims): ndarray, or namedarraytuple for Dict/Tuple."""
@@ -506,11 +519,23 @@ class EnvGroup:
         return arrays
 
     def _reset_env(self, i: int, seed: Optional[int]) -> list[np.ndarray] | str:
+        """Called inside ``_limited()`` where a step limit is set."""
+        limit = self._limit
         try:
+            if limit is not None:
+                limit.since = time.monotonic()
             obs, _ = self._envs[i].reset(seed=seed)
+            if limit is not None:
+                limit.since = None
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
             return f"reset raised {_first_line(e)}"
+        except StepTimeout:
+            return limit.problem("reset")
         return self._check_obs(obs)
+
+    def _limited(self):
+        """The window in which env calls are timed (``env.step_timeout_s``): a batch step, a reset."""
+        return self._limit if self._limit is not None else contextlib.nullcontext()
 
     # -- public
 
@@ -522,13 +547,14 @@ class EnvGroup:
         """
         dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
         failures = []
-        for i in range(self.n_envs):
-            got = self._reset_env(i, None if self._seeded else self.base_seed + i)
-            if isinstance(got, str):
-                failures.append((i, got))
-                continue
-            for d, x in zip(dst, got):
-                d[i] = x
+        with self._limited():
+            for i in range(self.n_envs):
+                got = self._reset_env(i, None if self._seeded else self.base_seed + i)
+                if isinstance(got, str):
+                    failures.append((i, got))
+                    continue
+                for d, x in zip(dst, got):
+                    d[i] = x
         self._seeded = True
         self._raise_failures(failures, [])
 
@@ -554,7 +580,16 @@ class EnvGroup:
         ``final_obs_out[i]`` = what ``obs_out[i]`` held before the step, ``obs_out[i]``
         unchanged; (if only its auto-reset failed, the step's outputs are real). Call
         ``recreate(i, obs_out)`` for each index in the error before the next step.
+
+        With ``env.step_timeout_s``, a step (or auto-reset) that runs past it is interrupted and
+        fails as one that raised.
         """
+        if self._limit is None:
+            return self._step(actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
+        with self._limit:
+            return self._step(actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
+
+    def _step(self, actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out):
         B = self.n_envs
         n_leaves = len(self._obs_leaves)
         obs_dst = _leaf_arrays(obs_out, B, n_leaves, "obs_out")
@@ -563,12 +598,19 @@ class EnvGroup:
         finished: list[tuple[int, float, int]] = []
         failures: list[tuple[int, str]] = []
         failed_steps: list[int] = []
+        limit = self._limit
         for i, env in enumerate(self._envs):
             try:
+                if limit is not None:
+                    limit.since = time.monotonic()
                 obs, reward, terminated, truncated, _ = env.step(env_actions[i])
+                if limit is not None:
+                    limit.since = None
                 reward = float(reward)
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
                 got = f"step raised {_first_line(e)}"
+            except StepTimeout:
+                got = limit.problem("step")
             else:
                 # One chained comparison per env step (False for NaN too); the message only on failure.
                 got = self._check_obs(obs) if -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD else reward_problem(reward)
@@ -610,7 +652,8 @@ class EnvGroup:
         self._generation[i] += 1
         env, tracker = self._make(self.cfg)
         self._envs[i], self._trackers[i] = env, tracker
-        got = self._reset_env(i, self.base_seed + i + self._generation[i] * self.n_envs)
+        with self._limited():
+            got = self._reset_env(i, self.base_seed + i + self._generation[i] * self.n_envs)
         if isinstance(got, str):
             raise EnvError(self._describe(i, f"after recreate: {got}"), (i,), [])
         dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")

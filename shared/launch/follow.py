@@ -179,7 +179,8 @@ def follow(run_dir: Path, max_wall_s: float, out=sys.stdout,
         runner = backend.for_run(run_dir)
         if not runner.supervised(run_dir):
             print("the run's supervisor is gone (killed?) with its services still running: stopping them"
-                  if runner.running(run_dir) else "the run's processes are gone: it was stopped", file=out, flush=True)
+                  if runner.running(run_dir) else "the run's processes are gone (stopped, or they saw their supervisor die)",
+                  file=out, flush=True)
             return None
         watch.check()
         time.sleep(0.5)

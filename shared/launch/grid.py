@@ -179,8 +179,8 @@ class Launcher:
                 result = follow.follow(run_dir, exp.run.max_wall_s, out=log, on_row=on_row)
             if result:
                 return result["reason"]
-            # Services left running: supervisord was killed under them (the stop below ends them).
-            return "killed" if supervisor.running(run_dir) else "stopped"
+            # supervisord was killed under its services (the stop below ends what is left of them).
+            return "killed" if supervisor.killed(run_dir) or supervisor.running(run_dir) else "stopped"
         except follow.StopFollowing as e:
             return str(e)
         except follow.ServiceCrashLoop as e:

@@ -259,6 +259,13 @@ def supervised(run_dir: Path) -> bool:
     return supervisord_pid(run_dir) is not None
 
 
+def killed(run_dir: Path) -> bool:
+    """Whether the run's supervisord died without its own exit (``kill -9``): it is gone but left
+    its pidfile, which it removes as it exits. Its services exit with it
+    (``runtime.process.exit_with_supervisord``), so ``running`` alone no longer tells."""
+    return (run_dir / "supervisord.pid").exists() and supervisord_pid(run_dir) is None
+
+
 def status(run_dir: Path) -> int:
     """``supervisorctl status`` of the run (one line a process, printed by supervisorctl); its
     exit status. A supervisord that is gone or does not answer is one line saying so, exit status 1."""

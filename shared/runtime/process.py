@@ -7,6 +7,7 @@ Services that run a network call ``torch_device``.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import logging
 import os
@@ -78,6 +79,44 @@ def install_signal_handlers() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+SUPERVISORD_PID = "supervisord.pid"  # the run's supervisord writes its pid there before it starts a service
+
+
+def exit_with_supervisord(run_dir: Path, process: str) -> None:
+    """Under the run's supervisord, exit cleanly when it dies (``kill -9``): have the kernel send
+    this process SIGHUP at its parent's death (Linux ``PR_SET_PDEATHSIG``, no cost until then),
+    which raises SystemExit, so finally blocks and ``serve`` close sockets and unlink segments
+    as at a stop (the learner writes its checkpoint). Without it the services of a detached run
+    ran on as orphans until ``rlpipe stop`` or ``clean``. Nothing of the exit reaches the
+    service's log: supervisord wrote it, from the pipe it no longer reads. A process that runs
+    no Python signal handler (a C extension holding the GIL, a stopped process) exits once it
+    does; ``stop``/``clean`` kill it meanwhile.
+
+    Only where supervisord started this very process (it sets ``SUPERVISOR_PROCESS_NAME`` to its
+    process name, ``process``); under Ray, honcho or serial mode the parent is another's and
+    this does nothing. If supervisord died before this call (the parent is no longer the pid in
+    the run's ``supervisord.pid``), it raises SystemExit at once."""
+    if os.environ.get("SUPERVISOR_PROCESS_NAME") != process or not sys.platform.startswith("linux"):
+        return
+
+    def gone(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGHUP, gone)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGHUP, 0, 0, 0) != 0:
+        logging.getLogger(__name__).warning("%s: prctl(PR_SET_PDEATHSIG) failed (%s): it will not notice if "
+                                            "supervisord dies", process, os.strerror(ctypes.get_errno()))
+        return
+    try:
+        supervisord = int((run_dir / SUPERVISORD_PID).read_text())
+    except (OSError, ValueError):
+        return  # cannot tell; the signal is armed for a death from now on
+    if os.getppid() != supervisord:  # it died before the signal was armed
+        gone(signal.SIGHUP, None)
 
 
 def torch_device(name: str, threads: int = 1):
