@@ -200,6 +200,17 @@ def check_nstep(table, gamma: float, n: int) -> np.ndarray:
     return col
 
 
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until the kernel has stopped it (state T): the signal takes effect
+    only when the process next runs, and one a test means stopped must not act meanwhile (e.g.
+    on a SIGHUP that comes a moment later)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop within {timeout:.0f} s"
+        time.sleep(0.01)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` has used so far."""
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
