@@ -4,6 +4,7 @@ threads without bound nor keep it from answering once they time out."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import urllib.request
 
@@ -37,4 +38,7 @@ def test_connections_beyond_the_cap_are_closed_and_idle_ones_time_out(monkeypatc
         for s in idle + extra:
             s.close()
     finally:
+        server.shutdown()
         server.server_close()
+    # The serving thread is gone: closing the socket alone had left it spinning on it.
+    assert not [t for t in threading.enumerate() if t.name == "metrics-http"]

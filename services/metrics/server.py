@@ -65,8 +65,10 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
 
 
 def start(host: str, port: int, registry: CollectorRegistry, max_connections: int = MAX_CONNECTIONS) -> BoundedServer:
-    """Serve ``registry`` on ``host:port`` (IPv4 or IPv6) from a daemon thread; the server
-    (``server_close()`` ends it)."""
+    """Serve ``registry`` on ``host:port`` (IPv4 or IPv6) from a daemon thread; the server.
+    ``shutdown()`` ends the thread (at its next poll, within 0.5 s), then ``server_close()``
+    the socket: the socket closed alone leaves the thread spinning on it, a core's worth of CPU
+    for as long as the process lives (the metrics service closes it as it exits)."""
     family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     server = BoundedServer((sockaddr[0], port), family, max_connections)
     server.set_app(make_wsgi_app(registry))
