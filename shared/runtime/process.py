@@ -71,11 +71,24 @@ def raise_open_files_limit() -> int:
     return soft
 
 
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def exit_once(code: int):
+    """Raise SystemExit(code) and ignore the exit signals from now on: a second one (SIGHUP at
+    supervisord's death, then `rlpipe stop`'s SIGTERM) would raise again inside the finally
+    blocks the first started and leave segments behind; SIGKILL still ends a process that hangs."""
+    for sig in EXIT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise SystemExit(code)
+
+
 def install_signal_handlers() -> None:
-    """SIGTERM/SIGINT raise SystemExit so that finally blocks and atexit unlink segments."""
+    """SIGTERM/SIGINT raise SystemExit (once: ``exit_once``) so that finally blocks and atexit
+    unlink segments."""
 
     def handler(signum, frame):
-        raise SystemExit(128 + signum)
+        exit_once(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -103,7 +116,7 @@ def exit_with_supervisord(run_dir: Path, process: str) -> None:
         return
 
     def gone(signum, frame):
-        raise SystemExit(0)
+        exit_once(0)
 
     signal.signal(signal.SIGHUP, gone)
     libc = ctypes.CDLL(None, use_errno=True)
