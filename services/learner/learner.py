@@ -91,7 +91,7 @@ class Learner:
         wandb = WandbRun(exp.logging, reports) if reports is not None and exp.logging.to_wandb else None
         count = (lambda what: None) if metrics is None else (lambda what: metrics.write_errors.labels(file=what).inc())
         self.errors = WriteErrors(count)  # files of the run directory it cannot write (a full disk)
-                # Where the learner's time goes: Prometheus's counter where there are metrics, and the
+        # Where the learner's time goes: Prometheus's counter where there are metrics, and the
         # progress rows' time/ scalars in any case (serial mode too).
         self.clock = Phases(PHASES["learner"]) if metrics is None else metrics.time
         self.progress = Progress(exp.run.return_window, reports, wandb, self.errors, self.clock, exp.run)
