@@ -37,7 +37,6 @@ one of its powers (``scale`` says so).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import logging.handlers
@@ -53,7 +52,7 @@ from pathlib import Path
 
 from shared.config import endpoints
 from shared.launch.supervisor import ScaleError, service_pids
-from shared.runtime.process import PRIVATE_UMASK
+from shared.runtime.process import PRIVATE_UMASK, signal_at_parent_death
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +92,8 @@ def _connect(address: str, namespace: str) -> None:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the actor that started it dies (PR_SET_PDEATHSIG)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    """In the child before exec: SIGKILL when the actor that started it dies."""
+    signal_at_parent_death(signal.SIGKILL)
 
 
 def _count_start(path: Path) -> int:

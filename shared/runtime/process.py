@@ -98,6 +98,12 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 SUPERVISORD_PID = "supervisord.pid"  # the run's supervisord writes its pid there before it starts a service
 
 
+def signal_at_parent_death(sig: int) -> bool:
+    """Have the kernel send this process ``sig`` when its parent dies (Linux ``PR_SET_PDEATHSIG``,
+    no cost until then); False (errno set) where the call fails."""
+    return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+
+
 def exit_with_supervisord(run_dir: Path, process: str) -> None:
     """Under the run's supervisord, exit cleanly when it dies (``kill -9``): have the kernel send
     this process SIGHUP at its parent's death (Linux ``PR_SET_PDEATHSIG``, no cost until then),
@@ -119,8 +125,7 @@ def exit_with_supervisord(run_dir: Path, process: str) -> None:
         exit_once(0)
 
     signal.signal(signal.SIGHUP, gone)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGHUP, 0, 0, 0) != 0:
+    if not signal_at_parent_death(signal.SIGHUP):
         logging.getLogger(__name__).warning("%s: prctl(PR_SET_PDEATHSIG) failed (%s): it will not notice if "
                                             "supervisord dies", process, os.strerror(ctypes.get_errno()))
         return
