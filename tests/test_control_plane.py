@@ -52,16 +52,46 @@ def test_a_stopped_supervisord_does_not_hang_status_stop_or_clean(runs, command)
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
         status = rlpipe("status", str(run.dir), timeout=60)
-        assert status.returncode == 1 and "does not answer" in status.stdout, status.stdout + status.stderr
+        stopped = "does not answer: it is stopped (SIGSTOP)"  # told from its process state, not by a timeout
+        assert status.returncode == 1 and stopped in status.stdout, status.stdout + status.stderr
         t1 = time.monotonic()
         out = rlpipe(command, str(run.dir), timeout=60)
         took = time.monotonic() - t1
         assert out.returncode == 0, out.stdout + out.stderr
         assert took < 20, f"rlpipe {command} took {took:.1f} s"
-        assert "does not answer" in out.stderr  # says why it killed supervisord
+        assert "does not answer (it is stopped (SIGSTOP))" in out.stderr  # says why it killed supervisord
         assert supervisor.supervisord_pid(run.dir) is None and supervisor.service_pids(run.dir) == []
         assert not run.segments()  # the services stopped cleanly: nothing left in /dev/shm
     print(f"status {t1 - t0:.1f} s, {command} {took:.1f} s")
+
+
+def test_a_hung_supervisord_is_told_by_the_rpc_timeout_and_stop_kills_it(tmp_path, monkeypatch, capsys):
+    """A supervisord that runs but never answers (its socket accepts, nothing replies): status
+    says so after RPC_TIMEOUT_S, stop kills it. Stand-in: a process holding the run's socket,
+    named by the run's supervisord.conf as supervisord is."""
+    run_dir = tmp_path / "run_hung"
+    run_dir.mkdir()
+    sock = supervisor.endpoints.socket_dir(run_dir) / "supervisor.sock"
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    code = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(8); "
+            "print('up', flush=True); time.sleep(120)")
+    hung = subprocess.Popen([sys.executable, "-c", code, str(sock), "-c", str(run_dir / "supervisord.conf")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert hung.stdout.readline() == "up\n"
+        (run_dir / "supervisord.pid").write_text(f"{hung.pid}\n")
+        assert supervisor.supervisord_pid(run_dir) == hung.pid and not supervisor.is_stopped(hung.pid)
+        monkeypatch.setattr(supervisor, "RPC_TIMEOUT_S", 0.5)
+        t0 = time.monotonic()
+        assert supervisor.status(run_dir) == 1
+        assert 0.5 <= time.monotonic() - t0 < 10
+        assert "does not answer: not within 0.5 s (hung, or stopped)" in capsys.readouterr().out
+        assert supervisor.stop(run_dir, timeout_s=10)
+        assert hung.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        hung.kill()
+        hung.wait()
+        sock.unlink(missing_ok=True)
 
 
 def test_a_killed_supervisord_leaves_no_orphans_and_resume_starts_one_set(tmp_path):

@@ -6,7 +6,8 @@ a run left (``remove_leftovers``).
 
 Every call to supervisord has a timeout (``RPC_TIMEOUT_S``): a supervisord that is stopped
 (SIGSTOP) or hung does not hang ``stop``, ``clean``, ``status`` or ``scale``; ``stop`` kills
-it and stops its services itself. Services whose supervisord is gone (killed under them) are
+it and stops its services itself. A stopped one is told from its process state at once,
+without the wait. Services whose supervisord is gone (killed under them) are
 orphans that would run on: ``running`` counts them, ``supervised`` does not, and ``stop``
 ends them as supervisord would have.
 """
@@ -140,8 +141,12 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     unknown = sorted(set(counts) - set(SCALABLE))
     if unknown:
         raise ScaleError(f"cannot scale {', '.join(unknown)}: scalable services are {', '.join(SCALABLE)}")
-    if supervisord_pid(run_dir) is None:
+    pid = supervisord_pid(run_dir)
+    if pid is None:
         raise ScaleError(f"run {run_dir.name} is not running: scale applies to a live run")
+    if is_stopped(pid):
+        raise ScaleError(f"supervisord of run {run_dir.name} (pid {pid}) is stopped (SIGSTOP): it cannot scale; "
+                         "`kill -CONT` it, or `rlpipe stop` the run")
     path = run_dir / RUN_CONFIG
     exp = loading.load(path)
     if "action_server" in counts and exp.sampler.inference != "server":
@@ -210,11 +215,11 @@ class _UnixTransport(xmlrpc.client.Transport):
         return _UnixConnection(self.path, self.timeout_s)
 
 
-def rpc(run_dir: Path, timeout_s: float = RPC_TIMEOUT_S) -> xmlrpc.client.ServerProxy:
+def rpc(run_dir: Path, timeout_s: float | None = None) -> xmlrpc.client.ServerProxy:
     """supervisord's XML-RPC interface over the run's unix socket (no supervisorctl process to
-    start). A call that gets no answer within ``timeout_s`` raises TimeoutError."""
+    start). A call that gets no answer within ``timeout_s`` (default RPC_TIMEOUT_S) raises TimeoutError."""
     return xmlrpc.client.ServerProxy("http://127.0.0.1", transport=_UnixTransport(
-        endpoints.socket_dir(run_dir) / "supervisor.sock", timeout_s))
+        endpoints.socket_dir(run_dir) / "supervisor.sock", RPC_TIMEOUT_S if timeout_s is None else timeout_s))
 
 
 def supervisorctl(run_dir: Path, *args: str, capture: bool = False,
@@ -233,6 +238,16 @@ def supervisord_pid(run_dir: Path) -> int | None:
     except (FileNotFoundError, ValueError):
         return None
     return pid if _of_run(pid, run_dir) else None
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a debugger): its state in
+    /proc/PID/stat is T or t. Such a supervisord cannot answer, and no timeout need tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False  # gone
 
 
 def _of_run(pid: int, run_dir: Path) -> bool:
@@ -273,13 +288,17 @@ def status(run_dir: Path) -> int:
         print(f"{run_dir.name}: supervisord is gone; {len(service_pids(run_dir))} process(es) of the run go on "
               f"without it: `rlpipe stop {run_dir}` ends them")
         return 1
-    try:
-        rpc(run_dir).supervisor.getState()
-        return supervisorctl(run_dir, "status").returncode
-    except (*_NO_ANSWER, subprocess.TimeoutExpired):
-        print(f"{run_dir.name}: supervisord (pid {supervisord_pid(run_dir)}) does not answer within "
-              f"{RPC_TIMEOUT_S:.0f} s (stopped or hung): `rlpipe stop {run_dir}` kills it and stops the services")
-        return 1
+    pid = supervisord_pid(run_dir)
+    why = "it is stopped (SIGSTOP)" if is_stopped(pid) else None
+    if why is None:
+        try:
+            rpc(run_dir).supervisor.getState()
+            return supervisorctl(run_dir, "status").returncode
+        except (*_NO_ANSWER, subprocess.TimeoutExpired):
+            why = f"not within {RPC_TIMEOUT_S:g} s (hung, or stopped)"
+    print(f"{run_dir.name}: supervisord (pid {pid}) does not answer: {why}: `rlpipe stop {run_dir}` kills it and "
+          "stops the services")
+    return 1
 
 
 def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
@@ -291,17 +310,21 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     pid = supervisord_pid(run_dir)
     if pid is not None:
+        why = "it is stopped (SIGSTOP)" if is_stopped(pid) else None
         try:
-            server = rpc(run_dir).supervisor
-            # Every service gets SIGTERM at once; shutdown alone would stop them group by group.
-            server.stopAllProcesses(False)
-            server.shutdown()
+            if why is None:
+                server = rpc(run_dir).supervisor
+                # Every service gets SIGTERM at once; shutdown alone would stop them group by group.
+                server.stopAllProcesses(False)
+                server.shutdown()
         except _NO_ANSWER as e:
-            log.warning("supervisord of run %s (pid %d) does not answer (%s: %s): killing it and stopping its "
-                        "services directly", run_dir.name, pid, type(e).__name__, e)
-            _signal(pid, signal.SIGKILL)  # a stopped process takes no SIGTERM, a hung one may ignore it
+            why = f"{type(e).__name__}: {e}"
         except xmlrpc.client.Error:
             pass  # it answered, with a fault: already shutting down (another stop)
+        if why is not None:
+            log.warning("supervisord of run %s (pid %d) does not answer (%s): killing it and stopping its "
+                        "services directly", run_dir.name, pid, why)
+            _signal(pid, signal.SIGKILL)  # a stopped process takes no SIGTERM, a hung one may ignore it
         # supervisord removes its pidfile before it has exited: wait for the process itself, or
         # what is left of its exit would be taken for an orphan of the run.
         while _of_run(pid, run_dir) and time.monotonic() < deadline:
