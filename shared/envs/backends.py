@@ -29,3 +29,12 @@ def validate_env_config(cfg: EnvConfig) -> None:
 def make_env_group(cfg: EnvConfig, n_envs: int, base_seed: int) -> AnyEnvGroup:
     """``n_envs`` envs of ``cfg`` on its backend (which checks ``cfg``), env i seeded with ``base_seed + i``."""
     return _backend(cfg)[0](cfg, n_envs, base_seed)
+
+
+def split_steps(cfg: EnvConfig, groups: int) -> bool:
+    """Whether a sampler with ``groups`` env groups of ``cfg`` steps them split-phase: each
+    group's ``send`` first, then each one's ``recv`` (``env.split_step``). Only EnvPool steps in
+    the background, and only a second group gives the sampler something to do meanwhile."""
+    if cfg.split_step == "off" or groups < 2:
+        return False
+    return cfg.backend == "envpool"

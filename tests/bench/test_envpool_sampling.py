@@ -13,6 +13,11 @@ All measured in the same run, alternating, three times each, and the medians com
 - gymnasium: the same pipeline on the gymnasium backend, 2 samplers x 8 envs (one env stepped
   at a time, so one sampler a CPU).
 
+And, in a second test against the same raw baseline, server inference: the EnvPool sampler's
+16 envs in two alternating groups of 8, one action-server running the agent (one torch
+thread), each group's step split in two (``env.split_step = "on"``: group 0 steps in EnvPool's
+threads while the sampler waits for and sends group 1) or not (``"off"``).
+
 Pipeline steps/s come from the samplers' Prometheus counter over a window after warm-up.
 Run with `make bench`.
 """
@@ -39,9 +44,13 @@ CONFIG = "atari_pong_dqn.toml"
 # A learner that never samples (the window inserts far fewer than min_size_to_sample) and an
 # unthrottled replay: the samplers run at their own pace.
 CHEAP = ["replay.capacity=60000", "replay.min_size_to_sample=60000", "replay.samples_per_insert=0.0",
-         "run.target_return=1e9", "sampler.inference=local", "sampler.horizon=32", "sampler.ring=2"]
-BACKENDS = {"envpool": ["env.backend='envpool'", "sampler.count=1", f"sampler.envs={ENVS}"],
-            "gymnasium": ["sampler.count=2", f"sampler.envs={ENVS // 2}"]}
+         "run.target_return=1e9", "sampler.horizon=32", "sampler.ring=2"]
+BACKENDS = {"envpool": ["sampler.inference=local", "env.backend='envpool'", "sampler.count=1",
+                        f"sampler.envs={ENVS}"],
+            "gymnasium": ["sampler.inference=local", "sampler.count=2", f"sampler.envs={ENVS // 2}"]}
+SERVER = ["sampler.inference=server", "sampler.alternating=true", "action_server.count=1", "env.backend='envpool'",
+          "sampler.count=1", f"sampler.envs={ENVS}"]
+SPLIT = {"split": [*SERVER, "env.split_step='on'"], "sync": [*SERVER, "env.split_step='off'"]}
 
 
 def raw_steps_per_s(seconds: float = WINDOW_S) -> float:
@@ -71,8 +80,8 @@ def raw_steps_per_s(seconds: float = WINDOW_S) -> float:
     return rate
 
 
-def pipeline_steps_per_s(tmp_path, backend: str) -> float:
-    run = Run.launch(tmp_path, CONFIG, *CHEAP, *BACKENDS[backend])
+def pipeline_steps_per_s(tmp_path, overrides: list[str]) -> float:
+    run = Run.launch(tmp_path, CONFIG, *CHEAP, *overrides)
     try:
         # The learner never trains, so its progress rows count no steps: the samplers' counter does.
         run.wait_for(lambda: _sampler_steps(run) >= 4_000, 120, "4000 sampled env steps")
@@ -88,7 +97,7 @@ def test_pong_sampling_envpool_pipeline_vs_raw_envpool(tmp_path):
     for i in range(3):
         rates["raw"].append(raw_steps_per_s())
         for backend in BACKENDS:
-            rates[backend].append(pipeline_steps_per_s(tmp_path / f"{backend}{i}", backend))
+            rates[backend].append(pipeline_steps_per_s(tmp_path / f"{backend}{i}", BACKENDS[backend]))
         print(f"\nround {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
     raw = statistics.median(rates["raw"])
     print(f"\nraw EnvPool x{ENVS} Pong + inline Nature-CNN Q agent ({len(os.sched_getaffinity(0))} CPUs): "
@@ -97,4 +106,23 @@ def test_pong_sampling_envpool_pipeline_vs_raw_envpool(tmp_path):
         median = statistics.median(rates[backend])
         print(f"pipeline, {backend} backend ({' '.join(BACKENDS[backend][-2:])}), local inference: median "
               f"{median:,.0f} steps/s  runs {[round(x) for x in rates[backend]]}  ratio to raw {median / raw:.2f}")
+    assert all(r > 0 for rs in rates.values() for r in rs)
+
+
+def test_pong_sampling_envpool_server_inference_with_and_without_split_steps(tmp_path):
+    rates = {"raw": [], **{mode: [] for mode in SPLIT}}
+    for i in range(3):
+        rates["raw"].append(raw_steps_per_s())
+        for mode in SPLIT if i % 2 == 0 else reversed(SPLIT):  # neither always runs first
+            rates[mode].append(pipeline_steps_per_s(tmp_path / f"{mode}{i}", SPLIT[mode]))
+        print(f"\nround {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
+    raw = statistics.median(rates["raw"])
+    print(f"\nraw EnvPool x{ENVS} Pong + inline Nature-CNN Q agent ({len(os.sched_getaffinity(0))} CPUs): "
+          f"median {raw:,.0f} steps/s  runs {[round(x) for x in rates['raw']]}")
+    for mode in SPLIT:
+        median = statistics.median(rates[mode])
+        print(f"pipeline, envpool backend, server inference, 2 alternating groups of {ENVS // 2}, "
+              f"{SPLIT[mode][-1]}: median {median:,.0f} steps/s  runs {[round(x) for x in rates[mode]]}  "
+              f"ratio to raw {median / raw:.2f}")
+    print(f"split / sync: {statistics.median(rates['split']) / statistics.median(rates['sync']):.2f}")
     assert all(r > 0 for rs in rates.values() for r in rs)
