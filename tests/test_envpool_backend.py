@@ -482,3 +482,4 @@ def test_pong_ppo_samples_and_ships_segments_through_the_pipeline_on_envpool(run
     assert result["reason"] == "budget" and result["env_steps"] >= 384 and result["updates"] >= 3, result
     assert run.config().env.backend == "envpool"
     assert run.config().sampler.inference == inference
+    assert ("in 2 group(s), steps split (send, recv)" in run.logs("sampler")) == (inference == "server")
