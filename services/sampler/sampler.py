@@ -3,7 +3,9 @@
 Per env group g (two groups in alternating mode, rlpyt's alternating sampler), a *step
 slot* in shared memory holds the group's current observations; the action-server writes
 actions and agent info back into it. While one group waits for its actions the other
-steps its environments, so env stepping overlaps inference.
+steps its environments, so env stepping overlaps inference. Where the envs step in threads
+of their own (EnvPool, ``env.split_step``), each group's step is split in two: every group is
+sent before any is received, so group g also steps while the sampler serves group g + 1.
 
 A *segment* (``OnPolicyBatch``: samples [T, B] + bootstrap_value [B]) is filled in a ring
 of ``ring`` segments in shared memory. Segment k is handed to replay once the value of the

@@ -34,7 +34,8 @@ def make_env_group(cfg: EnvConfig, n_envs: int, base_seed: int) -> AnyEnvGroup:
 def split_steps(cfg: EnvConfig, groups: int) -> bool:
     """Whether a sampler with ``groups`` env groups of ``cfg`` steps them split-phase: each
     group's ``send`` first, then each one's ``recv`` (``env.split_step``). Only EnvPool steps in
-    the background, and only a second group gives the sampler something to do meanwhile."""
-    if cfg.split_step == "off" or groups < 2:
-        return False
-    return cfg.backend == "envpool"
+    the background (the config check refuses "on" elsewhere), and only a second group gives the
+    sampler something to do meanwhile. "auto" is "off": on 2 CPUs, with inference on the CPU,
+    split steps measured no faster on Pong and slower on CartPole (docs/benchmarks.md,
+    "Sampling throughput")."""
+    return cfg.split_step == "on" and cfg.backend == "envpool" and groups >= 2

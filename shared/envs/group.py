@@ -83,8 +83,9 @@ class EnvConfig:
     """Alternating sampler (two env groups, server inference) on the envpool backend: "on" starts
     each group's step in EnvPool's threads and collects it after the sampler has served the other
     group (``send``, then ``recv``), so that the sampler's own work overlaps the stepping; "off"
-    steps each group in one call; "auto" is the measured choice (docs/benchmarks.md, "Sampling
-    throughput"). The gymnasium backend steps in the sampler's thread: "auto" or "off" only."""
+    steps each group in one call; "auto" is "off" for now, the faster on 2 CPUs with inference on
+    the CPU (docs/benchmarks.md, "Sampling throughput"). The gymnasium backend steps in the
+    sampler's thread: "auto" or "off" only."""
 
 
 class EnvError(RuntimeError):
