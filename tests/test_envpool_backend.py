@@ -38,40 +38,84 @@ def cartpole_at(state: np.ndarray, max_episode_steps: int) -> gym.Env:
     return env
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(B=st.integers(1, 4), limit=st.sampled_from([0, 9, 23]), seed=st.integers(0, 2**16))
-def test_cartpole_steps_like_gymnasium_over_random_actions_and_episode_ends(B, limit, seed):
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 4), limit=st.sampled_from([0, 9, 23]), seed=st.integers(0, 2**16), split=st.booleans())
+def test_cartpole_steps_like_gymnasium_over_random_actions_and_episode_ends(B, limit, seed, split):
     """Every env follows gymnasium's CartPole from the state EnvPool started it in: observations,
     rewards, terminated vs truncated, final observations, the next episode's first observation in
-    the same step, and (return, length) of each game in env-index order."""
-    group = make_env_group(EnvConfig(max_episode_steps=limit, backend="envpool"), B, seed)
-    buf = Buffers(group)
-    group.reset(buf.obs)
-    refs = [cartpole_at(buf.obs[i], limit or 500) for i in range(B)]
-    lengths = np.zeros(B, int)
+    the same step, and (return, length) of each game in env-index order. ``split``: two groups
+    stepped as the alternating sampler steps them split-phase (A.send, B.send, A.recv, B.recv),
+    each keeping the contract of one ``step``."""
+    cfg = EnvConfig(max_episode_steps=limit, backend="envpool")
+    groups = [make_env_group(cfg, B, seed + k * B) for k in range(2 if split else 1)]
+    bufs = [Buffers(group) for group in groups]
+    refs = []
+    for group, buf in zip(groups, bufs):
+        group.reset(buf.obs)
+        refs.append([cartpole_at(buf.obs[i], limit or 500) for i in range(B)])
+    lengths = np.zeros((len(groups), B), int)
     rng = np.random.default_rng(seed)
     kinds = set()
     for _ in range(60):
-        buf.actions[:] = rng.integers(0, 2, B)
-        games = buf.step(group)
-        expected_games = []
-        for i, env in enumerate(refs):
-            obs, reward, terminated, truncated, _ = env.step(int(buf.actions[i]))
-            lengths[i] += 1
-            terminated &= not truncated  # EnvPool: an end at the limit is a truncation only
-            assert (buf.terminated[i], buf.truncated[i], buf.reward[i]) == (terminated, truncated, reward)
-            if terminated or truncated:
-                kinds.add("terminated" if terminated else "truncated")
-                np.testing.assert_allclose(buf.final_obs[i], obs, rtol=0, atol=1e-5)
-                assert np.abs(buf.obs[i]).max() <= 0.05  # CartPole's start states: uniform in +-0.05
-                expected_games.append((i, float(lengths[i]), int(lengths[i])))
-                lengths[i] = 0
-                refs[i] = cartpole_at(buf.obs[i], limit or 500)
-            else:
-                np.testing.assert_allclose(buf.obs[i], obs, rtol=0, atol=1e-5)
-        assert games == expected_games
+        for group, buf in zip(groups, bufs):
+            buf.actions[:] = rng.integers(0, 2, B)
+            group.send(buf.actions)
+        for k, (group, buf) in enumerate(zip(groups, bufs)):
+            games = group.recv(buf.obs, buf.reward, buf.terminated, buf.truncated, buf.final_obs)
+            expected_games = []
+            for i, env in enumerate(refs[k]):
+                obs, reward, terminated, truncated, _ = env.step(int(buf.actions[i]))
+                lengths[k, i] += 1
+                terminated &= not truncated  # EnvPool: an end at the limit is a truncation only
+                assert (buf.terminated[i], buf.truncated[i], buf.reward[i]) == (terminated, truncated, reward)
+                if terminated or truncated:
+                    kinds.add("terminated" if terminated else "truncated")
+                    np.testing.assert_allclose(buf.final_obs[i], obs, rtol=0, atol=1e-5)
+                    assert np.abs(buf.obs[i]).max() <= 0.05  # CartPole's start states: uniform in +-0.05
+                    expected_games.append((i, float(lengths[k, i]), int(lengths[k, i])))
+                    lengths[k, i] = 0
+                    refs[k][i] = cartpole_at(buf.obs[i], limit or 500)
+                else:
+                    np.testing.assert_allclose(buf.obs[i], obs, rtol=0, atol=1e-5)
+            assert games == expected_games
     assert kinds <= ({"terminated", "truncated"} if limit else {"terminated"})
-    group.close()
+    for group in groups:
+        group.close()
+
+
+def test_a_split_step_is_the_same_step_and_send_recv_go_in_pairs():
+    """``send`` then ``recv`` gives what ``step`` gives (same seeds, same actions); a second
+    ``send`` before ``recv``, or a ``recv`` without ``send``, is a programming error."""
+    actions = np.random.default_rng(3).integers(0, 2, (40, 3))
+
+    def play(split: bool):
+        group = make_env_group(EnvConfig(max_episode_steps=15, backend="envpool"), 3, 8)
+        buf = Buffers(group)
+        group.reset(buf.obs)
+        out = []
+        for a in actions:
+            buf.actions[:] = a
+            if split:
+                group.send(buf.actions)
+                buf.actions[:] = 1 - a  # the actions were copied at send
+                games = group.recv(buf.obs, buf.reward, buf.terminated, buf.truncated, buf.final_obs)
+            else:
+                games = buf.step(group)
+            out.append((buf.obs.copy(), buf.reward.copy(), buf.terminated.copy(), buf.truncated.copy(),
+                        buf.final_obs.copy(), games))
+        if split:
+            with pytest.raises(RuntimeError, match="no step was sent"):
+                group.recv(buf.obs, buf.reward, buf.terminated, buf.truncated, buf.final_obs)
+            group.send(buf.actions)
+            with pytest.raises(RuntimeError, match="previous step was not received"):
+                group.send(buf.actions)
+        group.close()
+        return out
+
+    for (*a, games_a), (*b, games_b) in zip(play(False), play(True)):
+        assert games_a == games_b
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
 
 
 def test_pong_truncations_restart_the_frame_stack_and_keep_the_env_order():
@@ -156,19 +200,25 @@ def test_reward_clipping_reports_the_unclipped_return():
 
 class FaultyPool:
     """A real EnvPool pool whose env 1 goes wrong at its 3rd step: ``mode`` "nan" (observation),
-    "inf_reward", "raise" (the whole pool raises, as a crashed C++ env would) or "" (none)."""
+    "inf_reward", "raise" (the whole pool raises in ``recv``, as a crashed C++ env would),
+    "raise_send" (in ``send``) or "" (none)."""
 
     def __init__(self, mode: str, **make):
-        self.pool, self.mode, self.steps = envpool.make_gymnasium(**make), mode, 0
+        self.pool, self.mode, self.steps, self.whole = envpool.make_gymnasium(**make), mode, 0, False
 
     def __getattr__(self, name):
         return getattr(self.pool, name)
 
-    def step(self, actions, env_id):
-        obs, reward, terminated, truncated, info = self.pool.step(actions, env_id)
-        if len(env_id) == len(self.pool):
-            self.steps += 1
-        if self.steps == 3 and len(env_id) == len(self.pool):
+    def send(self, actions, env_id):
+        self.whole = len(env_id) == len(self.pool)  # a step of every env, not an autoreset
+        self.steps += self.whole
+        if self.steps == 3 and self.whole and self.mode == "raise_send":
+            raise RuntimeError("simulated emulator crash")
+        self.pool.send(actions, env_id)
+
+    def recv(self, **kwargs):
+        obs, reward, terminated, truncated, info = self.pool.recv(**kwargs)
+        if self.steps == 3 and self.whole:
             if self.mode == "raise":
                 raise RuntimeError("simulated emulator crash")
             if self.mode == "nan":
@@ -178,12 +228,18 @@ class FaultyPool:
         return obs, reward, terminated, truncated, info
 
 
+WHOLE_POOL = "step raised RuntimeError: simulated emulator crash (the whole pool of 3 envs failed)"
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("mode,problem,failed", [
     ("nan", "observation contains NaN or an infinity", (1,)),
     ("inf_reward", "reward is inf", (1,)),
-    ("raise", "step raised RuntimeError: simulated emulator crash (the whole pool of 3 envs failed)", (0, 1, 2)),
+    ("raise", WHOLE_POOL, (0, 1, 2)),
+    ("raise_send", WHOLE_POOL, (0, 1, 2)),
 ])
-def test_a_failing_env_raises_env_error_and_recreate_recovers(mode, problem, failed):
+def test_a_failing_env_raises_env_error_and_recreate_recovers(mode, problem, failed, split):
+    """``split``: the step sent, another group's sent and received meanwhile, then received."""
     made = []
 
     def make_pool(task, **options):
@@ -192,14 +248,24 @@ def test_a_failing_env_raises_env_error_and_recreate_recovers(mode, problem, fai
 
     B, base_seed = 3, 10
     group = EnvPoolGroup(EnvConfig(backend="envpool"), B, base_seed, make_pool=make_pool)
-    buf = Buffers(group)
+    other = EnvPoolGroup(EnvConfig(backend="envpool"), B, base_seed + B)
+    buf, other_buf = Buffers(group), Buffers(other)
     group.reset(buf.obs)
+    other.reset(other_buf.obs)
     buf.actions[:] = 0
+    other_buf.actions[:] = 1
     buf.step(group)
     buf.step(group)
     before = buf.obs.copy()
     with pytest.raises(EnvError) as info:
-        buf.step(group)
+        if split:
+            group.send(buf.actions)
+            other.send(other_buf.actions)
+            other.recv(other_buf.obs, other_buf.reward, other_buf.terminated, other_buf.truncated,
+                       other_buf.final_obs)
+            group.recv(buf.obs, buf.reward, buf.terminated, buf.truncated, buf.final_obs)
+        else:
+            buf.step(group)
     err = info.value
     assert err.env_indices == failed and err.finished == []
     assert str(err).startswith(f"env 'CartPole-v1' #{failed[0]}: {problem}") and "\n" not in str(err)
@@ -213,12 +279,13 @@ def test_a_failing_env_raises_env_error_and_recreate_recovers(mode, problem, fai
     for i in err.env_indices:
         group.recreate(i, buf.obs)
     assert np.abs(buf.obs[list(failed)]).max() <= 0.05  # fresh start states
-    if mode == "raise":  # rebuilt once, every env reseeded past the first seeds
+    if mode.startswith("raise"):  # rebuilt once, every env reseeded past the first seeds
         assert made == [[10, 11, 12], [13, 14, 15]]
     for _ in range(3):
         buf.step(group)
     assert np.isfinite(buf.obs).all()
     group.close()
+    other.close()
 
 
 def test_an_out_of_range_action_fails_only_its_env():
@@ -258,6 +325,8 @@ def test_what_envpool_cannot_provide_is_one_line_naming_the_field_and_the_backen
 def test_the_config_error_comes_at_load_before_anything_starts():
     with pytest.raises(schema.ConfigError, match=r"^env.id: env.backend = 'envpool' has no env 'rlpipe/CartPoleNoVel-v1'"):
         loading.load(CONFIGS / "cartpole_novel_r2d1.toml", ["env.backend='envpool'"])
+    with pytest.raises(schema.ConfigError, match=r"^env.split_step = 'async': allowed: 'auto', 'on', 'off'"):
+        loading.load(CONFIGS / "cartpole_ppo.toml", ["env.backend='envpool'", "env.split_step='async'"])
     exp = loading.load(CONFIGS / "atari_pong_r2d1.toml", ["env.backend='envpool'"])  # its frameskip 1 is accepted
     assert exp.env.backend == "envpool"
 
@@ -297,6 +366,98 @@ def test_r2d1_sequences_of_pong_frames_come_back_exactly_from_the_frame_store():
         np.testing.assert_array_equal(dest.observation[:, j], all_steps[row:row + L, col])
 
 
+# ---------------------------------------------------------------- the alternating sampler
+
+
+class ScriptedActions:
+    """An action source that acts from each env's observation at ``wait`` (so that any order of
+    calls gives the same actions), logging the calls."""
+
+    def __init__(self, sampler, log: list):
+        self.sampler, self.log = sampler, log
+
+    def request(self, group: int) -> None:
+        self.log.append(("request", group))
+
+    def wait(self, group: int) -> int:
+        self.log.append(("wait", group))
+        slot = self.sampler.slots[group]
+        slot.action[:] = np.floor(slot.observation[:, 1] * 1e4) % 2  # as good as random
+        slot.agent_info.value[:] = slot.observation.sum(axis=1)
+        return 7
+
+
+class LoggedGroup:
+    """An env group whose ``send`` and ``recv`` calls go into ``log``."""
+
+    def __init__(self, group, g: int, log: list):
+        self.group, self.g, self.log = group, g, log
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    def send(self, actions):
+        self.log.append(("send", self.g))
+        self.group.send(actions)
+
+    def recv(self, *outputs):
+        self.log.append(("recv", self.g))
+        return self.group.recv(*outputs)
+
+
+@pytest.mark.parametrize("split", ["on", "off"])
+def test_the_alternating_sampler_collects_the_same_segments_with_split_steps(split):
+    """Two env groups (server inference, alternating) on EnvPool: with ``env.split_step`` each
+    step is group 0's send, group 1's wait and send, then each one's recv and request; the
+    segments (every field, fixed env columns, bootstraps) and the episodes are those of the
+    synchronous schedule."""
+    from services.build import agent_info
+    from services.sampler.sampler import Sampler
+    from services.topology import topology
+    from tests.test_memory import KeepAll
+
+    def collect(mode: str):
+        exp = loading.load(CONFIGS / "cartpole_ppo.toml", [
+            "env.backend='envpool'", f"env.split_step='{mode}'", "env.max_episode_steps=13", "sampler.count=1",
+            "sampler.envs=5", "sampler.horizon=16", "sampler.ring=3", "sampler.inference='server'",
+            "sampler.alternating=true"])
+        sampler = Sampler(exp.sampler, exp.env, topology(exp), 0, agent_info(exp), "splittest", shared_memory=False)
+        log = []
+        sampler.envs = [LoggedGroup(env, g, log) for g, env in enumerate(sampler.envs)]
+        actions = ScriptedActions(sampler, log)
+        sampler.start(actions)
+        episodes = []
+        for _ in range(3):
+            sampler.collect_segment(actions, KeepAll())
+            episodes.append(sampler.pending[3])
+        out = [from_spec(spec_of(sampler.ring[k])) for k in range(2)]
+        for k in range(2):
+            out[k][:] = sampler.ring[k]
+        assert [env.n_envs for env in sampler.envs] == [2, 3] and sampler.split == (mode == "on")
+        sampler.close()
+        return out, episodes, log
+
+    segments, episodes, log = collect(split)
+    reference, ref_episodes, ref_log = collect("off")
+    step = log[log.index(("wait", 0), 4):][:8]  # one step of both groups, after the start's requests
+    if split == "on":
+        assert step == [("wait", 0), ("send", 0), ("wait", 1), ("send", 1), ("recv", 0), ("request", 0),
+                        ("recv", 1), ("request", 1)]
+    else:
+        assert step == [("wait", 0), ("send", 0), ("recv", 0), ("request", 0), ("wait", 1), ("send", 1),
+                        ("recv", 1), ("request", 1)]
+    assert episodes == ref_episodes and sum(map(len, episodes[:2])) >= 5
+    for seg, ref in zip(segments, reference):
+        for name in ("observation", "action", "reward", "terminated", "truncated", "final_observation", "failed",
+                     "policy_version"):
+            np.testing.assert_array_equal(getattr(seg.samples, name), getattr(ref.samples, name), err_msg=name)
+        np.testing.assert_array_equal(seg.samples.agent_info.value, ref.samples.agent_info.value)
+        np.testing.assert_array_equal(seg.bootstrap_value, ref.bootstrap_value)
+        np.testing.assert_array_equal(seg.bootstrap_observation, ref.bootstrap_observation)
+    assert any(seg.samples.terminated.any() for seg in segments) and any(seg.samples.truncated.any()
+                                                                         for seg in segments)
+
+
 # ---------------------------------------------------------------- the real pipeline
 
 
@@ -310,10 +471,15 @@ def test_ppo_cartpole_learns_through_the_pipeline_on_envpool(runs, inference):
     assert run.config().env.backend == "envpool"
 
 
-def test_pong_ppo_samples_and_ships_segments_through_the_pipeline_on_envpool(runs):
+@pytest.mark.parametrize("inference", ["local", "server"])
+def test_pong_ppo_samples_and_ships_segments_through_the_pipeline_on_envpool(runs, inference):
+    """``server``: the sampler's 4 envs in two alternating groups, each step split in two."""
     run = runs("atari_pong_ppo.toml", "env.backend='envpool'", "sampler.count=1", "sampler.envs=4",
                "sampler.horizon=32", "learner.batch_segments=1", "algo.epochs=1", "algo.minibatches=1",
-               "run.max_env_steps=384")
+               "run.max_env_steps=384", f"sampler.inference='{inference}'", "sampler.alternating=true",
+               "env.split_step='on'" if inference == "server" else "env.split_step='auto'")
     result = run.wait_result(60)
     assert result["reason"] == "budget" and result["env_steps"] >= 384 and result["updates"] >= 3, result
     assert run.config().env.backend == "envpool"
+    assert run.config().sampler.inference == inference
+    assert ("in 2 group(s), steps split (send, recv)" in run.logs("sampler")) == (inference == "server")

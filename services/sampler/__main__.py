@@ -92,8 +92,9 @@ def run(exp, run_dir, instance: int) -> None:
                           incarnation, exp.sampler.ring, exp.sampler.timeout_ms, m, secret,
                           frames=sampler.ring if exp.placement.crosses("sampler", "replay") else None)
         m.healthy.set(1)
-        log.info("sampler %d: %d envs of %s in %d group(s), T=%d, %s inference", instance, exp.sampler.envs,
-                 exp.env.id, len(sampler.groups), exp.sampler.horizon, exp.sampler.inference)
+        log.info("sampler %d: %d envs of %s in %d group(s)%s, T=%d, %s inference", instance, exp.sampler.envs,
+                 exp.env.id, len(sampler.groups), ", steps split (send, recv)" if sampler.split else "",
+                 exp.sampler.horizon, exp.sampler.inference)
         run_loop(sampler, actions, sink)
     finally:
         for part in (actions, sink):

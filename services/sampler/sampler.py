@@ -3,7 +3,9 @@
 Per env group g (two groups in alternating mode, rlpyt's alternating sampler), a *step
 slot* in shared memory holds the group's current observations; the action-server writes
 actions and agent info back into it. While one group waits for its actions the other
-steps its environments, so env stepping overlaps inference.
+steps its environments, so env stepping overlaps inference. Where the envs step in threads
+of their own (EnvPool, ``env.split_step``), each group's step is split in two: every group is
+sent before any is received, so group g also steps while the sampler serves group g + 1.
 
 A *segment* (``OnPolicyBatch``: samples [T, B] + bootstrap_value [B]) is filled in a ring
 of ``ring`` segments in shared memory. Segment k is handed to replay once the value of the
@@ -21,7 +23,7 @@ import numpy as np
 
 from shared.transport import shm
 from shared.config.schema import SamplerConfig
-from shared.envs.backends import AnyEnvGroup, make_env_group
+from shared.envs.backends import AnyEnvGroup, make_env_group, split_steps
 from shared.envs.group import EnvConfig, EnvError
 from shared.transport.wire import MAX_RETURN
 from shared.data.layout import segment_spec, slot_spec, step_example
@@ -86,6 +88,9 @@ class Sampler:
         self.groups = group_slices(cfg.envs, cfg.alternating and cfg.inference == "server")
         seed = topo.env_seed(instance)
         self.envs = [make_env_group(env, g.stop - g.start, seed + g.start) for g in self.groups]
+        # EnvPool steps a group in its own threads: start every group's step, then collect them,
+        # so group g steps while the sampler waits for, copies and sends group g + 1.
+        self.split = split_steps(env, len(self.groups))
         action = self.envs[0].example_action()
         self.example = step_example(self.envs[0].example_observation(), action, agent_info(action))
         self.segments: list[shm.Segment] = []
@@ -139,8 +144,10 @@ class Sampler:
         sink.acquire(self.k)
         seg = self.ring[self.k]
         versions = []
+        groups = list(enumerate(zip(self.groups, self.envs)))
         for t in range(self.cfg.horizon):
-            for g, (cols, env) in enumerate(zip(self.groups, self.envs)):
+            sent = []
+            for g, (cols, env) in groups:
                 version = first[g] if t == 0 else actions.wait(g)  # in the acting phase since its request
                 clock.to("write")
                 slot = self.slots[g]
@@ -151,10 +158,14 @@ class Sampler:
                 step.policy_version[:] = version
                 versions.append(version)
                 clock.to("env")
-                self._step_envs(g, env, slot, step)
-                self.unannounced += cols.stop - cols.start
-                clock.to(acting)
-                actions.request(g)
+                env.send(slot.action)
+                if self.split:
+                    sent.append((g, cols, env, slot, step))
+                else:
+                    self._finish_step(g, cols, env, slot, step, actions)
+            for g, cols, env, slot, step in sent:
+                clock.to("env")
+                self._finish_step(g, cols, env, slot, step, actions)
         self.pending = (self.k, min(versions), max(versions), self.episodes)
         self.episodes = []
         self.k = (self.k + 1) % self.cfg.ring
@@ -181,11 +192,18 @@ class Sampler:
         sink.announce(k, {"serial": self.serial, "steps": self.cfg.horizon * self.cfg.envs, "episodes": episodes,
                           "version_min": int(vmin), "version_max": int(vmax)})
 
+    def _finish_step(self, g: int, cols: slice, env: AnyEnvGroup, slot, step, actions: ActionSource) -> None:
+        """Receive group g's step (sent), then ask for its next actions."""
+        self._step_envs(g, env, slot, step)
+        self.unannounced += cols.stop - cols.start
+        self.clock.to(self.acting)
+        actions.request(g)
+
     def _step_envs(self, g: int, env: AnyEnvGroup, slot, step) -> None:
+        """Receive group g's step (``env.send`` came first) into the slot and the segment's step."""
         step.failed[:] = False
         try:
-            ended = env.step(slot.action, slot.observation, step.reward, step.terminated, step.truncated,
-                             step.final_observation)
+            ended = env.recv(slot.observation, step.reward, step.terminated, step.truncated, step.final_observation)
         except EnvError as e:
             # The group marked the failed envs' transitions as truncations, so no return crosses them;
             # ``failed`` keeps them out of every loss (their outputs are no transition).

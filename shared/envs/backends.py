@@ -29,3 +29,13 @@ def validate_env_config(cfg: EnvConfig) -> None:
 def make_env_group(cfg: EnvConfig, n_envs: int, base_seed: int) -> AnyEnvGroup:
     """``n_envs`` envs of ``cfg`` on its backend (which checks ``cfg``), env i seeded with ``base_seed + i``."""
     return _backend(cfg)[0](cfg, n_envs, base_seed)
+
+
+def split_steps(cfg: EnvConfig, groups: int) -> bool:
+    """Whether a sampler with ``groups`` env groups of ``cfg`` steps them split-phase: each
+    group's ``send`` first, then each one's ``recv`` (``env.split_step``). Only EnvPool steps in
+    the background (the config check refuses "on" elsewhere), and only a second group gives the
+    sampler something to do meanwhile. "auto" is "off": on 2 CPUs, with inference on the CPU,
+    split steps measured no faster on Pong and slower on CartPole (docs/benchmarks.md,
+    "Sampling throughput")."""
+    return cfg.split_step == "on" and cfg.backend == "envpool" and groups >= 2

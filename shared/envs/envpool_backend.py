@@ -16,6 +16,14 @@ gives, as EnvGroup's does, the episode's last observation in ``final_obs_out`` a
 episode's first in ``obs_out``. (An explicit ``reset(env_id)`` would restart the whole game
 after a life lost under episodic life; EnvPool's own autoreset continues it.)
 
+Split-phase steps. ``send`` hands the actions to the pool and returns while its C++ threads
+step the envs (the GIL released); ``recv`` waits for them and does the rest of ``step``
+(``step`` is the two in a row). The pool stays in sync mode (``batch_size = num_envs``), so
+``recv`` answers every env of the group, in env-index order: a pool with ``batch_size <
+num_envs`` answers whichever envs finish first, and the sampler's segments need a fixed
+column per env. The alternating sampler keeps one pool per env group and overlaps them
+(``env.split_step``, docs/architecture.md, "Env backends").
+
 Returns and lengths. The pool runs without reward clipping: rewards are summed here per env
 (the game's score) and clipped to their sign afterwards when the wrappers ask for it; a
 length counts the agent steps of the whole game (every life under episodic life).
@@ -181,7 +189,14 @@ def default_threads(n_envs: int) -> int:
 
 class EnvPoolGroup:
     """B envs of one EnvPool pool (sync mode: every call steps them all), auto-reset, writing
-    into [B, ...] arrays; the contract of ``shared.envs.group.EnvGroup``."""
+    into [B, ...] arrays; the contract of ``shared.envs.group.EnvGroup``.
+
+    A step may be split in two: ``send`` starts it in the pool's threads and returns, ``recv``
+    waits for it and writes what ``step`` writes, so that the sampler's alternating groups
+    step while it serves the other group (``env.split_step``)."""
+
+    steps_in_background = True
+    """``send`` returns while the envs step in EnvPool's C++ threads."""
 
     def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int, make_pool: MakePool | None = None):
         """``n_envs`` = B envs; env i is seeded with ``base_seed + i``. ``make_pool``: builds the
@@ -218,6 +233,7 @@ class EnvPoolGroup:
         self._length = np.zeros(n_envs, np.int64)
         self._fresh: np.ndarray | None = None  # a rebuilt pool's first observations ...
         self._unclaimed: set[int] = set()  # ... of the envs whose recreate has not come yet
+        self._sent: tuple[dict[int, str], str | None] | None = None  # a step in flight: its failures so far
 
     def _new_pool(self):
         B, k = self.n_envs, self._generation
@@ -237,6 +253,7 @@ class EnvPoolGroup:
         return self._example_act
 
     def close(self) -> None:
+        self._sent = None
         if self._pool is not None:
             self._pool.close()
 
@@ -321,24 +338,53 @@ class EnvPoolGroup:
         infinite observation, a reward beyond ``MAX_ABS_REWARD``; every env if the pool
         raised); call ``recreate(i, obs_out)`` for each index in it before the next step.
         """
+        self.send(actions)
+        return self.recv(obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
+
+    def send(self, actions) -> None:
+        """Start one step of every env with ``actions`` [B, ...] and return at once: the pool's
+        C++ threads step the envs while the caller goes on (another group, the action-server's
+        reply). ``recv`` writes the outputs; one ``send`` at a time. The actions are copied."""
+        if self._sent is not None:
+            raise RuntimeError("EnvPoolGroup.send: the previous step was not received (call recv first)")
+        if self._pool is None:
+            raise RuntimeError("EnvPoolGroup.send: the pool failed; recreate its envs first")
+        bad_action = self._to_env(actions)
+        failures: dict[int, str] = {}
+        if bad_action is not None:
+            a = np.asarray(actions)
+            for i in bad_action:
+                failures[int(i)] = f"action {int(a[i])} is outside Discrete({self._n_actions})"
+        self._fresh, self._unclaimed = None, set()
+        raised = None
+        try:
+            self._pool.send(self._env_actions, self._ids)
+        except Exception as e:  # noqa: BLE001 - any env failure is reported (by recv), not fatal
+            raised = f"step raised {_first_line(e)}"
+        self._sent = (failures, raised)
+
+    def recv(self, obs_out, reward_out, terminated_out, truncated_out, final_obs_out) -> list[tuple[int, float, int]]:
+        """Wait for the step ``send`` started, reset the envs whose episode ended, and write the
+        outputs; the outputs, return value and failures are ``EnvGroup.step``'s (``step`` is
+        ``send`` then ``recv``)."""
+        if self._sent is None:
+            raise RuntimeError("EnvPoolGroup.recv: no step was sent")
+        (failures, raised), self._sent = self._sent, None
         B = self.n_envs
         obs_dst = _leaf_arrays(obs_out, B, 1, "obs_out")[0]
         final_dst = _leaf_arrays(final_obs_out, B, 1, "final_obs_out")[0]
-        bad_action = self._to_env(actions)
-        self._fresh, self._unclaimed = None, set()
-        try:
-            obs, reward, terminated, truncated, info = self._pool.step(self._env_actions, self._ids)
-        except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
+        if raised is None:
+            try:
+                obs, reward, terminated, truncated, info = self._pool.recv(reset=False, return_info=True)
+            except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
+                raised = f"step raised {_first_line(e)}"
+        if raised is not None:
             final_dst[:] = obs_dst
             reward_out[:], terminated_out[:], truncated_out[:] = 0.0, False, True
-            self._pool_failed(f"step raised {_first_line(e)}", [])
+            self._pool_failed(raised, [])
         game_over = info["terminated"].astype(bool) if self._episodic_life else None
         obs, reward, terminated, truncated, game_over = self._in_order(info, obs, reward, terminated, truncated,
                                                                        game_over)
-        failures: dict[int, str] = {}
-        if bad_action is not None:
-            for i in bad_action:
-                failures[int(i)] = f"action {int(np.asarray(actions)[i])} is outside Discrete({self._n_actions})"
         bad_obs = self._bad_rows(obs)
         for i in () if bad_obs is None else bad_obs:
             failures.setdefault(int(i), "observation contains NaN or an infinity")
@@ -382,7 +428,8 @@ class EnvPoolGroup:
         """EnvPool's reset of the envs ``ended`` (their next call, its action ignored), now;
         writes their first observations into ``obs_dst``."""
         try:
-            obs, _, _, _, info = self._pool.step(self._env_actions[ended], ended)
+            self._pool.send(self._env_actions[ended], ended)
+            obs, _, _, _, info = self._pool.recv(reset=False, return_info=True)
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
             for i in ended:
                 failures[int(i)] = f"reset raised {_first_line(e)}"

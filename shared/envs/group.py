@@ -79,6 +79,13 @@ class EnvConfig:
     counted). 0: off. Gymnasium backend, pure-Python hangs only (``shared.envs.step_limit``): a C
     extension that holds the GIL is not interrupted, and the watchdog (``run.watchdog_s``) is the
     backstop; keep it well under that."""
+    split_step: str = "auto"
+    """Alternating sampler (two env groups, server inference) on the envpool backend: "on" starts
+    each group's step in EnvPool's threads and collects it after the sampler has served the other
+    group (``send``, then ``recv``), so that the sampler's own work overlaps the stepping; "off"
+    steps each group in one call; "auto" is "off" for now, the faster on 2 CPUs with inference on
+    the CPU (docs/benchmarks.md, "Sampling throughput"). The gymnasium backend steps in the
+    sampler's thread: "auto" or "off" only."""
 
 
 class EnvError(RuntimeError):
@@ -101,6 +108,9 @@ class EnvError(RuntimeError):
 
 
 # ---------------------------------------------------------------- config
+
+SPLIT_STEP = ("auto", "on", "off")
+"""The values of ``env.split_step``."""
 
 _FLAG_WRAPPERS = ("atari", "episodic_life", "clip_reward")
 _ARG_WRAPPERS = ("frame_stack",)
@@ -203,6 +213,8 @@ def check_common(cfg: EnvConfig) -> tuple[dict[str, Any], dict[str, int]]:
         raise ValueError(f"env.threads: must be >= 0 (0 = one per env, at most the CPUs), got {cfg.threads}")
     if not (math.isfinite(cfg.step_timeout_s) and cfg.step_timeout_s >= 0):
         raise ValueError(f"env.step_timeout_s: must be >= 0 seconds (0 = off), got {cfg.step_timeout_s}")
+    if cfg.split_step not in SPLIT_STEP:
+        raise ValueError(f"env.split_step = {cfg.split_step!r}: allowed: {', '.join(map(repr, SPLIT_STEP))}")
     return kwargs, wrappers
 
 
@@ -213,6 +225,9 @@ def validate_gymnasium(cfg: EnvConfig) -> None:
     if cfg.threads:
         raise ValueError(f"env.threads = {cfg.threads}: the gymnasium backend steps its envs in the sampler's "
                          "own thread; leave it 0 (or set env.backend = 'envpool')")
+    if cfg.split_step == "on":
+        raise ValueError("env.split_step = 'on': the gymnasium backend steps its envs in the sampler's own thread, "
+                         "so nothing would overlap; leave it 'auto' (or set env.backend = 'envpool')")
     if ":" in cfg.id:
         _env_callable(cfg.id)
         return
@@ -444,6 +459,9 @@ def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
 class EnvGroup:
     """B gymnasium envs stepped one after another, auto-reset, writing into [B, ...] arrays."""
 
+    steps_in_background = False
+    """``send`` only keeps the actions; the envs step in ``recv``, in the caller's thread."""
+
     def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int,
                  make: Callable[[EnvConfig], tuple[gym.Env, EpisodeTracker]] = make_env):
         """``n_envs`` = B envs, each built by ``make(cfg)``; env i is seeded with ``base_seed + i``
@@ -471,6 +489,7 @@ class EnvGroup:
         self._generation = [0] * n_envs
         self._seeded = False
         self._limit = StepLimit(cfg.step_timeout_s) if cfg.step_timeout_s else None
+        self._sent = None  # the actions of a split step (send, then recv)
 
     def example_observation(self):
         """One observation (no leading dims): ndarray, or namedarraytuple for Dict/Tuple."""
@@ -638,6 +657,20 @@ class EnvGroup:
                 d[i] = x
         self._raise_failures(failures, finished, tuple(failed_steps))
         return finished
+
+    def send(self, actions) -> None:
+        """The first half of a split step, as the EnvPool backend's: keeps (a reference to)
+        ``actions`` for ``recv``, which steps the envs. Leave ``actions`` as they are until then."""
+        if self._sent is not None:
+            raise RuntimeError("EnvGroup.send: the previous step was not received (call recv first)")
+        self._sent = actions
+
+    def recv(self, obs_out, reward_out, terminated_out, truncated_out, final_obs_out) -> list[tuple[int, float, int]]:
+        """``step`` with the actions ``send`` kept: its outputs, return value and failures."""
+        if self._sent is None:
+            raise RuntimeError("EnvGroup.recv: no step was sent")
+        actions, self._sent = self._sent, None
+        return self.step(actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
 
     def recreate(self, i: int, obs_out) -> None:
         """Close env i, build it anew, reset it and write its observation into ``obs_out[i]``.

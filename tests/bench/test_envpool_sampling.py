@@ -13,6 +13,12 @@ All measured in the same run, alternating, three times each, and the medians com
 - gymnasium: the same pipeline on the gymnasium backend, 2 samplers x 8 envs (one env stepped
   at a time, so one sampler a CPU).
 
+And, in a second test against the same raw baseline, server inference: the EnvPool sampler's
+16 envs in two alternating groups of 8, one action-server running the agent (one torch
+thread), each group's step split in two (``env.split_step = "on"``: group 0 steps in EnvPool's
+threads while the sampler waits for and sends group 1) or not (``"off"``); on Pong and on
+CartPole (DQN's MLP), where the envs and the sampler's own work weigh more.
+
 Pipeline steps/s come from the samplers' Prometheus counter over a window after warm-up.
 Run with `make bench`.
 """
@@ -39,12 +45,18 @@ CONFIG = "atari_pong_dqn.toml"
 # A learner that never samples (the window inserts far fewer than min_size_to_sample) and an
 # unthrottled replay: the samplers run at their own pace.
 CHEAP = ["replay.capacity=60000", "replay.min_size_to_sample=60000", "replay.samples_per_insert=0.0",
-         "run.target_return=1e9", "sampler.inference=local", "sampler.horizon=32", "sampler.ring=2"]
-BACKENDS = {"envpool": ["env.backend='envpool'", "sampler.count=1", f"sampler.envs={ENVS}"],
-            "gymnasium": ["sampler.count=2", f"sampler.envs={ENVS // 2}"]}
+         "run.target_return=1e9", "sampler.horizon=32", "sampler.ring=2"]
+BACKENDS = {"envpool": ["sampler.inference=local", "env.backend='envpool'", "sampler.count=1",
+                        f"sampler.envs={ENVS}"],
+            "gymnasium": ["sampler.inference=local", "sampler.count=2", f"sampler.envs={ENVS // 2}"]}
+SERVER = ["sampler.inference=server", "sampler.alternating=true", "action_server.count=1", "env.backend='envpool'",
+          "sampler.count=1", f"sampler.envs={ENVS}"]
+SPLIT = {"split": [*SERVER, "env.split_step='on'"], "sync": [*SERVER, "env.split_step='off'"]}
+# CartPole's samplers insert far more in a window: a table its learner never samples from either.
+LARGER = {"cartpole_dqn.toml": ["replay.capacity=1000000", "replay.min_size_to_sample=1000000"]}
 
 
-def raw_steps_per_s(seconds: float = WINDOW_S) -> float:
+def raw_steps_per_s(seconds: float = WINDOW_S, config: str = CONFIG) -> float:
     """Raw EnvPool and the run's agent inline, one process."""
     from services.build import env_probe, make_agent
     from shared.agents.actor import Actor
@@ -52,7 +64,7 @@ def raw_steps_per_s(seconds: float = WINDOW_S) -> float:
     from shared.runtime.process import torch_device
 
     torch_device("cpu")  # one torch thread, as a sampler
-    exp = loading.load(CONFIGS / CONFIG, ["env.backend='envpool'", f"sampler.envs={ENVS}"])
+    exp = loading.load(CONFIGS / config, ["env.backend='envpool'", f"sampler.envs={ENVS}"])
     agent = make_agent(exp, env_probe(exp)).eval()
     act = Actor(agent, np.random.SeedSequence(0))
     task, options, _ = pool_options(exp.env)  # the options the backend gives the same env section
@@ -63,7 +75,7 @@ def raw_steps_per_s(seconds: float = WINDOW_S) -> float:
     steps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         action, _ = act(obs, env_index, first, reward, 0, ENVS)
-        obs, reward, terminated, truncated, _ = pool.step(action.astype(np.int32))
+        obs, reward, terminated, truncated, _ = pool.step(np.asarray(action).astype(np.int32))
         first = terminated | truncated  # EnvPool resets these on their next step
         steps += ENVS
     rate = steps / (time.perf_counter() - t0)
@@ -71,8 +83,8 @@ def raw_steps_per_s(seconds: float = WINDOW_S) -> float:
     return rate
 
 
-def pipeline_steps_per_s(tmp_path, backend: str) -> float:
-    run = Run.launch(tmp_path, CONFIG, *CHEAP, *BACKENDS[backend])
+def pipeline_steps_per_s(tmp_path, overrides: list[str], config: str = CONFIG) -> float:
+    run = Run.launch(tmp_path, config, *CHEAP, *LARGER.get(config, []), *overrides)
     try:
         # The learner never trains, so its progress rows count no steps: the samplers' counter does.
         run.wait_for(lambda: _sampler_steps(run) >= 4_000, 120, "4000 sampled env steps")
@@ -88,7 +100,7 @@ def test_pong_sampling_envpool_pipeline_vs_raw_envpool(tmp_path):
     for i in range(3):
         rates["raw"].append(raw_steps_per_s())
         for backend in BACKENDS:
-            rates[backend].append(pipeline_steps_per_s(tmp_path / f"{backend}{i}", backend))
+            rates[backend].append(pipeline_steps_per_s(tmp_path / f"{backend}{i}", BACKENDS[backend]))
         print(f"\nround {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
     raw = statistics.median(rates["raw"])
     print(f"\nraw EnvPool x{ENVS} Pong + inline Nature-CNN Q agent ({len(os.sched_getaffinity(0))} CPUs): "
@@ -97,4 +109,26 @@ def test_pong_sampling_envpool_pipeline_vs_raw_envpool(tmp_path):
         median = statistics.median(rates[backend])
         print(f"pipeline, {backend} backend ({' '.join(BACKENDS[backend][-2:])}), local inference: median "
               f"{median:,.0f} steps/s  runs {[round(x) for x in rates[backend]]}  ratio to raw {median / raw:.2f}")
+    assert all(r > 0 for rs in rates.values() for r in rs)
+
+
+@pytest.mark.parametrize("config", [CONFIG, "cartpole_dqn.toml"])
+def test_sampling_envpool_server_inference_with_and_without_split_steps(tmp_path, config):
+    """Pong (the Nature CNN: inference is the limit) and CartPole (a 64x64 MLP: the envs and the
+    sampler's own work are)."""
+    rates = {"raw": [], **{mode: [] for mode in SPLIT}}
+    for i in range(3):
+        rates["raw"].append(raw_steps_per_s(config=config))
+        for mode in SPLIT if i % 2 == 0 else reversed(SPLIT):  # neither always runs first
+            rates[mode].append(pipeline_steps_per_s(tmp_path / f"{mode}{i}", SPLIT[mode], config))
+        print(f"\nround {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
+    raw = statistics.median(rates["raw"])
+    print(f"\n{config}: raw EnvPool x{ENVS} + the agent inline ({len(os.sched_getaffinity(0))} CPUs): "
+          f"median {raw:,.0f} steps/s  runs {[round(x) for x in rates['raw']]}")
+    for mode in SPLIT:
+        median = statistics.median(rates[mode])
+        print(f"pipeline, envpool backend, server inference, 2 alternating groups of {ENVS // 2}, "
+              f"{SPLIT[mode][-1]}: median {median:,.0f} steps/s  runs {[round(x) for x in rates[mode]]}  "
+              f"ratio to raw {median / raw:.2f}")
+    print(f"split / sync: {statistics.median(rates['split']) / statistics.median(rates['sync']):.2f}")
     assert all(r > 0 for rs in rates.values() for r in rs)
