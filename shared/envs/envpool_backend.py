@@ -195,9 +195,6 @@ class EnvPoolGroup:
     waits for it and writes what ``step`` writes, so that the sampler's alternating groups
     step while it serves the other group (``env.split_step``)."""
 
-    steps_in_background = True
-    """``send`` returns while the envs step in EnvPool's C++ threads."""
-
     def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int, make_pool: MakePool | None = None):
         """``n_envs`` = B envs; env i is seeded with ``base_seed + i``. ``make_pool``: builds the
         pool (``envpool.make_gymnasium`` unless given)."""

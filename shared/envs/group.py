@@ -459,9 +459,6 @@ def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
 class EnvGroup:
     """B gymnasium envs stepped one after another, auto-reset, writing into [B, ...] arrays."""
 
-    steps_in_background = False
-    """``send`` only keeps the actions; the envs step in ``recv``, in the caller's thread."""
-
     def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int,
                  make: Callable[[EnvConfig], tuple[gym.Env, EpisodeTracker]] = make_env):
         """``n_envs`` = B envs, each built by ``make(cfg)``; env i is seeded with ``base_seed + i``
