@@ -5,9 +5,10 @@ relu; SB3 through a features extractor of the same layers and no further net_arc
 ``MinAtar/Breakout-v1`` with sticky actions 0.1, on the same machine, alternating seed by seed:
 
 - DQN: deploy/configs/minatar_breakout_dqn.toml against SB3's DQN with its values (replay
-  100k, learning from 5000 transitions, batch 32, one update per env step, target copy
-  every 1000 env steps, epsilon 1.0 -> 0.1 over 100k env steps, Adam 2.5e-4, Huber loss,
-  no gradient clipping, gamma 0.99, one env).
+  200k, learning from 5000 transitions, batch 64, one update per 8 env steps, target copy
+  every 1000 updates = 8000 env steps, 3-step returns, epsilon 1.0 -> 0.01 over 100k env
+  steps, Adam 2.5e-4, Huber loss, no gradient clipping, gamma 0.99; SB3 one env, rlpipe 2
+  samplers x 8). One difference stays: SB3's DQN has no double-Q targets, the config's has.
 - PPO: deploy/configs/minatar_breakout_ppo.toml against SB3's PPO with its values (64 envs
   x 128 steps an update, 4 epochs of 8 minibatches, Adam 5e-4, clip 0.2 on ratio and value,
   gamma 0.999, lambda 0.95, entropy 0.01, value 0.5, gradient norm 0.5, one shared torso).
@@ -70,9 +71,9 @@ def sb3_dqn(seed: int, steps: int = STEPS):
     from stable_baselines3 import DQN
 
     env = sb3_env(1, seed)
-    return DQN("MlpPolicy", env, learning_rate=2.5e-4, buffer_size=100_000, learning_starts=5000, batch_size=32,
-               gamma=0.99, train_freq=1, gradient_steps=1, target_update_interval=1000,
-               exploration_fraction=100_000 / steps, exploration_initial_eps=1.0, exploration_final_eps=0.1,
+    return DQN("MlpPolicy", env, learning_rate=2.5e-4, buffer_size=200_000, learning_starts=5000, batch_size=64,
+               gamma=0.99, train_freq=8, gradient_steps=1, target_update_interval=8000, n_steps=3,
+               exploration_fraction=100_000 / steps, exploration_initial_eps=1.0, exploration_final_eps=0.01,
                max_grad_norm=float("inf"),
                policy_kwargs={"features_extractor_class": minatar_extractor(), "net_arch": [],
                               "normalize_images": False},
