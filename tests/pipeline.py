@@ -299,6 +299,17 @@ def summary(name: str, runs: list[tuple[float, int]]) -> float:
     return median
 
 
+def rate_medians(rates: dict[str, list[float]], baseline: str, describe: dict[str, str]) -> dict[str, float]:
+    """Print each setup's median rate (steps/s) over its rounds, with the rounds, and every other
+    setup's ratio to ``baseline``'s median; ``describe``: setup -> what it is. Returns the medians."""
+    medians = {name: statistics.median(runs) for name, runs in rates.items()}
+    print()
+    for name, runs in rates.items():
+        ratio = "" if name == baseline else f"  ratio to {baseline} {medians[name] / medians[baseline]:.2f}"
+        print(f"{describe[name]}: median {medians[name]:,.0f} steps/s  runs {[round(x) for x in runs]}{ratio}")
+    return medians
+
+
 def sb3_to_target(make, total_timesteps: int, target: float, window: int) -> tuple[float, int]:
     """(seconds, env steps) of the Stable-Baselines3 model ``make() -> (model, env)`` builds,
     learning on one thread until the mean return of its last ``window`` episodes reaches

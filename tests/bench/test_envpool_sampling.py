@@ -26,7 +26,6 @@ Run with `make bench`.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 import numpy as np
@@ -34,7 +33,7 @@ import pytest
 
 from shared.config import loading
 from tests.bench.test_pipeline_throughput import _sampler_steps
-from tests.pipeline import CONFIGS, Run
+from tests.pipeline import CONFIGS, Run, rate_medians
 
 pytestmark = pytest.mark.bench
 envpool = pytest.importorskip("envpool")
@@ -102,13 +101,9 @@ def test_pong_sampling_envpool_pipeline_vs_raw_envpool(tmp_path):
         for backend in BACKENDS:
             rates[backend].append(pipeline_steps_per_s(tmp_path / f"{backend}{i}", BACKENDS[backend]))
         print(f"\nround {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
-    raw = statistics.median(rates["raw"])
-    print(f"\nraw EnvPool x{ENVS} Pong + inline Nature-CNN Q agent ({len(os.sched_getaffinity(0))} CPUs): "
-          f"median {raw:,.0f} steps/s  runs {[round(x) for x in rates['raw']]}")
-    for backend in BACKENDS:
-        median = statistics.median(rates[backend])
-        print(f"pipeline, {backend} backend ({' '.join(BACKENDS[backend][-2:])}), local inference: median "
-              f"{median:,.0f} steps/s  runs {[round(x) for x in rates[backend]]}  ratio to raw {median / raw:.2f}")
+    rate_medians(rates, "raw", {
+        "raw": f"raw EnvPool x{ENVS} Pong + inline Nature-CNN Q agent ({len(os.sched_getaffinity(0))} CPUs)",
+        **{b: f"pipeline, {b} backend ({' '.join(BACKENDS[b][-2:])}), local inference" for b in BACKENDS}})
     assert all(r > 0 for rs in rates.values() for r in rs)
 
 
@@ -122,13 +117,9 @@ def test_sampling_envpool_server_inference_with_and_without_split_steps(tmp_path
         for mode in SPLIT if i % 2 == 0 else reversed(SPLIT):  # neither always runs first
             rates[mode].append(pipeline_steps_per_s(tmp_path / f"{mode}{i}", SPLIT[mode], config))
         print(f"\nround {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()), flush=True)
-    raw = statistics.median(rates["raw"])
-    print(f"\n{config}: raw EnvPool x{ENVS} + the agent inline ({len(os.sched_getaffinity(0))} CPUs): "
-          f"median {raw:,.0f} steps/s  runs {[round(x) for x in rates['raw']]}")
-    for mode in SPLIT:
-        median = statistics.median(rates[mode])
-        print(f"pipeline, envpool backend, server inference, 2 alternating groups of {ENVS // 2}, "
-              f"{SPLIT[mode][-1]}: median {median:,.0f} steps/s  runs {[round(x) for x in rates[mode]]}  "
-              f"ratio to raw {median / raw:.2f}")
-    print(f"split / sync: {statistics.median(rates['split']) / statistics.median(rates['sync']):.2f}")
+    medians = rate_medians(rates, "raw", {
+        "raw": f"{config}: raw EnvPool x{ENVS} + the agent inline ({len(os.sched_getaffinity(0))} CPUs)",
+        **{m: f"pipeline, envpool backend, server inference, 2 alternating groups of {ENVS // 2}, {SPLIT[m][-1]}"
+           for m in SPLIT}})
+    print(f"split / sync: {medians['split'] / medians['sync']:.2f}")
     assert all(r > 0 for rs in rates.values() for r in rs)

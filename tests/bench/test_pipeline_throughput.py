@@ -35,7 +35,7 @@ import torch
 
 from shared.agents.pg import PgAgent
 from shared.agents.models import ModelConfig
-from tests.pipeline import Run, free_port
+from tests.pipeline import Run, free_port, rate_medians
 
 pytestmark = pytest.mark.bench
 ENVS = 32
@@ -105,13 +105,8 @@ def test_pipeline_vs_single_process(tmp_path):
         rates["single"].append(single_process_steps_per_s())
         for j, (mode, args) in enumerate(MODES.items()):
             rates[mode].append(pipeline_steps_per_s(tmp_path / f"{j}.{i}", *args))
-    single = statistics.median(rates["single"])
-    print(f"\nsingle process (SyncVectorEnv x{ENVS} + inline 64x64 MLP): median {single:,.0f} steps/s  "
-          f"runs {[round(x) for x in rates['single']]}")
-    for mode in MODES:
-        median = statistics.median(rates[mode])
-        print(f"pipeline, {mode} inference (2 samplers x 16 envs): median {median:,.0f} steps/s  "
-              f"runs {[round(x) for x in rates[mode]]}  ratio to one process {median / single:.2f}")
+    rate_medians(rates, "single", {"single": f"single process (SyncVectorEnv x{ENVS} + inline 64x64 MLP)",
+                                   **{m: f"pipeline, {m} inference (2 samplers x 16 envs)" for m in MODES}})
     assert all(r > 0 for mode in MODES for r in rates[mode])
 
 
