@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from shared.agents.config import CriticConfig
+from shared.agents.config import ActorConfig, CriticConfig, check_renorm
 
 
 ADVANTAGES = ("gae", "vtrace")
@@ -302,11 +302,16 @@ class QpgConfig:
             raise ValueError(f"{type(self).__name__}.tau: must be in (0, 1], got {self.tau}")
         if not 0.0 <= self.adam_beta1 < 1.0:
             raise ValueError(f"{type(self).__name__}.adam_beta1: must be in [0, 1), got {self.adam_beta1}")
-        self.critic()  # its own checks (widths)
+        self.critic()  # its own checks (widths, batch renorm settings)
+        self.actor()
 
     def critic(self) -> CriticConfig:
         """The critics the agent builds for this algorithm."""
         return CriticConfig(n=self.n_critics, hidden_sizes=tuple(self.critic_hidden_sizes))
+
+    def actor(self) -> ActorConfig:
+        """The actor the agent builds for this algorithm: plain (CrossQ's may have batch renorm)."""
+        return ActorConfig()
 
 
 @dataclass(frozen=True)
@@ -399,11 +404,24 @@ class CrossQConfig(SACConfig):
     renorm_eps: float = 1e-3
     """Batch renorm: added to the variance before its square root."""
     renorm_warmup_steps: int = 100_000
-    """Batch renorm: critic updates of plain batch norm before the running statistics correct the batch's."""
+    """Batch renorm: training passes of plain batch norm before the running statistics correct the
+    batch's (the critics': critic updates; the actor's: actor steps, every ``policy_delay``-th update)."""
+    actor_batch_renorm: bool = True
+    """Batch renorm in the actor too, before each of its linear layers, with the critics' settings
+    (the paper's and sb3-contrib's actor); false = SAC's plain actor. Acting reads its running
+    statistics, the actor loss trains them (``shared.agents.config.ActorConfig``)."""
+
+    def __post_init__(self) -> None:
+        check_renorm(self)  # first: the errors name this section's fields, not the parts built from them
+        super().__post_init__()
 
     def critic(self) -> CriticConfig:
         return dataclasses.replace(super().critic(), batch_renorm=True, renorm_momentum=self.renorm_momentum,
                                    renorm_eps=self.renorm_eps, renorm_warmup_steps=self.renorm_warmup_steps)
+
+    def actor(self) -> ActorConfig:
+        return ActorConfig(batch_renorm=self.actor_batch_renorm, renorm_momentum=self.renorm_momentum,
+                           renorm_eps=self.renorm_eps, renorm_warmup_steps=self.renorm_warmup_steps)
 
 
 @dataclass(frozen=True)
