@@ -5,7 +5,8 @@ initialisation (a fresh policy head's logits are near-ties, where float rounding
 flip an argmax) and written by the learner's checkpoint writer into a run directory. Its export
 in every format (ONNX run by onnxruntime, the others loaded back) then plays the same greedy
 actions and values as the agent's own ``step`` on >= 500 observations from the env: PPO and
-DQN on CartPole, SAC on Pendulum with a non-trivial observation normaliser, recurrent PPO
+DQN on CartPole, SAC on Pendulum with a non-trivial observation normaliser, CrossQ with its
+actor's and critics' batch renorm statistics moved off their start, recurrent PPO
 step by step over 50-step episodes with its state fed back, PPO on a Dict observation
 whose leaves are named inputs, and PPO and DQN with an action mask among their inputs.
 """
@@ -27,6 +28,7 @@ import torch
 from services.build import env_probe, make_agent
 from services.learner.checkpoints import Checkpoints
 from shared.agents import EVALUATE
+from shared.agents.models import BatchRenorm
 from shared.config import loading
 from shared.envs.group import make_env
 from shared.launch import export
@@ -58,6 +60,10 @@ def checkpointed_run(run_dir: Path, cfg: dict, seed: int = 0) -> Path:
     with torch.no_grad():
         for p in agent.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=gen))
+        for norm in agent.modules():  # batch renorm (CrossQ) as after training: the export must use these
+            if isinstance(norm, BatchRenorm):
+                norm.running_mean.copy_(0.5 * torch.randn(norm.running_mean.shape, generator=gen))
+                norm.running_var.copy_(0.3 + torch.rand(norm.running_var.shape, generator=gen))
         norm = getattr(agent, "obs_norm", None)
         if norm is not None:  # as if the run had seen observations: the export must fold these in
             norm.mean.copy_(torch.linspace(-0.5, 0.5, norm.mean.numel()).reshape(norm.mean.shape))
@@ -113,6 +119,7 @@ FEED_FORWARD = {
     "ppo": (config("cartpole_ppo.toml"), "value"),
     "dqn": (config("cartpole_dqn.toml", agent={"eps_eval": 0.0}), "q_values"),
     "sac": (config("pendulum_sac.toml", model={"normalize_observations": True}), "q"),
+    "crossq": (config("pendulum_crossq.toml", algo={"critic_hidden_sizes": [64, 64]}), "q"),  # actor batch renorm
 }
 
 
@@ -131,11 +138,11 @@ def test_a_feed_forward_export_acts_as_the_agent(tmp_path, family):
         else:  # Q_i(s, greedy action) of both critics, [B, 2]
             expected_head = agent.q(torch.as_tensor(obs), agent.to_unit(action)).T
     action, expected_head = action.numpy(), expected_head.numpy()
-    if family != "sac":
+    if family not in ("sac", "crossq"):
         assert len(np.unique(action)) > 1  # both actions occur: a constant policy would prove little
     for fmt, run in runners(run_dir, tmp_path / "out").items():
         got_action, got_head = run([obs])
-        if family == "sac":
+        if family in ("sac", "crossq"):
             np.testing.assert_allclose(got_action, action, atol=1e-5, err_msg=fmt)
         else:
             np.testing.assert_array_equal(got_action, action, err_msg=fmt)

@@ -9,7 +9,9 @@ import sys
 
 import torch
 
-from shared.algos.optim import adam, gradient_step, rmsprop
+import pytest
+
+from shared.algos.optim import adam, gradient_step, optimizer, radam, rmsprop
 
 
 def _net():
@@ -64,6 +66,18 @@ def test_optimizers_are_torchs_and_step_as_torchs():
         _assert_same(_train(lambda p: rmsprop(p, 1e-2, 0.99, 1e-5), max_grad_norm=max_grad_norm),
                      _reference(lambda p: torch.optim.RMSprop(p, lr=1e-2, alpha=0.99, eps=1e-5),
                                 max_grad_norm=max_grad_norm))
+
+
+def test_radam_is_torchs_and_a_config_names_any_of_the_three():
+    assert type(radam(_net().parameters(), 1e-2, 1e-5)) is torch.optim.RAdam
+    for max_grad_norm in (0.5, 0.0):
+        _assert_same(_train(lambda p: optimizer("radam", p, 1e-2, 1e-5), max_grad_norm=max_grad_norm),
+                     _reference(lambda p: torch.optim.RAdam(p, lr=1e-2, eps=1e-5, foreach=True),
+                                max_grad_norm=max_grad_norm))
+    kinds = {name: type(optimizer(name, _net().parameters(), 1e-3, 1e-8)) for name in ("adam", "radam", "rmsprop")}
+    assert kinds == {"adam": torch.optim.Adam, "radam": torch.optim.RAdam, "rmsprop": torch.optim.RMSprop}
+    with pytest.raises(ValueError, match="'sgd' unknown"):
+        optimizer("sgd", _net().parameters(), 1e-3, 1e-8)
 
 
 def test_adam_falls_back_to_foreach_where_fused_does_not_exist():

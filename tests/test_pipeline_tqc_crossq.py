@@ -35,9 +35,9 @@ def test_tqc_pendulum_server_inference_reaches_minus_200_within_20k_steps(runs):
 
 
 def test_crossq_pendulum_reaches_minus_200_within_20k_steps(runs):
-    """The samplers follow parameter versions that carry the critics' batch renorm statistics
-    (an int64 pass count among them); the learner trains the critics once per update and keeps
-    no target network."""
+    """The samplers follow parameter versions that carry the critics' and the actor's batch renorm
+    statistics (int64 pass counts among them) and act on the actor's running ones; the learner
+    trains the critics once per update, the actor every third, and keeps no target network."""
     run = runs("pendulum_crossq.toml", "sampler.inference=local", *SMALL, "algo.critic_hidden_sizes=[64, 64]",
                "algo.actor_lr=3e-3", "algo.alpha_lr=3e-3")
     result = run.wait_result(300)
@@ -45,3 +45,4 @@ def test_crossq_pendulum_reaches_minus_200_within_20k_steps(runs):
     state = torch.load(run.dir / CHECKPOINT, weights_only=True)
     assert "target" not in state["algo"]
     assert state["agent"]["critics.mlp.norms.0.steps"].item() == state["algo"]["updates"] > 0
+    assert state["agent"]["actor_head.net.0.steps"].item() == state["algo"]["updates"] // 3  # policy_delay 3

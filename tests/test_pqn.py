@@ -125,9 +125,14 @@ def test_pqn_is_an_on_policy_algorithm_of_q_agents():
     assert spec.on_policy and spec.tables == ("queue",) and spec.agent.family == "q" and not spec.recurrent
     with pytest.raises(ValueError, match="q_lambda"):
         PQNConfig(q_lambda=1.5)
+    with pytest.raises(ValueError, match=r"PQNConfig.optimizer: 'rmsprop' unknown; use one of adam, radam"):
+        PQNConfig(optimizer="rmsprop")
+    assert PQNConfig().optimizer == "adam"
+    assert type(PQN(q_agent(), PQNConfig(optimizer="radam")).optimizer) is torch.optim.RAdam
 
 
-def test_pqn_update_fits_the_q_values_of_a_bandit():
+@pytest.mark.parametrize("optimizer", ["adam", "radam"])
+def test_pqn_update_fits_the_q_values_of_a_bandit(optimizer):
     """Every step terminates with reward +1 for the action that matches the sign of obs[0], -1
     otherwise: the targets are the rewards, and a few updates fit Q to them."""
     agent = q_agent(seed=2)
@@ -135,7 +140,7 @@ def test_pqn_update_fits_the_q_values_of_a_bandit():
     def reward(obs, action):
         return torch.where((obs[..., 0] > 0).long() == action, 1.0, -1.0)
 
-    algo = PQN(agent, PQNConfig(lr=1e-2, anneal_lr=False, epochs=4, minibatches=4))
+    algo = PQN(agent, PQNConfig(lr=1e-2, anneal_lr=False, epochs=4, minibatches=4, optimizer=optimizer))
     losses = []
     for k in range(30):
         batch = segment(agent, 16, 8, seed=10 + k, reward_fn=reward)

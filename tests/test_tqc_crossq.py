@@ -1,5 +1,7 @@
 """TQC and CrossQ: the truncated quantile target, the quantile Huber loss, batch renorm and
-CrossQ's joint forward pass, against hand computations; checkpoints round trip."""
+CrossQ's joint forward pass, against hand computations; CrossQ's batch-renormalized actor acts
+on its running statistics, which its actor loss trains and which travel with the published
+parameters; checkpoints round trip."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from shared.agents.config import CriticConfig, ModelConfig
+from shared.agents import EVALUATE, EXPLORE
+from shared.agents.actor import acting_plan
+from shared.agents.config import ActorConfig, CriticConfig, ModelConfig
 from shared.agents.models import BatchRenorm
 from shared.agents.qpg import SacAgent
+from shared.transport import params, shm
 from shared.algos import registry
 from shared.algos.qpg import SAC, CrossQConfig, TQCConfig, TruncatedQuantiles
 from shared.algos.quantiles import quantile_fractions, quantile_huber, truncated_pool
@@ -25,7 +30,11 @@ def tqc(cfg=TQCConfig(n_critics=2, n_quantiles=5, drop_per_net=1)):
 
 
 def crossq(cfg=CrossQConfig(critic_hidden_sizes=(32, 32))):
-    return SAC(SacAgent(OBS, box(), MODEL, critic=cfg.critic()), cfg)
+    return SAC(SacAgent(OBS, box(), MODEL, critic=cfg.critic(), actor=cfg.actor()), cfg)
+
+
+def plain_actor_crossq():
+    return crossq(CrossQConfig(critic_hidden_sizes=(32, 32), actor_batch_renorm=False))
 
 
 # ------------------------------------------------------------------ quantiles
@@ -143,7 +152,106 @@ def test_crossq_defaults_delay_the_actor_and_use_beta1_one_half():
     assert not all(torch.equal(a, p) for a, p in zip(actor0, algo.actor_params))
 
 
-@pytest.mark.parametrize("make", [tqc, crossq], ids=["tqc", "crossq"])
+# ------------------------------------------------------------------ CrossQ's actor
+
+def moved_actor_statistics(agent: SacAgent) -> None:
+    """Running statistics far from their initial 0 and 1, as after a long run."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for norm in agent.actor_norms:
+            norm.running_mean.copy_(torch.randn(norm.running_mean.shape, generator=g))
+            norm.running_var.copy_(0.2 + 2.0 * torch.rand(norm.running_var.shape, generator=g))
+
+
+def test_crossq_actor_has_batch_renorm_before_each_linear_layer_by_default_and_none_when_off():
+    cfg = CrossQConfig()
+    assert cfg.actor_batch_renorm and cfg.actor() == ActorConfig(True, 0.01, 1e-3, 100_000)
+    agent = crossq().agent  # 16x16 trunk, then the head: batch renorm of widths 3, 16 and 16
+    assert [norm.running_mean.shape[-1] for norm in agent.actor_norms] == [3, 16, 16]
+    assert all(norm.momentum == 0.01 and norm.eps == 1e-3 and norm.warmup_steps == 100_000 for norm in agent.actor_norms)
+    assert acting_plan(agent) is None  # acts in torch (the numpy plan has no batch renorm)
+    assert plain_actor_crossq().agent.actor_norms == [] and SacAgent(OBS, box(), MODEL).actor_norms == []
+    with pytest.raises(ValueError, match=r"CrossQConfig.renorm_momentum: must be in \(0, 1\], got 0"):
+        CrossQConfig(renorm_momentum=0.0)
+    with pytest.raises(ValueError, match=r"ActorConfig.renorm_warmup_steps: must be >= 0"):
+        ActorConfig(batch_renorm=True, renorm_warmup_steps=-1)
+
+
+def test_crossq_actor_acts_on_its_running_statistics_in_any_mode_and_moves_none():
+    """Greedy actions of a batch are each row's own (row by row gives the same), computed with
+    the running statistics (a hand-built eval pass), whether the module is in training mode (the
+    learner's agent, which acts in serial mode) or eval mode (action-server, samplers); acting
+    moves no statistic and leaves the modes as they were."""
+    torch.manual_seed(0)
+    agent = crossq().agent
+    moved_actor_statistics(agent)
+    obs = torch.randn(16, 3) * 3.0
+    before = {k: v.clone() for k, v in agent.state_dict().items()}
+    assert agent.training and all(norm.training for norm in agent.actor_norms)
+    action, _ = agent.step(obs, EVALUATE)
+    rows = torch.cat([agent.step(obs[i:i + 1], EVALUATE)[0] for i in range(16)])
+    torch.testing.assert_close(action, rows)
+    with torch.no_grad():
+        x, trunk = obs, agent.actor_encoder.trunk
+        for (linear, fn), norm in zip(trunk.plan, trunk.pre_norms):
+            x = fn(linear((x - norm.running_mean[0]) / (norm.running_var[0] + 1e-3).sqrt() * norm.scale[0]
+                          + norm.bias[0]))
+        norm, (head, _) = agent.actor_head.pre_norms[0], agent.actor_head.plan[0]
+        mean = head((x - norm.running_mean[0]) / (norm.running_var[0] + 1e-3).sqrt() * norm.scale[0] + norm.bias[0])
+        torch.testing.assert_close(action, agent.to_env(torch.tanh(mean[:, :1])))
+    agent.step(obs, EXPLORE)  # exploring samples around the same means
+    assert all(torch.equal(before[k], v) for k, v in agent.state_dict().items())
+    assert all(norm.training for norm in agent.actor_norms)
+    agent.eval()
+    torch.testing.assert_close(agent.step(obs, EVALUATE)[0], action)
+    with torch.no_grad(), agent.actor_mode(True):  # training mode: the batch's statistics, another action
+        trained = agent.mean_action(obs)
+    assert not torch.allclose(agent.to_env(trained), action, atol=1e-3)
+    assert not all(norm.training for norm in agent.actor_norms)
+
+
+def test_crossq_actor_loss_trains_the_actor_statistics_and_the_bootstrap_actions_read_them():
+    """Per update the bootstrap actions a' come from the running statistics (no pass counted);
+    every third update the actor loss's pass trains them on the batch's observations: the first
+    layer's running mean moves by momentum * their mean (hand computation)."""
+    torch.manual_seed(0)
+    algo = crossq()
+    first = algo.agent.actor_norms[0]
+    for i in range(2):
+        algo.update(batch(seed=i), 0.0)
+    assert [int(norm.steps) for norm in algo.agent.actor_norms] == [0, 0, 0]
+    assert torch.equal(first.running_mean, torch.zeros(1, 1, 3))
+    b = batch(seed=2)
+    algo.update(b, 0.0)
+    assert [int(norm.steps) for norm in algo.agent.actor_norms] == [1, 1, 1]
+    torch.testing.assert_close(first.running_mean[0, 0], 0.01 * b.observation.mean(0))
+    assert all(norm.training for norm in algo.agent.actor_norms)  # modes as they were
+
+
+def test_crossq_actor_statistics_travel_with_the_published_parameters(run_id):
+    """What an action-server loads from the learner's parameter segment carries the actor's
+    running statistics and pass counts: its greedy actions are the learner's."""
+    torch.manual_seed(0)
+    algo = crossq()
+    for i in range(6):
+        algo.update(batch(seed=i), 0.0)
+    moved_actor_statistics(algo.agent)
+    writer = params.ParamWriter(algo.agent, shm.segment_name(run_id, "learner", 0, "params"))
+    try:
+        server = crossq().agent.eval()
+        reader = params.ParamReader(server, shm.Owner(run_id, "learner"))
+        writer.write(1)
+        assert reader.read(1, writer.descriptor)
+        reader.close()
+    finally:
+        writer.close()
+    state = server.state_dict()
+    assert state["actor_head.net.0.steps"].item() == 2 and state["actor_encoder.trunk.net.0.running_var"].ne(1).all()
+    obs = torch.randn(8, 3)
+    torch.testing.assert_close(server.step(obs, EVALUATE)[0], algo.agent.step(obs, EVALUATE)[0])
+
+
+@pytest.mark.parametrize("make", [tqc, crossq, plain_actor_crossq], ids=["tqc", "crossq", "crossq-plain-actor"])
 def test_checkpoints_round_trip(make):
     """Agent and algorithm state through torch.save/load: the clone's next update is the
     original's, bit for bit (batch renorm's running statistics and pass count included)."""
@@ -167,3 +275,5 @@ def test_checkpoints_round_trip(make):
     for (k, a), b in zip(algo.agent.state_dict().items(), clone.agent.state_dict().values()):
         assert torch.equal(a, b), k
     assert np.isfinite(list(expected.values())).all()
+    if make is crossq:  # the actor's statistics are in the checkpoint (one actor step, the third update)
+        assert saved["agent"]["actor_encoder.trunk.net.0.steps"].item() == 1

@@ -31,8 +31,9 @@ def acting_plan(agent) -> dict | None:
     fields = {id(t): field_name(k) for k, t in agent.state_dict(keep_vars=True).items()}
 
     def layers(mlp: MLP) -> list | None:
-        if any(fn not in _ACTIVATION_NAMES for _, fn in mlp.plan) or any(n is not None for n in mlp.norms):
-            return None  # the plan format has no LayerNorm
+        if any(fn not in _ACTIVATION_NAMES for _, fn in mlp.plan) or any(n is not None for n in mlp.norms) or \
+                any(n is not None for n in mlp.pre_norms):
+            return None  # the plan format has no LayerNorm and no batch renorm
         return [(fields[id(linear.weight)], fields[id(linear.bias)], _ACTIVATION_NAMES[fn]) for linear, fn in mlp.plan]
 
     def member(twin: EnsembleMLP, m: int) -> list | None:

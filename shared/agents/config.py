@@ -274,8 +274,41 @@ class CriticConfig:
         if self.n < 1 or self.outputs < 1 or any(int(h) <= 0 for h in self.hidden_sizes):
             raise ValueError(f"CriticConfig: need n >= 1, outputs >= 1 and positive widths, got n={self.n}, "
                              f"outputs={self.outputs}, hidden_sizes={self.hidden_sizes}")
-        if not 0.0 < self.renorm_momentum <= 1.0 or self.renorm_eps <= 0 or self.renorm_warmup_steps < 0:
-            raise ValueError("CriticConfig: need 0 < renorm_momentum <= 1, renorm_eps > 0 and renorm_warmup_steps >= 0")
+        check_renorm(self)
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    """The actor of a Q-policy-gradient agent as its algorithm asks for it (``QpgConfig.actor()``,
+    like the critics: CrossQ's ``[algo]`` section sets it). Its widths are ``model.hidden_sizes``."""
+
+    batch_renorm: bool = False
+    """Batch renormalization (``shared.agents.models.BatchRenorm``) before every linear layer of
+    the actor, the input's and the output head's included (CrossQ's actor, the paper's and
+    sb3-contrib's). Acting (``QpgAgent.step``: action-server, samplers, evaluation) and export
+    read the running statistics; the learner's actor loss trains them (``QpgAgent.actor_mode``).
+    The numpy acting plan has no batch renorm (DDPG/TD3/SAC agents act in torch anyway)."""
+    renorm_momentum: float = 0.01
+    """Running statistics <- (1 - momentum) * running + momentum * batch statistics."""
+    renorm_eps: float = 1e-3
+    """Added to the variance before its square root."""
+    renorm_warmup_steps: int = 100_000
+    """Training forward passes (actor steps, one every ``policy_delay`` critic updates) of plain
+    batch norm before the running statistics correct the batch's."""
+
+    def __post_init__(self) -> None:
+        check_renorm(self)
+
+
+def check_renorm(cfg) -> None:
+    """ValueError naming the config and field unless its batch renorm settings are in range."""
+    name = type(cfg).__name__
+    if not 0.0 < cfg.renorm_momentum <= 1.0:
+        raise ValueError(f"{name}.renorm_momentum: must be in (0, 1], got {cfg.renorm_momentum}")
+    if not cfg.renorm_eps > 0:
+        raise ValueError(f"{name}.renorm_eps: must be > 0, got {cfg.renorm_eps}")
+    if cfg.renorm_warmup_steps < 0:
+        raise ValueError(f"{name}.renorm_warmup_steps: must be >= 0, got {cfg.renorm_warmup_steps}")
 
 
 def lstm_cores(family: str, agent) -> int:

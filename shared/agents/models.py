@@ -99,7 +99,9 @@ class MLP(nn.Module):
     (with ``layer_norm``, by a LayerNorm and then the activation, as PQN's Q-network).
 
     ``output_size`` adds a final linear layer (no activation) initialised with
-    ``output_gain``. Input [N, in_dim] -> output [N, out_dim].
+    ``output_gain``. ``norm(width)``, when given, makes a layer over [N, width] (``BatchRenorm``
+    of one member) that runs before every linear layer, the first and the output's included
+    (CrossQ's actor). Input [N, in_dim] -> output [N, out_dim].
     """
 
     def __init__(
@@ -110,17 +112,23 @@ class MLP(nn.Module):
         output_size: int | None = None,
         output_gain: float = 1.0,
         layer_norm: bool = False,
+        norm: Callable[[int], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         module, fn = _ACTIVATIONS[activation]
         # plan: (linear, activation or None) in order; forward calls them directly, since the
         # module-call machinery costs more than a small layer's matmul (the sampler's hot path).
-        # norms: the LayerNorm after each plan entry's linear layer, or None.
+        # norms: the LayerNorm after each plan entry's linear layer, or None; pre_norms: the
+        # ``norm`` layer before it, or None.
         self.plan: list[tuple[nn.Linear, object]] = []
         self.norms: list[nn.LayerNorm | None] = []
+        self.pre_norms: list[nn.Module | None] = []
         last = in_dim
         for width in hidden_sizes:
+            self.pre_norms.append(norm(last) if norm is not None else None)
+            if norm is not None:
+                layers.append(self.pre_norms[-1])
             layers.append(init_layer(nn.Linear(last, width)))
             self.plan.append((layers[-1], fn))
             if layer_norm:
@@ -129,6 +137,9 @@ class MLP(nn.Module):
             layers.append(module())
             last = width
         if output_size is not None:
+            self.pre_norms.append(norm(last) if norm is not None else None)
+            if norm is not None:
+                layers.append(self.pre_norms[-1])
             layers.append(init_layer(nn.Linear(last, output_size), output_gain))
             self.plan.append((layers[-1], None))
             self.norms.append(None)
@@ -141,10 +152,12 @@ class MLP(nn.Module):
         """Where the first layer's weight lives (cheap: agents ask on every step)."""
         if not self.plan:  # an empty trunk: AttributeError, as hasattr() probes expect (torch.jit.trace's)
             raise AttributeError("an MLP without layers has no device")
-        return self.net[0].weight.device
+        return self.plan[0][0].weight.device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for (linear, fn), norm in zip(self.plan, self.norms):
+        for (linear, fn), norm, pre in zip(self.plan, self.norms, self.pre_norms):
+            if pre is not None:
+                x = pre(x)
             x = F.linear(x, linear.weight, linear.bias)
             if norm is not None:
                 x = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
@@ -155,8 +168,9 @@ class MLP(nn.Module):
 
 class BatchRenorm(nn.Module):
     """Batch renormalization (Ioffe 2017) of each ensemble member's features [n, N, width]:
-    per member and feature, over the N samples, as CrossQ's critics use it (Bhatt et al. 2024;
-    sb3-contrib's BatchRenorm1d, with its defaults).
+    per member and feature, over the N samples, as CrossQ's critics and actor use it (Bhatt et
+    al. 2024; sb3-contrib's BatchRenorm1d, with its defaults). With n = 1 it also takes one
+    network's features [N, width] (``MLP``'s ``norm``).
 
     Training: x_hat = (x - mu_B) / sigma_B * r + d, with sigma_B = sqrt(var_B + eps) the batch's
     (biased) statistics, r = sigma_B / sigma and d = (mu_B - mu) / sigma from the running
@@ -180,6 +194,11 @@ class BatchRenorm(nn.Module):
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # one network's features [N, width] (the actor's): a one-member ensemble
+            return self._normalise(x[None])[0]
+        return self._normalise(x)
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             var, mean = torch.var_mean(x, dim=1, keepdim=True, unbiased=False)
             std = (var + self.eps).sqrt()
@@ -470,7 +489,8 @@ class CustomEncoder(nn.Module):
         return self.trunk(self.body(obs))
 
 
-def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Module, int]:
+def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
+                 norm: Callable[[int], nn.Module] | None = None) -> tuple[nn.Module, int]:
     """Encoder for observations shaped like ``obs_example`` and its feature width.
 
     ``obs_example`` is ONE observation (no leading dims): a numpy array or a nested
@@ -485,8 +505,13 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
     ``obs_space``, the env's gymnasium observation space, tells which leaves are Discrete or
     MultiDiscrete: those are one-hot encoded (``OneHot``: a category is not a magnitude).
     Without it every int leaf is taken as a number.
+
+    ``norm``: the trunk's layer before each of its linear layers (``MLP``'s ``norm``).
     """
     if is_reference(cfg.encoder):
+        if norm is not None:
+            raise ValueError(f"model.encoder = {cfg.encoder!r}: batch renorm in the actor (algo.actor_batch_renorm) "
+                             "needs a built-in encoder, whose trunk it normalises; set it false")
         encoder = CustomEncoder(obs_example, cfg)
         return encoder, encoder.out_dim
     shapes: list[tuple[int, ...]] = []
@@ -511,6 +536,6 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None) -> tuple[nn.Modu
     if cfg.encoder in ("nature_cnn", "minatar_cnn") and not any(isinstance(p, (NatureCNN, MinAtarCNN)) for p in parts):
         raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
-    trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm)
+    trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm, norm=norm)
     encoder = Encoder(shapes, parts, trunk, [path for path, _ in example])
     return encoder, encoder.out_dim

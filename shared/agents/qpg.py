@@ -8,11 +8,17 @@ Both work in *units* of the action Box: [-1, 1] per dimension, mapped linearly o
 env's [low, high] by ``to_env`` (and back by ``to_unit``). Critics take unit actions, so
 one set of hyperparameters fits any bounds; replay stores the env actions that were taken.
 The target networks are the algorithm's (a deep copy, as in DQN), so ``state_dict()`` is
-exactly what the learner publishes.
+exactly what the learner publishes: batch renorm's running statistics (CrossQ's critics and
+actor) among the buffers.
+
+An actor with batch renorm (``ActorConfig.batch_renorm``) acts on its running statistics
+whatever mode the module is in (``step``: each row's action depends on that row alone, and
+acting moves no statistics); the algorithm says when it trains them (``actor_mode``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -23,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.agents.config import CriticConfig, ModelConfig, QpgAgentConfig, QpgAgentInfo
+from shared.agents.config import ActorConfig, CriticConfig, ModelConfig, QpgAgentConfig, QpgAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.masking import mask_path
 from shared.agents.models import MLP, BatchRenorm, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
@@ -83,7 +89,8 @@ class QpgAgent(nn.Module):
     """
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig, cfg: QpgAgentConfig,
-                 critic: CriticConfig, actor_outputs: int, obs_space: gym.Space | None = None) -> None:
+                 critic: CriticConfig, actor_outputs: int, obs_space: gym.Space | None = None,
+                 actor: ActorConfig = ActorConfig()) -> None:
         super().__init__()
         if not isinstance(action_space, gym.spaces.Box):
             raise ValueError(f"{type(self).__name__}: action space {action_space} not supported; "
@@ -99,8 +106,14 @@ class QpgAgent(nn.Module):
         self.register_buffer("high", torch.as_tensor(high, dtype=torch.float32), persistent=False)
         mask_path(model_cfg.action_mask, obs_example, None, obs_space)  # a mask here is a config error: Box actions
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
-        self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
-        self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN)
+        norm = (functools.partial(BatchRenorm, 1, momentum=actor.renorm_momentum, eps=actor.renorm_eps,
+                                  warmup_steps=actor.renorm_warmup_steps) if actor.batch_renorm else None)
+        self.actor_encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space, norm=norm)
+        self.actor_head = MLP(feat_dim, (), output_size=actor_outputs * self.action_dim, output_gain=ACTOR_HEAD_GAIN,
+                              norm=norm)
+        self.actor_norms = [m for part in (self.actor_encoder, self.actor_head) for m in part.modules()
+                            if isinstance(m, BatchRenorm)]
+        """The actor's batch renorm layers (none without ``actor.batch_renorm``); ``actor_mode`` sets them."""
         self.critics = Critics(obs_example, model_cfg, self.action_dim, critic, obs_space)
 
     @property
@@ -125,11 +138,33 @@ class QpgAgent(nn.Module):
         flat = env_action.reshape(env_action.shape[0], self.action_dim).float()
         return (2.0 * (flat - self.low) / (self.high - self.low) - 1.0).clamp(-1.0, 1.0)
 
+    @contextlib.contextmanager
+    def actor_mode(self, training: bool):
+        """The actor's batch renorm layers in training mode (batch statistics, which each pass
+        moves) or eval mode (the running statistics) inside the block, as they were after it;
+        nothing for an actor without batch renorm."""
+        was = [m.training for m in self.actor_norms]
+        for m in self.actor_norms:
+            m.training = training  # leaves: what Module.train(mode) would set
+        try:
+            yield
+        finally:
+            for m, mode in zip(self.actor_norms, was):
+                m.training = mode
+
     @torch.no_grad()
     def step(self, obs, ctx: StepContext = EXPLORE) -> tuple[torch.Tensor, QpgAgentInfo]:
         """Env actions float32 [B, *shape] for obs tree [B, ...], always within the Box:
         the actor's mean for a greedy context, uniform for the first ``random_steps`` env
-        steps of the run, the actor explored as the subclass does after that."""
+        steps of the run, the actor explored as the subclass does after that. An actor with
+        batch renorm acts on its running statistics (in serial mode the learner's agent, in
+        training mode, acts too)."""
+        if not self.actor_norms:
+            return self._step(obs, ctx)
+        with self.actor_mode(False):
+            return self._step(obs, ctx)
+
+    def _step(self, obs, ctx: StepContext) -> tuple[torch.Tensor, QpgAgentInfo]:
         if ctx.greedy:
             unit = self.mean_action(obs)
         elif ctx.env_steps < self.cfg.random_steps:
@@ -156,8 +191,9 @@ class DeterministicAgent(QpgAgent):
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
                  cfg: QpgAgentConfig = QpgAgentConfig(), critic: CriticConfig = CriticConfig(n=1),
-                 obs_space: gym.Space | None = None) -> None:
-        super().__init__(obs_example, action_space, model_cfg, cfg, critic, actor_outputs=1, obs_space=obs_space)
+                 obs_space: gym.Space | None = None, actor: ActorConfig = ActorConfig()) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, critic, actor_outputs=1, obs_space=obs_space,
+                         actor=actor)
         self.ou_state: torch.Tensor | None = None  # [envs_total, A], not a parameter: acting state
 
     def policy(self, obs) -> torch.Tensor:
@@ -197,8 +233,9 @@ class SacAgent(QpgAgent):
 
     def __init__(self, obs_example, action_space: gym.Space, model_cfg: ModelConfig = ModelConfig(),
                  cfg: QpgAgentConfig = QpgAgentConfig(), critic: CriticConfig = CriticConfig(n=2),
-                 obs_space: gym.Space | None = None) -> None:
-        super().__init__(obs_example, action_space, model_cfg, cfg, critic, actor_outputs=2, obs_space=obs_space)
+                 obs_space: gym.Space | None = None, actor: ActorConfig = ActorConfig()) -> None:
+        super().__init__(obs_example, action_space, model_cfg, cfg, critic, actor_outputs=2, obs_space=obs_space,
+                         actor=actor)
 
     def _mean_log_std(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         mean, raw = self._actor_out(obs).chunk(2, dim=-1)

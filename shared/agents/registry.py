@@ -71,13 +71,14 @@ def _deterministic(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, ob
     from shared.agents.qpg import DeterministicAgent
 
     return DeterministicAgent(obs_example, action_space, model_cfg, agent_cfg, critic=algo_cfg.critic(),
-                              obs_space=obs_space)
+                              obs_space=obs_space, actor=algo_cfg.actor())
 
 
 def _sac(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
     from shared.agents.qpg import SacAgent
 
-    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, critic=algo_cfg.critic(), obs_space=obs_space)
+    return SacAgent(obs_example, action_space, model_cfg, agent_cfg, critic=algo_cfg.critic(), obs_space=obs_space,
+                    actor=algo_cfg.actor())
 
 
 PG = AgentSpec("pg", PgAgentConfig, "pg", _pg)
@@ -91,5 +92,5 @@ IMPLICIT_QUANTILE = AgentSpec("implicit_quantile", QAgentConfig, "q", _implicit_
 DETERMINISTIC = AgentSpec("deterministic", QpgAgentConfig, "qpg", _deterministic)
 """Deterministic actor and the Q-critics ``algo_cfg.critic()`` describes (``QpgConfig``): DDPG, TD3."""
 SAC = AgentSpec("sac", QpgAgentConfig, "qpg", _sac)
-"""Squashed-Gaussian actor and the Q-critics ``algo_cfg.critic()`` describes: SAC, TQC (quantile
-critics), CrossQ (batch-renormalized critics)."""
+"""Squashed-Gaussian actor (``algo_cfg.actor()``) and the Q-critics ``algo_cfg.critic()`` describes:
+SAC, TQC (quantile critics), CrossQ (batch-renormalized critics and actor)."""

@@ -14,7 +14,7 @@ from torch import nn
 from shared.data.batches import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets, real_steps
 from shared.algos.hparams import A2CConfig
-from shared.algos.optim import adam, gradient_step, rmsprop, set_lr
+from shared.algos.optim import gradient_step, optimizer, set_lr
 from shared.algos.update import Update
 
 
@@ -24,10 +24,8 @@ class A2C:
     def __init__(self, agent: nn.Module, cfg: A2CConfig = A2CConfig()) -> None:
         self.agent = agent
         self.cfg = cfg
-        if cfg.optimizer == "rmsprop":
-            self.optimizer = rmsprop(agent.parameters(), lr=cfg.lr, alpha=cfg.rmsprop_alpha, eps=cfg.optimizer_eps)
-        else:
-            self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps)
+        self.optimizer = optimizer(cfg.optimizer, agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps,
+                                   rmsprop_alpha=cfg.rmsprop_alpha)
 
     def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One A2C step on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.

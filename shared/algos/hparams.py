@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from shared.agents.config import CriticConfig
+from shared.agents.config import ActorConfig, CriticConfig, check_renorm
 
 
 ADVANTAGES = ("gae", "vtrace")
@@ -88,7 +88,16 @@ class PPOConfig(PgTargetsConfig):
     """Stop the epochs early once a minibatch's approx KL exceeds this; 0 = never."""
 
 
-_OPTIMIZERS = ("rmsprop", "adam")
+OPTIMIZERS = ("adam", "radam", "rmsprop")
+"""What a config's ``optimizer`` field may name (``shared.algos.optim.optimizer``): torch's Adam
+(fused), RAdam (Liu et al. 2020, rectified Adam) or RMSprop."""
+
+
+def check_optimizer(config: object, allowed: tuple[str, ...] = OPTIMIZERS) -> None:
+    """ValueError naming ``<Config>.optimizer`` unless it is one of ``allowed``."""
+    if config.optimizer not in allowed:
+        raise ValueError(f"{type(config).__name__}.optimizer: {config.optimizer!r} unknown; use one of "
+                         f"{', '.join(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -100,11 +109,11 @@ class A2CConfig(PgTargetsConfig):
     anneal_lr: bool = False
     """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
     optimizer: str = "rmsprop"
-    """rmsprop | adam."""
+    """rmsprop | adam | radam."""
     rmsprop_alpha: float = 0.99
     """RMSprop smoothing constant."""
     optimizer_eps: float = 1e-5
-    """Epsilon of RMSprop or Adam."""
+    """Epsilon of the optimizer."""
     value_coef: float = 1.0
     """Weight of the value loss 0.5 * (V - R)^2 (1.0 here = SB3's vf_coef 0.5 on a plain MSE)."""
     entropy_coef: float = 0.0
@@ -116,8 +125,7 @@ class A2CConfig(PgTargetsConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.optimizer not in _OPTIMIZERS:
-            raise ValueError(f"{type(self).__name__}.optimizer: {self.optimizer!r} unknown; use one of {_OPTIMIZERS}")
+        check_optimizer(self)
 
 
 @dataclass(frozen=True)
@@ -227,11 +235,13 @@ class PQNConfig:
     epsilon-greedy schedule ``[agent]``'s eps_* fields (defaults: CleanRL's pqn.py on CartPole)."""
 
     lr: float = 2.5e-4
-    """Adam learning rate at the start of the run."""
+    """Learning rate at the start of the run."""
     anneal_lr: bool = True
     """Decay the learning rate linearly to 0 over the run (progress 0 -> 1)."""
+    optimizer: str = "adam"
+    """adam (torch's, fused) | radam (RAdam, as CleanRL's pqn.py)."""
     adam_eps: float = 1e-8
-    """Adam epsilon."""
+    """Epsilon of Adam or RAdam."""
     gamma: float = 0.99
     """Discount factor."""
     q_lambda: float = 0.65
@@ -253,6 +263,7 @@ class PQNConfig:
                              f"{self.q_lambda}")
         if self.epochs < 1 or self.minibatches < 1:
             raise ValueError(f"PQNConfig: epochs and minibatches must be >= 1, got {self.epochs} and {self.minibatches}")
+        check_optimizer(self, ("adam", "radam"))
 
 
 @dataclass(frozen=True)
@@ -291,11 +302,16 @@ class QpgConfig:
             raise ValueError(f"{type(self).__name__}.tau: must be in (0, 1], got {self.tau}")
         if not 0.0 <= self.adam_beta1 < 1.0:
             raise ValueError(f"{type(self).__name__}.adam_beta1: must be in [0, 1), got {self.adam_beta1}")
-        self.critic()  # its own checks (widths)
+        self.critic()  # its own checks (widths, batch renorm settings)
+        self.actor()
 
     def critic(self) -> CriticConfig:
         """The critics the agent builds for this algorithm."""
         return CriticConfig(n=self.n_critics, hidden_sizes=tuple(self.critic_hidden_sizes))
+
+    def actor(self) -> ActorConfig:
+        """The actor the agent builds for this algorithm: plain (CrossQ's may have batch renorm)."""
+        return ActorConfig()
 
 
 @dataclass(frozen=True)
@@ -388,11 +404,24 @@ class CrossQConfig(SACConfig):
     renorm_eps: float = 1e-3
     """Batch renorm: added to the variance before its square root."""
     renorm_warmup_steps: int = 100_000
-    """Batch renorm: critic updates of plain batch norm before the running statistics correct the batch's."""
+    """Batch renorm: training passes of plain batch norm before the running statistics correct the
+    batch's (the critics': critic updates; the actor's: actor steps, every ``policy_delay``-th update)."""
+    actor_batch_renorm: bool = True
+    """Batch renorm in the actor too, before each of its linear layers, with the critics' settings
+    (the paper's and sb3-contrib's actor); false = SAC's plain actor. Acting reads its running
+    statistics, the actor loss trains them (``shared.agents.config.ActorConfig``)."""
+
+    def __post_init__(self) -> None:
+        check_renorm(self)  # first: the errors name this section's fields, not the parts built from them
+        super().__post_init__()
 
     def critic(self) -> CriticConfig:
         return dataclasses.replace(super().critic(), batch_renorm=True, renorm_momentum=self.renorm_momentum,
                                    renorm_eps=self.renorm_eps, renorm_warmup_steps=self.renorm_warmup_steps)
+
+    def actor(self) -> ActorConfig:
+        return ActorConfig(batch_renorm=self.actor_batch_renorm, renorm_momentum=self.renorm_momentum,
+                           renorm_eps=self.renorm_eps, renorm_warmup_steps=self.renorm_warmup_steps)
 
 
 @dataclass(frozen=True)

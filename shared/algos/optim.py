@@ -1,4 +1,5 @@
-"""The optimizers the algorithms here use: torch's Adam, fused (and RMSprop, an A2C option).
+"""The optimizers the algorithms here use: torch's Adam, fused; RAdam and RMSprop where a
+config names them (``optimizer(name, ...)``: A2C's and PQN's ``optimizer`` field).
 
 The fused implementation updates all of a network's parameters in one kernel instead of a
 dozen small ops per tensor, which on a CPU made the small networks' updates (CartPole DQN,
@@ -50,8 +51,29 @@ def adam(params, lr: float, eps: float = 1e-8, beta1: float = 0.9) -> torch.opti
                             foreach=None if fused else True)
 
 
+def radam(params, lr: float, eps: float = 1e-8, beta1: float = 0.9) -> torch.optim.RAdam:
+    """torch's RAdam (Liu et al. 2020: Adam whose adaptive step is switched on only once the
+    variance of its second-moment estimate is tractable, ~5 steps with beta2 0.999, and
+    rectified after; SGD with momentum before), foreach: torch has no fused RAdam. Plain as
+    ``adam``: no weight decay, beta2 0.999."""
+    return torch.optim.RAdam(list(params), lr=lr, eps=eps, betas=(beta1, 0.999), foreach=True)
+
+
 def rmsprop(params, lr: float, alpha: float, eps: float) -> torch.optim.RMSprop:
     return torch.optim.RMSprop(params, lr=lr, alpha=alpha, eps=eps)
+
+
+def optimizer(name: str, params, lr: float, eps: float, rmsprop_alpha: float = 0.99) -> torch.optim.Optimizer:
+    """The optimizer a config's ``optimizer`` field names (``shared.algos.hparams.OPTIMIZERS``:
+    adam, radam, rmsprop), with learning rate ``lr`` and epsilon ``eps``; ``rmsprop_alpha`` is
+    RMSprop's smoothing constant. ValueError for another name (the configs refuse it first)."""
+    if name == "adam":
+        return adam(params, lr=lr, eps=eps)
+    if name == "radam":
+        return radam(params, lr=lr, eps=eps)
+    if name == "rmsprop":
+        return rmsprop(params, lr=lr, alpha=rmsprop_alpha, eps=eps)
+    raise ValueError(f"optimizer {name!r} unknown; use one of adam, radam, rmsprop")
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float, progress: float, anneal: bool) -> float:

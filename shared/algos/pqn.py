@@ -15,7 +15,7 @@ from torch import nn
 
 from shared.algos.gae import gae, recursion_ends
 from shared.algos.hparams import PQNConfig
-from shared.algos.optim import adam, gradient_step, set_lr
+from shared.algos.optim import gradient_step, optimizer, set_lr
 from shared.algos.update import Update
 from shared.data.batches import OnPolicyBatch
 from shared.data.namedarraytuple import map_leaves
@@ -70,13 +70,13 @@ def batch_targets(agent, batch: OnPolicyBatch, cfg: PQNConfig) -> tuple[torch.Te
 
 
 class PQN:
-    """PQN on a ``QAgent``: ``update(batch, progress)`` runs epochs x minibatches Adam steps on
+    """PQN on a ``QAgent``: ``update(batch, progress)`` runs epochs x minibatches optimizer steps on
     the squared error of Q(s_t, a_t) against its Q(lambda) target."""
 
     def __init__(self, agent: nn.Module, cfg: PQNConfig = PQNConfig()) -> None:
         self.agent = agent
         self.cfg = cfg
-        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+        self.optimizer = optimizer(cfg.optimizer, agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
 
     def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One PQN update on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.

@@ -22,7 +22,10 @@
   distribution than the replayed ones; normalised alone, or by running statistics that never
   saw them, they would be out of distribution), and the next half's Q, detached, is the
   target. The actor (and temperature) step every ``policy_delay`` = 3 critic steps, with the
-  critics in eval mode (their running statistics), as sb3-contrib does.
+  critics in eval mode (their running statistics), as sb3-contrib does. With batch renorm in
+  the actor too (``CrossQConfig.actor_batch_renorm``, the paper's) the bootstrap actions a' come
+  from its running statistics and the actor loss's pass trains it (batch statistics, moved by
+  that pass), as sb3-contrib's; acting reads the running statistics (``QpgAgent.step``).
 
 Replay supplies n-step returns, bootstrap discounts (gamma^m, 0 after a termination) and
 importance weights, so one update covers 1- and n-step, uniform and prioritized replay
@@ -260,7 +263,7 @@ class SAC(_QpgAlgo):
         frac = self._anneal(progress)
         agent = self.agent
         alpha = self.log_alpha.detach().exp()
-        with torch.no_grad():
+        with torch.no_grad(), agent.actor_mode(False):  # batch renorm: the running statistics, as sb3-contrib
             next_action, next_log_prob = agent.sample(batch.bootstrap_observation)
         q, next_q = self.q_and_next_q(batch, next_action)
         with torch.no_grad():
@@ -271,7 +274,8 @@ class SAC(_QpgAlgo):
 
         if self.updates % self.cfg.policy_delay == 0:
             with self._critics_frozen():
-                action, log_prob = agent.sample(batch.observation)
+                with agent.actor_mode(True):  # batch renorm: the batch's statistics, which this pass moves
+                    action, log_prob = agent.sample(batch.observation)
                 actor_loss = (alpha * log_prob - self.values.actor_value(agent.q(batch.observation, action))).mean()
                 self._step(self.actor_opt, actor_loss, self.actor_params)
             if self.cfg.learn_alpha:
