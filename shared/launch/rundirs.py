@@ -9,6 +9,7 @@ import secrets
 from datetime import datetime
 from pathlib import Path
 from shared.config import endpoints, loading
+from shared.launch import provenance
 from shared.transport.auth import write_curve_keys, write_secret
 from shared.config.schema import Experiment
 from shared.agents.acting import ACTING_FILE
@@ -21,7 +22,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
     """A fresh run directory ``<runs_dir>/<name>_<stamp>_<random>`` (name: ``run.name`` unless
-    given) with the run's config and secret, and its private socket directory. The random
+    given) with the run's config, secret and provenance (``provenance.META``), and its private socket
+    directory. The random
     suffix makes run ids unguessable and keeps two runs started in the same second apart.
     ``runs_dir`` must be ours and writable by no other user (``check_runs_dir``); the run
     directory and what it holds are private (0700 directories, 0600 files)."""
@@ -47,6 +49,7 @@ def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
         if exp.network.transport == "tcp":
             write_curve_keys(run_dir)
         (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+        provenance.record(run_dir)
     finally:
         os.umask(old_umask)
     return run_dir.resolve()
