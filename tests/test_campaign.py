@@ -1,8 +1,10 @@
 """A campaign that outlives its launcher: `rlpipe grid --resume` and `rlpipe results`.
 
-One small grid of real runs (module fixture): CartPole PPO, one seed, two budgets (6k and 30k
+One small grid of real runs (module fixture): CartPole PPO, one seed, two budgets (6k and 60k
 env steps), one run at a time, checkpoints every second. Its launcher is killed (SIGKILL) once
-the first run has ended and the second has a checkpoint; `grid --resume` then finishes it.
+the first run has ended and the second has a checkpoint; the second runs on without it (its
+supervisord is a daemon) until `grid --resume` stops it and starts it again from its checkpoint:
+its budget is seconds longer than the resume takes to reach it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from shared.launch.grid import SUMMARY
 from shared.runtime import evaluation
 from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
 
-SHORT, LONG = 6_000, 30_000
+SHORT, LONG = 6_000, 60_000
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -90,6 +92,7 @@ def test_a_killed_grid_resumes_its_stopped_run_from_its_checkpoint_and_keeps_the
     short, long_ = dirs[SHORT], dirs[LONG]
     assert {f: fingerprint(short / f) for f in kept} == kept
     assert f"max_env_steps={SHORT} seed 0: kept {short.name} (budget)" in out.stdout
+    assert f"stopping {long_.name}, left running by the launcher that stopped" in out.stdout
     assert f"resumed {long_.name} from its checkpoint" in out.stdout
     result = rundirs.read_result(long_)
     assert result["reason"] == "budget" and result["env_steps"] >= LONG
@@ -123,7 +126,8 @@ def test_results_rows_of_a_grid_hold_what_its_run_directories_hold(resumed, tmp_
         assert row["final_returns"] == [round(result["mean_return"], 1)] and math.isfinite(row["final_returns"][0])
         assert row["greedy_returns"] == [None]  # no evaluator ran
         assert (row["created"], row["commits"], row["cpu"]) == ([meta["created"]], [meta["commit"]], [meta["cpu"]])
-        variant = next(v for v in plan["variants"] if run_name.startswith(rundirs.safe_name(v["label"])))
+        label = next(r["variant"] for r in plan["runs"] if r["run"] == run_name)
+        variant = next(v for v in plan["variants"] if v["label"] == label)
         assert row["command"].startswith("rlpipe grid deploy/configs/cartpole_ppo.toml --set ")
         assert f"--set {variant['overrides'][0]} --seeds 0 --parallel 1" in row["command"]
         assert row["reference"].startswith("500 ± 0 at 100k env steps")
