@@ -161,6 +161,8 @@ def test_results_group_seeds_of_one_config_with_median_spread_and_greedy_returns
                           "400, 480.5, 300.2 (seed 0, 1, 2); median 400 (300.2–480.5); ended: budget"]
     assert cells[5] == ("500 ± 1.5 (10 episodes at 900 env steps); 499 ± 1.5 (10 episodes at 900 env steps) "
                         "(± over episodes)")
+    meta = provenance.read(dirs[0])
+    assert cells[7].startswith(meta["created"][:10]) and cells[7].endswith(f" UTC, {meta['commit']}, {meta['cpu']}")
     assert cells[8] == "500 ± 0 at 50k (rl-baselines3-zoo)"  # the known reference for DQN on CartPole
     assert results.rows(dirs, "none published")[0]["reference"] == "none published"
 
@@ -172,3 +174,24 @@ def test_resume_of_a_directory_that_is_not_a_grid_is_one_clear_line(tmp_path):
                           "`rlpipe grid CONFIG ...` makes one, and --resume takes its directory)\n")
     out = rlpipe_here("grid", str(CONFIGS / "cartpole_ppo.toml"), "--resume", str(tmp_path))
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1 and "no CONFIG" in out.stderr
+
+
+def test_sigterm_to_a_grid_stops_its_live_run_with_a_checkpoint_for_resume(tmp_path):
+    """A scheduler's time limit or a closed terminal (SIGTERM, SIGHUP) ends a grid as Ctrl-C does."""
+    proc = subprocess.Popen(**rlpipe_command(
+        "grid", str(CONFIGS / "cartpole_ppo.toml"), "--parallel", "1", "--set", f"run.runs_dir='{tmp_path}'",
+        "--set", "run.log_interval_s=0.2", "--set", "run.target_return=1e9", "--set", f"run.max_env_steps={LONG}",
+        "--set", "learner.checkpoint_interval_s=1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = None
+    try:
+        run_dir = wait_for(lambda: next((d for d in tmp_path.glob("grid_*/*seed_0_*") if rundirs.read_progress(d)),
+                                        None), 300, "the run's first progress row")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        if run_dir is not None:
+            supervisor.clean(run_dir)
+    assert proc.returncode == 1 and "interrupted: stopping the live runs" in out, out
+    assert rundirs.read_result(run_dir) is None and (run_dir / "checkpoints" / "latest.pt").exists()
+    assert not supervisor.running(run_dir) and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))

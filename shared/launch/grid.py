@@ -273,7 +273,8 @@ class Grid:
         record = gridfile.GridFile.load(Path(directory).resolve())
         plan = record.plan
         variants = [Variant(v["label"], tuple(v["overrides"])) for v in plan["variants"]]
-        return cls(plan["config"], plan["overrides"], variants, plan["seeds"], parallel or plan["parallel"], out, record)
+        return cls(plan["config"], plan["overrides"], variants, plan["seeds"], parallel or plan["parallel"], out,
+                   record)
 
     def run(self) -> list[dict]:
         """Every run, K at a time; a run that fails is reported and the others go on. Writes
@@ -283,9 +284,9 @@ class Grid:
         jobs = [(v, s) for v in self.variants for s in self.seeds]
         if self.record is None:
             self.dir.mkdir(parents=True)
-            self.record = gridfile.GridFile.create(self.dir, self.config, self.overrides,
-                                                   [{"label": v.label, "overrides": list(v.overrides)} for v in self.variants],
-                                                   self.seeds, self.launcher.parallel)
+            variants = [{"label": v.label, "overrides": list(v.overrides)} for v in self.variants]
+            self.record = gridfile.GridFile.create(self.dir, self.config, self.overrides, variants, self.seeds,
+                                                   self.launcher.parallel)
             what = "grid"
         else:
             what = f"grid (resumed; {len(self.record.runs)} of {len(jobs)} run(s) started before)"

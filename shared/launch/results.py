@@ -119,9 +119,9 @@ def reproduce(dirs: list[Path], seeds: list[int], metas: list[dict]) -> str:
     return "; ".join(_unique(m.get("command") for m in metas))
 
 
-def markdown(rows_: list[dict]) -> str:
-    """``rows_`` (``rows``) as docs/benchmarks.md's learning-results table (COLUMNS)."""
-    return runs.markdown_table([_cells(r) for r in rows_], COLUMNS)
+def markdown(result_rows: list[dict]) -> str:
+    """``result_rows`` (``rows``) as docs/benchmarks.md's learning-results table (COLUMNS)."""
+    return runs.markdown_table([_cells(r) for r in result_rows], COLUMNS)
 
 
 def _cells(r: dict) -> dict:
@@ -132,12 +132,10 @@ def _cells(r: dict) -> dict:
         final += f"; median {_fmt(statistics.median(finals))} ({_fmt(min(finals))}–{_fmt(max(finals))})"
     final += f"; ended: {', '.join(_unique(r['reasons'])) or 'not yet'}"
     greedy = [g for g in r["greedy_returns"] if g is not None]
-    greedy_text = "; ".join(
-        f"{_fmt(g['mean_return'])} ± {_fmt(g['std_return'])} ({g['episodes']} episodes at {g['env_steps']:,} env steps)"
-        for g in greedy) + " (± over episodes)" if greedy else "not measured"
-    dates = sorted(c for c in r["created"] if c)
-    when = dates[0][:16].replace("T", " ") + (f"–{dates[-1][11:16]}" if dates[-1][:16] != dates[0][:16] else "") \
-        + " UTC" if dates else "date not recorded"
+    greedy_text = "; ".join(f"{_fmt(g['mean_return'])} ± {_fmt(g['std_return'])} ({g['episodes']} episodes at "
+                            f"{g['env_steps']:,} env steps)" for g in greedy)
+    if greedy:
+        greedy_text += " (± over episodes)"
     gpu = [g for g in r["gpu"] if g and g != "none"]
     host = "; ".join(r["cpu"]) + (f", GPU {'; '.join(gpu)}" if gpu else "")
     cells = {
@@ -146,9 +144,9 @@ def _cells(r: dict) -> dict:
         "env steps": _spread([v for v in r["env_steps"] if v is not None], "{:,.0f}"),
         "seeds": f"{len(r['seeds'])} ({seeds})",
         "final mean return (training window)": final,
-        "greedy evaluation": greedy_text,
+        "greedy evaluation": greedy_text or "not measured",
         "wall-clock": ", ".join(_fmt(w) for w in r["wall_s"] if w is not None) + " s",
-        "measured (date, commit, host)": f"{when}, {', '.join(r['commits']) or 'commit not recorded'}, "
+        "measured (date, commit, host)": f"{_when(r['created'])}, {', '.join(r['commits']) or 'commit not recorded'}, "
                                          f"{host or 'host not recorded'}",
         "published reference (source)": r["reference"] or "—",
         "reproduce": f"`{r['command']}`" if r["command"] else "—",
@@ -156,14 +154,23 @@ def _cells(r: dict) -> dict:
     return {k: v.replace("|", "\\|") for k, v in cells.items()}  # a | inside a cell would end it
 
 
-def write(rows_: list[dict], markdown_path: Path | None = None, json_path: Path | None = None) -> str:
-    """The Markdown table of ``rows_``, also written to ``markdown_path``; the rows as JSON to ``json_path``."""
-    table = markdown(rows_)
+def write(result_rows: list[dict], markdown_path: Path | None = None, json_path: Path | None = None) -> str:
+    """The Markdown table of ``result_rows``, also written to ``markdown_path``; the rows as JSON to ``json_path``."""
+    table = markdown(result_rows)
     if markdown_path is not None:
         Path(markdown_path).write_text(table + "\n")
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(rows_, indent=1) + "\n")
+        Path(json_path).write_text(json.dumps(result_rows, indent=1) + "\n")
     return table
+
+
+def _when(created: list[str | None]) -> str:
+    """The runs' creation times (ISO, UTC) as ``2026-12-03 15:35–15:58 UTC``."""
+    dates = sorted(c for c in created if c)
+    if not dates:
+        return "date not recorded"
+    first, last = dates[0][:16].replace("T", " "), dates[-1][:16].replace("T", " ")
+    return f"{first} UTC" if first == last else f"{first}–{last[11:] if last[:10] == first[:10] else last} UTC"
 
 
 def _spread(values: list[float], fmt: str) -> str:
