@@ -195,3 +195,10 @@ def test_sigterm_to_a_grid_stops_its_live_run_with_a_checkpoint_for_resume(tmp_p
     assert proc.returncode == 1 and "interrupted: stopping the live runs" in out, out
     assert rundirs.read_result(run_dir) is None and (run_dir / "checkpoints" / "latest.pt").exists()
     assert not supervisor.running(run_dir) and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))
+
+
+def test_every_known_reference_is_quoted_as_docs_benchmarks_quotes_it():
+    from shared.launch import results
+
+    published = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    assert [text for text in results.REFERENCES.values() if text not in published] == []
