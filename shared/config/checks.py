@@ -66,7 +66,8 @@ def check(exp: Experiment, check_ports: bool) -> None:
                           f"of all {most_count(exp.sampler) * exp.sampler.envs} envs (sampler.max_count)")
     if exp.replay.snapshot_interval_s and not (exp.replay.persist and exp.replay.snapshot_interval_s >= 1):
         raise ConfigError(f"replay.snapshot_interval_s = {exp.replay.snapshot_interval_s}: snapshots need "
-                          "replay.persist = true and at least 1 s between them (0 = none)")
+                          "replay.persist = true and at least 1 s between them (0 = none; with replay.persist = false "
+                          "set it to 0)")
     if exp.replay.frame_store and on_policy:
         raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")

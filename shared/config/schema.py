@@ -151,9 +151,12 @@ class ReplayConfig:
     persist: bool = True
     """Keep the table in named shared memory that outlives the replay process: a replay
     restarted after ``kill -9`` re-attaches and serves on (docs/architecture.md, "Restarts and what is lost")."""
-    snapshot_interval_s: float = 0.0
-    """Seconds between copies of the table to the run directory (replay/), for a machine restart:
-    ``rlpipe launch --resume RUN`` restores the latest with the learner's checkpoint (0 = none)."""
+    snapshot_interval_s: float = 300.0
+    """Seconds between copies of the table to the run directory (replay/), for a machine restart
+    or a stopped grid: ``rlpipe launch --resume RUN`` (``grid --resume``) restores the latest with
+    the learner's checkpoint, so a stop loses at most this much of the table (0 = none; needs
+    ``persist``). A copy costs the table's size on disk twice and a pause of replay while it is
+    written: raise it for tables of gigabytes (an Atari frame store)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +171,8 @@ class LearnerConfig:
     prefetch: int = 1
     """Batch slots in flight; 2 double-buffers (the next batch fills while this one trains) at one more version of lag."""
     checkpoint_interval_s: float = 10.0
-    """Seconds between checkpoints (and at the end)."""
+    """Seconds of wall-clock between checkpoints (and one at the end and at ``rlpipe stop``): what a
+    killed run loses of its learning, whatever its length."""
     timeout_ms: int = 5000
     """How long to wait for a batch before asking replay again."""
 

@@ -1,5 +1,5 @@
-"""The `rlpipe` command line: launch, train, grid, tune, status, top, ls, scale, stop, logs, clean, evaluate, export,
-package, plot, tensorboard."""
+"""The `rlpipe` command line: launch, train, grid, tune, status, top, ls, results, scale, stop, logs, clean, evaluate,
+export, package, plot, tensorboard."""
 
 from __future__ import annotations
 
@@ -65,13 +65,17 @@ def main(argv=None) -> int:
     c.add_argument("--push", metavar="REPO", help="then upload the folder to this Hugging Face Hub model repo "
                                                   "(needs a token: HF_TOKEN or `hf auth login`)")
     c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
-    c.add_argument("config", help="experiment TOML file")
+    c.add_argument("config", nargs="?", help="experiment TOML file")
     c.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
                    help="values to try for a config field (repeatable: the grid is their product)")
-    c.add_argument("--seeds", default="0", help="run.seed values, comma-separated (default: 0)")
-    c.add_argument("--parallel", type=int, metavar="K", help="runs at a time (default: as many as the cores hold)")
+    c.add_argument("--seeds", help="run.seed values, comma-separated (default: 0)")
+    c.add_argument("--parallel", type=int, metavar="K", help="runs at a time (default: as many as the cores hold; "
+                                                             "with --resume: as the grid was started)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value of every run (repeatable)")
+    c.add_argument("--resume", metavar="GRID_DIR", help="go on with a stopped grid: runs with a result are kept, "
+                                                        "the others resume from their checkpoint, the rest start; "
+                                                        "no CONFIG, --vary, --seeds or --set")
     c = sub.add_parser("tune", help="search hyperparameters with Optuna (TPE, median pruning): each trial a run, "
                                     "K at a time; the best trial's config written out (pip install 'rlpipe[tune]')")
     c.add_argument("config", help="experiment TOML file")
@@ -92,6 +96,14 @@ def main(argv=None) -> int:
                    help="override a config value of every trial (repeatable), e.g. its budget run.max_env_steps")
     c = sub.add_parser("ls", help="list runs (also inside grid directories) with status and results")
     c.add_argument("dir", nargs="?", default="runs", help="directory to search (default: runs)")
+    c = sub.add_parser("results", help="results rows from run directories (one a config over its seeds: returns, "
+                                       "wall-clock, date, commit, hardware, the command) as Markdown and JSON")
+    c.add_argument("runs", nargs="+", metavar="RUN_OR_GRID", help="run directories, run ids, or directories holding "
+                                                                  "runs (a grid's)")
+    c.add_argument("--out", metavar="FILE.md", help="also write the Markdown table here")
+    c.add_argument("--json", metavar="FILE.json", help="also write the rows as JSON here")
+    c.add_argument("--reference", metavar="TEXT", help="every row's published reference, with its step count and "
+                                                       "source (default: the known one for its algorithm and env)")
     c = sub.add_parser("plot", help="learning curves of runs (seeds of one config as mean and min-max band); "
                                     "--stats: IQM and mean with bootstrap intervals")
     c.add_argument("runs", nargs="+", metavar="RUN", help="run directories, run ids, or directories holding runs")
@@ -113,7 +125,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "export": _export,
             "package": _package, "status": _status, "top": _top, "stop": _stop, "logs": _logs, "scale": _scale,
-            "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "plot": _plot, "tensorboard": _tensorboard}[args.cmd](args)
+            "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "results": _results, "plot": _plot,
+            "tensorboard": _tensorboard}[args.cmd](args)
 
 
 def _load(args):
@@ -417,16 +430,33 @@ def _run_dirs(names: list[str]) -> list[Path] | None:
 
 
 def _grid(args) -> int:
-    from shared.config import schema
-    from shared.launch.grid import Grid, parse_seeds, parse_vary
+    import signal
 
-    try:
-        grid = Grid(args.config, args.overrides, parse_vary(args.vary), parse_seeds(args.seeds), args.parallel)
-    except schema.ConfigError as e:
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
+    from shared.config import schema
+    from shared.launch.grid import FINISHED, Grid, parse_seeds, parse_vary
+
+    if args.resume and (args.config or args.vary or args.seeds or args.overrides):
+        print("rlpipe: grid --resume GRID_DIR takes the grid's own config, variants and seeds: no CONFIG, --vary, "
+              "--seeds or --set", file=sys.stderr)
         return 2
-    rows = grid.run()
-    return 0 if all(r["reason"] in ("target", "budget", "wall") for r in rows) else 1
+    if not args.resume and not args.config:
+        print("rlpipe: grid needs an experiment TOML file (or --resume GRID_DIR)", file=sys.stderr)
+        return 2
+    try:
+        grid = (Grid.resume(Path(args.resume), args.parallel) if args.resume else
+                Grid(args.config, args.overrides, parse_vary(args.vary), parse_seeds(args.seeds or "0"), args.parallel))
+    except schema.ConfigError as e:  # also gridfile.NotAGrid
+        print(f"rlpipe: {'grid --resume' if args.resume else 'config error'}: {e}", file=sys.stderr)
+        return 2
+    # A terminal closing or a scheduler's time limit ends the grid as Ctrl-C does: the live runs
+    # stop (the learners checkpoint) and `grid --resume` goes on from there.
+    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        rows = grid.run()
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return 0 if all(r["reason"] in FINISHED for r in rows) else 1
 
 
 def _tune(args) -> int:
@@ -456,6 +486,20 @@ def _ls(args) -> int:
         return 1
     rows = [{**runs.summary(d), "run": str(d.relative_to(root))} for d in found]
     print(runs.markdown_table(rows, runs.COLUMNS))
+    return 0
+
+
+def _results(args) -> int:
+    from shared.launch import results
+
+    dirs = _run_dirs(args.runs)
+    if dirs is None:
+        return 2
+    rows = results.rows(dirs, args.reference)
+    print(results.write(rows, Path(args.out) if args.out else None, Path(args.json) if args.json else None))
+    for path in (args.out, args.json):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 

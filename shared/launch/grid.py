@@ -6,6 +6,12 @@ variant and seed, plus the stamp and random suffix every run id has), ``summary.
 run), ``stats.md`` (each variant's final returns over its seeds: IQM and mean with 95%
 stratified bootstrap intervals, ``stats.py``), one PNG per variant (its seeds) plus ``all.png``
 (every variant), and ``profile.png`` (performance profiles) where the grid varies ``env.id``.
+
+``grid.json`` (``gridfile``) records the grid and each job's run directory as it starts, so a
+grid whose launcher was stopped (killed, a closed terminal, a time limit) goes on with
+``rlpipe grid --resume DIR``: runs with a result are kept as they are, runs without one are
+stopped if anything of them still runs and started again from their checkpoint (and replay
+snapshot) in their own directory, and jobs never started start.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shared.config import checks, endpoints, loading
-from shared.launch import backend, follow, rundirs, supervisor
+from shared.launch import backend, follow, gridfile, rundirs, supervisor
 from shared.launch import runs, stats
 from shared.config.schema import ConfigError, Experiment
 from shared.runtime.process import RUN_CONFIG
@@ -148,26 +154,56 @@ class Launcher:
                     backend.for_run(run_dir).stop(run_dir)
             return [f.result() for f in futures if not f.cancelled()]
 
-    def run(self, exp: Experiment, name: str, label: str,
-            on_row: Callable[[dict], None] | None = None) -> tuple[Path, str]:
+    def run(self, exp: Experiment, name: str, label: str, on_row: Callable[[dict], None] | None = None,
+            on_start: Callable[[Path], None] | None = None) -> tuple[Path, str]:
         """Start ``exp`` (a ``run_experiment``) in a fresh run directory called ``name`` with ports
         no other live run holds, follow it to its end (``on_row`` sees each progress row and may
         end the run with ``follow.StopFollowing``) and stop it. The run directory and why the run
-        ended (``_follow``); ``label`` names the run in what is printed."""
+        ended (``_follow``); ``label`` names the run in what is printed; ``on_start`` gets the
+        run directory before any of its services starts."""
         exp = self.ports.assign(exp)
         try:
             run_dir = rundirs.make_run_dir(exp, name)
-            with self.lock:
-                self.live.add(run_dir)
-            try:
-                self.say(f"{label}: started {run_dir.name}")
-                reason = self._follow(exp, run_dir, on_row)
-            finally:
-                with self.lock:
-                    self.live.discard(run_dir)
+            if on_start is not None:
+                on_start(run_dir)
+            reason = self._live(exp, run_dir, f"{label}: started {run_dir.name}", on_row)
         finally:
             self.ports.release(exp)
         return run_dir, reason
+
+    def resume(self, run_dir: Path, label: str) -> tuple[Path, str]:
+        """Start the run in ``run_dir`` again from its checkpoint (and replay snapshot), as
+        ``launch --resume`` does, after stopping what still runs of it; its config gets network
+        ports that are free now (the ones it had may be another resumed run's). As ``run``."""
+        self.stop_leftovers(run_dir, label)
+        exp = self.ports.assign(loading.load(run_dir / RUN_CONFIG))
+        try:
+            (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+            rundirs.reopen_run_dir(run_dir)
+            reason = self._live(exp, run_dir, f"{label}: resumed {run_dir.name} from its checkpoint", None)
+        finally:
+            self.ports.release(exp)
+        return run_dir, reason
+
+    def stop_leftovers(self, run_dir: Path, label: str) -> None:
+        """Stop what still runs of ``run_dir`` (its launcher was killed under it; the learner
+        checkpoints as it stops) and remove its segments."""
+        runner = backend.for_run(run_dir)
+        if runner.running(run_dir):
+            self.say(f"{label}: stopping {run_dir.name}, left running by the launcher that stopped")
+            if not runner.stop(run_dir):
+                backend.clean(run_dir)
+
+    def _live(self, exp: Experiment, run_dir: Path, line: str, on_row) -> str:
+        """``_follow`` the run in ``run_dir`` as one of the live runs (Ctrl-C stops those)."""
+        with self.lock:
+            self.live.add(run_dir)
+        try:
+            self.say(line)
+            return self._follow(exp, run_dir, on_row)
+        finally:
+            with self.lock:
+                self.live.discard(run_dir)
 
     def _follow(self, exp: Experiment, run_dir: Path, on_row) -> str:
         """Start the run, wait for its end and stop it; why it ended (the learner's reason, the
@@ -175,7 +211,7 @@ class Launcher:
         stopped: it ended without a result)."""
         try:
             supervisor.start(exp, run_dir)
-            with (run_dir / "logs" / "follow.log").open("w") as log:
+            with (run_dir / "logs" / "follow.log").open("a") as log:  # a resumed run's goes on
                 result = follow.follow(run_dir, exp.run.max_wall_s, out=log, on_row=on_row)
             if result:
                 return result["reason"]
@@ -214,26 +250,47 @@ def run_experiment(config: str, overrides: list[str], runs_dir: Path, name: str 
 
 
 class Grid:
-    """Runs ``(variant, seed)`` pairs of one base config K at a time; see ``run``."""
+    """Runs ``(variant, seed)`` pairs of one base config K at a time; see ``run``. ``Grid(...)``
+    makes a new grid; ``Grid.resume(DIR)`` goes on with the one recorded in DIR."""
 
     def __init__(self, config: str, overrides: list[str], variants: list[Variant], seeds: list[int],
-                 parallel: int | None = None, out=None):
+                 parallel: int | None = None, out=None, record: gridfile.GridFile | None = None):
         base = loading.load(config, overrides)
         for variant in variants:  # a typo in --vary fails here, before any run starts
             loading.load(config, [*overrides, *variant.overrides])
         stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
-        self.dir = Path(base.run.runs_dir).resolve() / f"grid_{rundirs.safe_name(base.run.name)}_{stamp}"
+        new_dir = Path(base.run.runs_dir).resolve() / f"grid_{rundirs.safe_name(base.run.name)}_{stamp}"
+        self.dir = record.dir if record else new_dir
         self.config, self.overrides, self.variants, self.seeds = config, overrides, variants, seeds
         self.name = base.run.name
+        self.record = record
         self.launcher = Launcher(parallel or default_parallel(checks.resolve_inference(base)[0]), out)
+
+    @classmethod
+    def resume(cls, directory: Path, parallel: int | None = None, out=None) -> "Grid":
+        """The grid recorded in ``directory`` (gridfile.NotAGrid if none is), ``parallel`` runs at
+        a time (default: as it was started)."""
+        record = gridfile.GridFile.load(Path(directory).resolve())
+        plan = record.plan
+        variants = [Variant(v["label"], tuple(v["overrides"])) for v in plan["variants"]]
+        return cls(plan["config"], plan["overrides"], variants, plan["seeds"], parallel or plan["parallel"], out,
+                   record)
 
     def run(self) -> list[dict]:
         """Every run, K at a time; a run that fails is reported and the others go on. Writes
         and returns the summary rows (SUMMARY_COLUMNS), writes the statistics (write_stats) and
-        draws the plots. Ctrl-C stops the runs that are live and starts no more."""
-        self.dir.mkdir(parents=True)
+        draws the plots. Ctrl-C stops the runs that are live and starts no more. A resumed grid
+        keeps the runs that have a result, resumes those that have none and starts the rest."""
         jobs = [(v, s) for v in self.variants for s in self.seeds]
-        self._say(f"grid {self.dir}: {len(self.variants)} variant(s) x {len(self.seeds)} seed(s), "
+        if self.record is None:
+            self.dir.mkdir(parents=True)
+            variants = [{"label": v.label, "overrides": list(v.overrides)} for v in self.variants]
+            self.record = gridfile.GridFile.create(self.dir, self.config, self.overrides, variants, self.seeds,
+                                                   self.launcher.parallel)
+            what = "grid"
+        else:
+            what = f"grid (resumed; {len(self.record.runs)} of {len(jobs)} run(s) started before)"
+        self._say(f"{what} {self.dir}: {len(self.variants)} variant(s) x {len(self.seeds)} seed(s), "
                   f"{self.launcher.parallel} at a time")
         rows = self.launcher.map(self._run_one, jobs)
         table = runs.markdown_table(rows, SUMMARY_COLUMNS)
@@ -248,16 +305,29 @@ class Grid:
     def _run_one(self, job: tuple[Variant, int]) -> dict:
         variant, seed = job
         row = {"variant": variant.label, "seed": seed}
+        label = f"{variant.label} seed {seed}"
         if self.launcher.stopping.is_set():
             return {**row, "reason": "not started"}
-        try:
-            exp = run_experiment(self.config, [*self.overrides, *variant.overrides], self.dir, variant.label, seed)
-        except ConfigError as e:
-            self._say(f"{variant.label} seed {seed}: config error: {e}")
-            return {**row, "reason": "config error"}
-        run_dir, reason = self.launcher.run(exp, f"{exp.run.name},seed={seed}", f"{variant.label} seed {seed}")
+        recorded = self.record.runs.get((variant.label, seed))
+        run_dir = self.dir / recorded if recorded else None
+        if run_dir is not None and (run_dir / RUN_CONFIG).exists():
+            result = rundirs.read_result(run_dir)
+            if result is not None:  # ended before the grid stopped: kept as it is
+                self.launcher.stop_leftovers(run_dir, label)
+                reason = result["reason"]
+                self._say(f"{label}: kept {run_dir.name} ({reason})")
+            else:
+                run_dir, reason = self.launcher.resume(run_dir, label)
+        else:
+            try:
+                exp = run_experiment(self.config, [*self.overrides, *variant.overrides], self.dir, variant.label, seed)
+            except ConfigError as e:
+                self._say(f"{label}: config error: {e}")
+                return {**row, "reason": "config error"}
+            run_dir, reason = self.launcher.run(exp, f"{exp.run.name},seed={seed}", label,
+                                                on_start=lambda d: self.record.record_run(variant.label, seed, d.name))
         row = {**row, **runs.summary(run_dir), "reason": reason, "run": run_dir.name}
-        self._say(f"{variant.label} seed {seed}: {reason}, return {row['final_return']} after {row['env_steps']} env "
+        self._say(f"{label}: {reason}, return {row['final_return']} after {row['env_steps']} env "
                   f"steps in {row['wall_s']} s")
         return row
 
