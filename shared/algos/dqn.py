@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
-from shared.algos.optim import set_lr
+from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.quantiles import quantile_huber
 from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
@@ -44,8 +44,9 @@ class DQN(TargetNetworkAlgo):
     """
 
     def __init__(self, agent: QAgent, cfg: DQNConfig = DQNConfig()) -> None:
-        super().__init__(agent, cfg.lr, cfg.adam_eps)
+        super().__init__(agent)
         self.cfg = cfg
+        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
 
     def _bootstrap_action(self, target_q: torch.Tensor, bootstrap_observation) -> torch.Tensor:
         """a* [N] at the bootstrap observation: argmax of the online net (double) or the target's,
@@ -118,9 +119,17 @@ class DQN(TargetNetworkAlgo):
             priorities = td_abs
 
         loss = (batch.is_weight.float() * per_item).mean()
-        grad_norm = self._step(loss, cfg.max_grad_norm, cfg.target_update_period, cfg.target_tau)
+        grad_norm = gradient_step(self.optimizer, loss, agent.parameters(), cfg.max_grad_norm)
+        self.count_update(cfg.target_update_period, cfg.target_tau)
 
         values = torch.stack([loss, q_taken.mean(), target_value.mean(), td_abs.mean(), grad_norm]).detach().tolist()
         stats = dict(zip(("loss", "q_mean", "target_mean", "td_abs_mean", "grad_norm"), values))
         stats["lr"] = lr
         return Update(stats, priorities.float().cpu().numpy())
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.optimizer.load_state_dict(state["optimizer"])
