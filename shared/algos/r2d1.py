@@ -114,7 +114,7 @@ def sequence_priorities(td_abs: torch.Tensor, mask: torch.Tensor, eta: float) ->
     A sequence without such steps (a truncation right after burn-in, say) gets the smallest
     priority of the batch's sequences that have some (1.0, new items' priority, if none has):
     it is sampled rarely, and it never becomes a priority of ~0 that, as the table's minimum,
-    would shrink every table-min-normalised importance weight (issue 26).
+    would shrink every table-min-normalised importance weight.
     """
     td = torch.where(mask, td_abs, torch.zeros_like(td_abs))
     count = mask.sum(0)
