@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP = $(PYTHON) -m pip
 CONFIG ?= deploy/configs/cartpole_ppo.toml
 
-.PHONY: install run test test-all bench gpu-check clean-runs
+.PHONY: install run test test-fast test-all bench gpu-check clean-runs
 
 # torch first, pinned to the CPU wheel this machine carries, only when no torch is importable:
 # a bare `torch` requirement would pull a multi-GB CUDA build; a user's own (CUDA) torch is kept.
@@ -16,6 +16,10 @@ run: install
 
 test: install
 	$(PYTHON) -m pytest -q tests --ignore=tests/bench
+
+# The unit tier for iterating: no learning checks, no test that starts runs or processes.
+test-fast:
+	$(PYTHON) -m pytest -q tests --ignore=tests/bench -m "not learning and not live"
 
 bench: install
 	$(PIP) install -q -e ".[bench]"

@@ -1,10 +1,25 @@
-"""Fixtures shared by all tests (keep them generic)."""
+"""Fixtures shared by all tests (keep them generic), and the `live` marker."""
 
 import uuid
 
 import pytest
 
 from shared.transport import shm
+
+LIVE_HELPERS = "tests.pipeline"
+"""The module of the helpers that start real runs and processes."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``live`` every test that starts real runs or processes: it uses the ``runs`` fixture,
+    or its module uses ``tests.pipeline``'s functions or classes. ``make test-fast`` leaves them
+    (and the learning checks) out."""
+    for item in items:
+        module = getattr(item, "module", None)
+        uses_helpers = module is not None and any(
+            getattr(value, "__module__", None) == LIVE_HELPERS for value in vars(module).values())
+        if uses_helpers or "runs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.live)
 
 
 @pytest.fixture

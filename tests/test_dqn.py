@@ -75,6 +75,28 @@ def test_hand_computed_targets(double, want_td):
     np.testing.assert_allclose(out["q_mean"], np.mean([1.0, -1.0, 0.0]), atol=1e-6)
 
 
+def test_a_td_target_of_ones_own_replaces_only_the_target():
+    """The hook sees the DQN (its target network) and the batch, runs without gradients, and its
+    values are what Q regresses on: priorities |y - Q| with Q = (1, -1, 0) for y = return + 10."""
+    seen = []
+
+    def plus_ten(dqn, batch):
+        seen.append((dqn.target is algo.target, torch.is_grad_enabled()))
+        return batch.return_ + 10.0
+
+    algo = DQN(linear_agent(np.eye(2)), DQNConfig(lr=0.0), td_target=plus_ten)
+    out, priorities = algo.update(transitions(**BATCH), progress=0.0)
+    assert seen == [(True, False)]
+    np.testing.assert_allclose(priorities, [10.0, 13.0, 10.5], rtol=1e-6)
+    np.testing.assert_allclose(out["target_mean"], np.mean([11.0, 12.0, 10.5]), rtol=1e-6)
+
+
+def test_a_td_target_on_a_distributional_head_is_refused():
+    agent = QAgent(np.zeros(2, np.float32), gym.spaces.Discrete(2), LINEAR, QAgentConfig(distributional=True))
+    with pytest.raises(ValueError, match="a TD target replaces a scalar Q head's only"):
+        DQN(agent, DQNConfig(), td_target=lambda dqn, batch: batch.return_)
+
+
 def test_squared_loss_and_importance_weights_scale_the_loss():
     agent = linear_agent(np.eye(2))
     td = np.array([1.5, 3.0, 3.1])

@@ -169,7 +169,6 @@ def test_dict_observation_tuple_action_round_trip_and_box_clipping():
         (EnvConfig(kwargs="{bad json"), "env.kwargs", "JSON"),
         (EnvConfig(kwargs="[1, 2]"), "env.kwargs", "object"),
         (EnvConfig(max_episode_steps=-1), "env.max_episode_steps", ">= 0"),
-        (EnvConfig(seed=-3), "env.seed", ">= 0"),
         (EnvConfig(split_step="yes"), "env.split_step", "'auto', 'on', 'off'"),
         (EnvConfig(split_step="on"), "env.split_step", "nothing would overlap"),
     ],

@@ -49,7 +49,7 @@ def test_agents_carry_the_normaliser_in_their_state_and_targets_copy_it():
     assert {"obs_norm.mean", "obs_norm.var", "obs_norm.count"} <= set(agent.state_dict())
     algo = SAC(agent, SACConfig())
     agent.obs_norm.update(10, [10.0, 20.0, 30.0], [20.0, 50.0, 100.0])
-    algo._polyak()
+    algo.update_target(algo.cfg.tau)
     torch.testing.assert_close(algo.target.obs_norm.mean, agent.obs_norm.mean)  # copied, not averaged
     with pytest.raises(ValueError, match="one float array"):
         make_obs_norm(np.zeros((4, 4), np.uint8), cfg)

@@ -159,7 +159,7 @@ def test_polyak_moves_targets_by_tau():
     with torch.no_grad():
         for p in agent.parameters():
             p.add_(1.0)
-    algo._polyak()
+    algo.update_target(algo.cfg.tau)
     online = agent.state_dict()
     for k, t in algo.target.state_dict().items():
         torch.testing.assert_close(t, 0.1 * online[k] + 0.9 * before[k])

@@ -271,9 +271,11 @@ class Learner:
 
     def write_result(self, reason: str) -> dict:
         p = self.progress
+        # wall_s is the last progress row's (run_loop reports one just before): one clock for the
+        # row, result.json and the command's last line.
         to_target = None if self.t_first_batch is None else time.monotonic() - self.t_first_batch
         result = {"reason": reason, "env_steps": p.env_steps, "updates": p.updates, "policy_version": self.version,
-                  "mean_return": p.mean_return(), "episodes": p.episodes_seen, "wall_s": round(p.wall_s(), 2),
+                  "mean_return": p.mean_return(), "episodes": p.episodes_seen, "wall_s": round(p.wall_at_row, 2),
                   "first_batch_to_end_s": to_target}
         p.close()  # first: with result.json there, TensorBoard's and W&B's files are complete
         if self.run_dir is not None and self.leads:

@@ -298,8 +298,8 @@ class ReplayService:
             for (reader, slot, body), info in zip(heads, infos):
                 self._reply_sampled(reader, slot, body, info, meta)
             # Ring slots go back to their samplers once the learner has its batch: a sampler
-            # woken first takes the CPU the reply's send needs, and on 2 cores the reply then
-            # reaches the learner much later (docs/benchmarks.md, "PPO CartPole: 256 env steps an
+            # woken first takes the CPU the reply's send needs, and where the cores are shared the
+            # reply then reaches the learner much later (docs/benchmarks.md, "PPO CartPole: 256 env steps an
             # update").
             if self.cfg.table == "queue":
                 self._release(infos[0]["keys"])  # once for the round, however many ranks share it

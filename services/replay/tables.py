@@ -83,8 +83,3 @@ def sample_batch(table: Table, dest, n: int, min_version: int, lag_bound: bool):
     if not table.can_sample(n):
         return None, dropped
     return table.sample_into(dest, n), dropped
-
-
-def samples_spec_T(samples_spec) -> int:
-    """T of a Samples segment spec (the first leading dim of its reward leaf)."""
-    return dict(samples_spec["fields"])["reward"]["shape"][0]

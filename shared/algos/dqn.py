@@ -16,6 +16,11 @@
   With a dueling, distributional agent, double = True, n-step prioritized replay this is
   Rainbow without noisy nets (Hessel et al. 2018).
 
+Only the target can be replaced: ``DQN(agent, cfg, td_target=f)`` trains a scalar Q head
+towards ``f(dqn, batch)`` [N] instead of ``q_learning_target`` (docs/extending.md: a
+Munchausen-DQN in a few lines); everything else (loss, priorities, target network, schedule)
+stays DQN's.
+
 Like Acme's learning_lib, ``update`` returns new priorities with its diagnostics and never
 writes to replay itself: |TD error| per item, for C51 the per-item KL divergence of the
 online from the target distribution (the Rainbow paper, rlpyt; ``c51_priority = "cross_entropy"``
@@ -24,12 +29,14 @@ returns the loss itself, as Dopamine does), for QR-DQN and IQN the item's quanti
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 from shared.algos.distributional import project_distribution
 from shared.algos.hparams import DQNConfig
-from shared.algos.optim import set_lr
+from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.quantiles import quantile_huber
 from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
@@ -38,16 +45,35 @@ from shared.agents.q import QAgent
 from shared.data.batches import Transition
 
 
+def q_learning_target(dqn: "DQN", batch: Transition) -> torch.Tensor:
+    """The (double) Q-learning target of a scalar Q head, [N] f32: return_ + bootstrap_discount *
+    Q'(s', a*), with a* the bootstrap action (``DQN.bootstrap_action``) and Q' the target network.
+    Called without gradients."""
+    target_q = dqn.target.q_values(batch.bootstrap_observation)  # [N, A]
+    a_star = dqn.bootstrap_action(target_q, batch.bootstrap_observation)
+    next_q = target_q.gather(-1, a_star[:, None]).squeeze(-1)
+    return batch.return_.float() + batch.bootstrap_discount.float() * next_q
+
+
 class DQN(TargetNetworkAlgo):
     """Q-learning on a ``QAgent``: ``update(batch, progress)`` is one Adam step on one batch,
     with the target network Polyak-averaged (``target_tau``) every ``target_update_period`` updates.
+
+    ``td_target(dqn, batch) -> [N]`` replaces the TD target of a scalar Q head (default
+    ``q_learning_target``); it is called without gradients and may read ``dqn.target`` (the
+    target network), ``dqn.agent`` and ``dqn.cfg``.
     """
 
-    def __init__(self, agent: QAgent, cfg: DQNConfig = DQNConfig()) -> None:
-        super().__init__(agent, cfg.lr, cfg.adam_eps)
-        self.cfg = cfg
+    def __init__(self, agent: QAgent, cfg: DQNConfig = DQNConfig(),
+                 td_target: Callable[["DQN", Transition], torch.Tensor] = q_learning_target) -> None:
+        if td_target is not q_learning_target and (agent.cfg.distributional or agent.quantile_head is not None):
+            raise ValueError("DQN(td_target=...): a TD target replaces a scalar Q head's only; this agent has a "
+                             "distributional or quantile head (set agent.distributional = false)")
+        super().__init__(agent)
+        self.cfg, self.td_target = cfg, td_target
+        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
 
-    def _bootstrap_action(self, target_q: torch.Tensor, bootstrap_observation) -> torch.Tensor:
+    def bootstrap_action(self, target_q: torch.Tensor, bootstrap_observation) -> torch.Tensor:
         """a* [N] at the bootstrap observation: argmax of the online net (double) or the target's,
         over the actions legal there (the agent's action mask, if it has one)."""
         q = self.agent.q_values(bootstrap_observation) if self.cfg.double else target_q
@@ -79,7 +105,7 @@ class DQN(TargetNetworkAlgo):
             support = agent.support
             with torch.no_grad():
                 target_probs = self.target.dist(batch.bootstrap_observation).exp()  # [N, A, atoms]
-                a_star = self._bootstrap_action((target_probs * support).sum(-1), batch.bootstrap_observation)
+                a_star = self.bootstrap_action((target_probs * support).sum(-1), batch.bootstrap_observation)
                 target = project_distribution(target_probs[rows, a_star], returns, discount, support)
             log_probs = agent.dist(batch.observation)[rows, action]  # [N, atoms]
             per_item = -(target * log_probs).sum(-1)
@@ -95,7 +121,7 @@ class DQN(TargetNetworkAlgo):
             online_taus, target_taus = self._fractions(action.shape[0])
             with torch.no_grad():
                 target_z, _ = self.target.quantiles(batch.bootstrap_observation, target_taus)  # [N, A, T']
-                a_star = self._bootstrap_action(target_z.mean(-1), batch.bootstrap_observation)
+                a_star = self.bootstrap_action(target_z.mean(-1), batch.bootstrap_observation)
                 target = returns[:, None] + discount[:, None] * target_z[rows, a_star]  # [N, T']
             z, taus = agent.quantiles(batch.observation, online_taus)
             z_taken = z[rows, action]  # [N, T]
@@ -106,9 +132,7 @@ class DQN(TargetNetworkAlgo):
             priorities = per_item.detach()
         else:
             with torch.no_grad():
-                target_q = self.target.q_values(batch.bootstrap_observation)
-                a_star = self._bootstrap_action(target_q, batch.bootstrap_observation)
-                target_value = returns + discount * target_q[rows, a_star]
+                target_value = self.td_target(self, batch)
             q_taken = agent.q_values(batch.observation)[rows, action]
             if cfg.huber_delta > 0:
                 per_item = F.huber_loss(q_taken, target_value, reduction="none", delta=cfg.huber_delta)
@@ -118,9 +142,17 @@ class DQN(TargetNetworkAlgo):
             priorities = td_abs
 
         loss = (batch.is_weight.float() * per_item).mean()
-        grad_norm = self._step(loss, cfg.max_grad_norm, cfg.target_update_period, cfg.target_tau)
+        grad_norm = gradient_step(self.optimizer, loss, agent.parameters(), cfg.max_grad_norm)
+        self.count_update(cfg.target_update_period, cfg.target_tau)
 
         values = torch.stack([loss, q_taken.mean(), target_value.mean(), td_abs.mean(), grad_norm]).detach().tolist()
         stats = dict(zip(("loss", "q_mean", "target_mean", "td_abs_mean", "grad_norm"), values))
         stats["lr"] = lr
         return Update(stats, priorities.float().cpu().numpy())
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.optimizer.load_state_dict(state["optimizer"])

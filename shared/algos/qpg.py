@@ -40,7 +40,6 @@ parts its TD target uses).
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 
@@ -49,6 +48,7 @@ from shared.algos.hparams import (CrossQConfig, DDPGConfig, QpgConfig, SACConfig
                                   TQCConfig)
 from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.quantiles import quantile_huber, truncated_pool
+from shared.algos.target import TargetNetworkAlgo, all_parameters
 from shared.algos.update import Update
 from shared.data.batches import Transition
 from shared.data.namedarraytuple import zip_map
@@ -93,24 +93,23 @@ class TruncatedQuantiles:
         return q.mean((0, 2))
 
 
-class _QpgAlgo:
-    """The shared machinery: optimizers, learning-rate annealing, clipped steps, Polyak targets."""
+def critic_parameters(agent: QpgAgent):
+    """What SAC's targets average: the critics only, the parts its TD target uses (it samples
+    a' from the current actor)."""
+    return agent.critics.parameters()
 
-    def __init__(self, agent: QpgAgent, cfg: QpgConfig, values=ScalarCritics(), target_networks: bool = True) -> None:
-        self.agent, self.cfg, self.values = agent, cfg, values
-        self.target = copy.deepcopy(agent).requires_grad_(False) if target_networks else None
+
+class _QpgAlgo(TargetNetworkAlgo):
+    """The shared machinery: optimizers, learning-rate annealing, clipped steps; Polyak targets
+    of ``averaged`` (``TargetNetworkAlgo``)."""
+
+    def __init__(self, agent: QpgAgent, cfg: QpgConfig, values=ScalarCritics(), target_networks: bool = True,
+                 averaged=all_parameters) -> None:
+        super().__init__(agent, averaged, target_networks)
+        self.cfg, self.values = cfg, values
         self.actor_params = [*agent.actor_encoder.parameters(), *agent.actor_head.parameters()]
         self.actor_opt = adam(self.actor_params, lr=cfg.actor_lr, beta1=cfg.adam_beta1)
         self.critic_opt = adam(agent.critics.parameters(), lr=cfg.critic_lr, beta1=cfg.adam_beta1)
-        self.updates = 0
-        if self.target is not None:  # what _polyak moves, listed once (it runs every update)
-            self._averaged = (self._averaged_params(self.target), self._averaged_params(agent))
-            self._copied = (list(self.target.buffers()), list(agent.buffers()))
-
-    @staticmethod
-    def _averaged_params(agent: QpgAgent) -> list[torch.Tensor]:
-        """The parameters whose targets the TD targets use: actor and critics (DDPG, TD3)."""
-        return list(agent.parameters())
 
     def _anneal(self, progress: float) -> float:
         """Set the learning rates for ``progress``; returns the fraction of the initial ones."""
@@ -149,13 +148,6 @@ class _QpgAlgo:
                 p.requires_grad_(True)
             self.agent.critics.train(training)
 
-    @torch.no_grad()
-    def _polyak(self) -> None:
-        """target <- tau * online + (1 - tau) * target for parameters; buffers (the observation
-        normaliser's statistics) are copied: the targets normalise as the agent does."""
-        torch._foreach_lerp_(*self._averaged, self.cfg.tau)
-        torch._foreach_copy_(*self._copied)
-
     def _stats(self, names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, frac: float) -> Update:
         """Diagnostics as floats (one host sync), td_abs_mean (|TD| of critic 0, as DQN reports it)
         among them, and the new priorities."""
@@ -167,17 +159,12 @@ class _QpgAlgo:
     def state_dict(self) -> dict:
         """Optimizers, target networks (where there are) and update count, for checkpoints
         (the agent is saved separately)."""
-        state = {"optimizers": [opt.state_dict() for opt, _ in self._optimizers()], "updates": self.updates}
-        if self.target is not None:
-            state["target"] = self.target.state_dict()
-        return state
+        return {**super().state_dict(), "optimizers": [opt.state_dict() for opt, _ in self._optimizers()]}
 
     def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
         for (opt, _), saved in zip(self._optimizers(), state["optimizers"]):
             opt.load_state_dict(saved)
-        if self.target is not None:
-            self.target.load_state_dict(state["target"])
-        self.updates = int(state["updates"])
 
 
 class DDPG(_QpgAlgo):
@@ -213,7 +200,7 @@ class DDPG(_QpgAlgo):
                 actor_loss = -self.agent.q(batch.observation, self.agent.policy(batch.observation))[0].mean()
                 self._step(self.actor_opt, actor_loss, self.actor_params)
             self.last_actor_loss = actor_loss.detach()
-            self._polyak()
+            self.update_target(self.cfg.tau)
         return self._stats(("critic_loss", "actor_loss", "q_mean", "target_mean", "critic_grad_norm"),
                            [critic_loss, self.last_actor_loss, q_mean, target_value.mean(), grad_norm], td_abs, frac)
 
@@ -225,7 +212,7 @@ class SAC(_QpgAlgo):
     TQC); ``cfg.target_networks = false`` bootstraps from the critics themselves (CrossQ)."""
 
     def __init__(self, agent: SacAgent, cfg: SACConfig = SACConfig(), values=ScalarCritics()) -> None:
-        super().__init__(agent, cfg, values, target_networks=cfg.target_networks)
+        super().__init__(agent, cfg, values, cfg.target_networks, critic_parameters)
         self.target_entropy = -float(agent.action_dim) if cfg.target_entropy is None else cfg.target_entropy
         self.log_alpha = torch.tensor(float(cfg.init_alpha), device=agent.device).log().requires_grad_(cfg.learn_alpha)
         self.alpha_opt = adam([self.log_alpha], lr=cfg.alpha_lr)
@@ -234,11 +221,6 @@ class SAC(_QpgAlgo):
 
     def _optimizers(self) -> list[tuple[torch.optim.Optimizer, float]]:
         return super()._optimizers() + [(self.alpha_opt, self.cfg.alpha_lr)]
-
-    @staticmethod
-    def _averaged_params(agent: QpgAgent) -> list[torch.Tensor]:
-        """The critics only: SAC's TD target samples from the current actor."""
-        return list(agent.critics.parameters())
 
     def q_and_next_q(self, batch: Transition, next_action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The critics at the batch's state-actions, with grad, and at (s', ``next_action``),
@@ -283,7 +265,7 @@ class SAC(_QpgAlgo):
                 gradient_step(self.alpha_opt, alpha_loss, [self.log_alpha], 0.0)
             self.last_actor = (actor_loss.detach(), -log_prob.detach().mean())
         if self.target is not None:
-            self._polyak()
+            self.update_target(self.cfg.tau)
         return self._stats(("critic_loss", "actor_loss", "alpha", "entropy", "q_mean", "target_mean",
                             "critic_grad_norm"),
                            [critic_loss, self.last_actor[0], alpha, self.last_actor[1], q_mean,

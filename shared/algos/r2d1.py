@@ -39,7 +39,7 @@ from shared.agents.masking import masked_argmax
 from shared.agents.memory import core_memory, sequence_reset
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
-from shared.algos.optim import set_lr
+from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
 from shared.agents.models import obs_to
@@ -114,7 +114,7 @@ def sequence_priorities(td_abs: torch.Tensor, mask: torch.Tensor, eta: float) ->
     A sequence without such steps (a truncation right after burn-in, say) gets the smallest
     priority of the batch's sequences that have some (1.0, new items' priority, if none has):
     it is sampled rarely, and it never becomes a priority of ~0 that, as the table's minimum,
-    would shrink every table-min-normalised importance weight (issue 26).
+    would shrink every table-min-normalised importance weight.
     """
     td = torch.where(mask, td_abs, torch.zeros_like(td_abs))
     count = mask.sum(0)
@@ -154,8 +154,9 @@ class R2D1(TargetNetworkAlgo):
     def __init__(self, agent: QAgent, cfg: R2D1Config = R2D1Config()) -> None:
         if agent.core is None:
             raise ValueError("R2D1 needs a recurrent QAgent: set model.lstm_size > 0")
-        super().__init__(agent, cfg.lr, cfg.adam_eps)
+        super().__init__(agent)
         self.cfg = cfg
+        self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
 
     def loss(self, batch: SequenceBatch) -> tuple[torch.Tensor, dict]:
         """(IS-weighted loss, extra) for a batch [L, n] of torch tensors; extra holds q_taken,
@@ -209,7 +210,8 @@ class R2D1(TargetNetworkAlgo):
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
         loss, extra = self.loss(batch)
-        grad_norm = self._step(loss, cfg.max_grad_norm, cfg.target_update_period)
+        grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
+        self.count_update(cfg.target_update_period)
         mask = extra["mask"]
         count = mask.sum().clamp(min=1)
         values = torch.stack([loss.detach(), (extra["q_taken"] * mask).sum() / count,
@@ -217,3 +219,10 @@ class R2D1(TargetNetworkAlgo):
         stats = dict(zip(("loss", "q_mean", "td_abs_mean", "trained_frac", "grad_norm"), values))
         stats["lr"] = lr
         return Update(stats, extra["priorities"].float().cpu().numpy())
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -70,8 +70,8 @@ class SamplerConfig:
     """Segments in each sampler's ring; with all unreleased the sampler waits (back-pressure)."""
     alternating: bool = True
     """Server inference: split the envs in two groups so one steps while the other waits for actions.
-    It pays where the action-server has a core (or a GPU) of its own; on 2 CPU cores, where the
-    samplers and the action-server take turns, one group of all the envs halves the requests and
+    It pays where the action-server has a core (or a GPU) of its own; where the samplers and the
+    action-server share the cores and take turns, one group of all the envs halves the requests and
     samples faster (docs/benchmarks.md, "Server inference on a CPU")."""
     inference: str = "auto"
     """local: each sampler acts with its own copy of the agent on the CPU and follows the learner's
@@ -97,8 +97,8 @@ class ActionServerConfig:
     """Most observation requests gathered into one forward pass."""
     max_wait_ms: float = 0.0
     """Longest a request waits for others to join its batch (0: serve what has arrived at once;
-    requests that come in during a forward pass still share the next one). On a 2-core CPU a
-    wait only delays the batch: the other samplers' requests come once the action-server gives
+    requests that come in during a forward pass still share the next one). Where the samplers and
+    the action-server share the CPU's cores a wait only delays the batch: the other samplers' requests come once the action-server gives
     the core back (docs/benchmarks.md, "Server inference on a CPU"); a GPU, whose forward pass
     costs the same for 8 rows or 64, may gain from a wait."""
     peer_timeout_s: float = 10.0

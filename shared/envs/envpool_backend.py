@@ -77,7 +77,7 @@ ALE_V5_STICKY = 0.25
 # Options rlpipe sets itself (from the env section, the group's size and its seeds).
 _SET_HERE = {
     "num_envs": "the sampler's envs", "batch_size": "the sampler's envs", "num_threads": "env.threads",
-    "seed": "env.seed", "env_seed": "env.seed", "max_episode_steps": "env.max_episode_steps",
+    "seed": "run.seed", "env_seed": "run.seed", "max_episode_steps": "env.max_episode_steps",
     "stack_num": "the 'atari' and 'frame_stack:N' wrappers", "episodic_life": "the 'episodic_life' wrapper",
     "reward_clip": "the 'clip_reward' and 'atari' wrappers", "max_num_players": "one player",
     "thread_affinity_offset": "no pinning", "gym_reset_return_info": "gymnasium's reset",

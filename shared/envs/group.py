@@ -65,8 +65,6 @@ class EnvConfig:
     """Wrapper names: "atari", "episodic_life", "clip_reward", "frame_stack:N" (any order)."""
     max_episode_steps: int = 0
     """Truncate episodes after this many agent steps (after Atari frame skip); 0 keeps the env's default."""
-    seed: int = 0
-    """Base seed of the run's envs; each env group seeds its env i with its base_seed + i."""
     backend: str = "gymnasium"
     """What steps a sampler's envs: "gymnasium" (one env after another in Python, ``EnvGroup``) or
     "envpool" (the whole batch in one call into EnvPool's C++ thread pool, ``shared.envs.envpool_backend``)."""
@@ -207,8 +205,6 @@ def check_common(cfg: EnvConfig) -> tuple[dict[str, Any], dict[str, int]]:
     wrappers = _parse_wrappers(cfg.wrappers)
     if cfg.max_episode_steps < 0:
         raise ValueError(f"env.max_episode_steps: must be >= 0 (0 = env default), got {cfg.max_episode_steps}")
-    if cfg.seed < 0:
-        raise ValueError(f"env.seed: must be >= 0, got {cfg.seed}")
     if cfg.threads < 0:
         raise ValueError(f"env.threads: must be >= 0 (0 = one per env, at most the CPUs), got {cfg.threads}")
     if not (math.isfinite(cfg.step_timeout_s) and cfg.step_timeout_s >= 0):

@@ -4,6 +4,7 @@ export, package, plot, tensorboard."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,7 +12,17 @@ from pathlib import Path
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "cartpole_ppo.toml"
 
 
+def _import_from_working_directory() -> None:
+    """Let a config's ``module:attribute`` references resolve from the working directory here as
+    in the services, which get it on their ``PYTHONPATH`` (``rundirs.python_path``): the ``rlpipe``
+    script starts with its own directory on ``sys.path`` instead. Appended, so it does not
+    shadow an installed package of the same name."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+
+
 def main(argv=None) -> int:
+    _import_from_working_directory()
     p = argparse.ArgumentParser(prog="rlpipe", description="Deep RL as a pipeline of processes.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -233,12 +244,11 @@ def _launch(args) -> int:
         print(f"rlpipe: {e}: run stopped. Last lines of {e.log_path}:\n{e.log_tail()}", file=sys.stderr)
         return 1
     run.stop()
-    took = time.monotonic() - t0
     if result is None:
-        print(f"run {run.dir} stopped after {took:.1f} s without a result")
+        print(f"run {run.dir} stopped after {time.monotonic() - t0:.1f} s without a result")
         return 1
     print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
-          f"{result['env_steps']} env steps, {result['updates']} updates, in {took:.1f} s")
+          f"{result['env_steps']} env steps, {result['updates']} updates, in {result['wall_s']:.1f} s")
     print(f"run directory: {run.dir}")
     return 0 if result["reason"] == "target" else 1
 

@@ -26,8 +26,8 @@ def wait_until_built(run_dir: Path, timeout_s: float = BUILD_TIMEOUT_S) -> str |
     and action-servers, exit 2 with it). Raises ServiceCrashLoop when services keep dying at
     start-up for another reason (the caller stops the run).
 
-    The launcher used to build the agent itself, which imported torch while the learner did
-    the same on two cores: the first env step waited for both.
+    The launcher does not build the agent itself: its torch import would take the CPU the
+    learner's needs at the same moment, and the first env step would wait for both.
     """
     deadline, watch = time.monotonic() + timeout_s, CrashWatch(run_dir)
     while time.monotonic() < deadline and not (run_dir / ACTING_FILE).exists():

@@ -60,8 +60,6 @@ class RateLimiter:
         self.min_diff = offset - config.error_buffer
         self.max_diff = offset + config.error_buffer
         self.counts = Cells(arena, "limiter", inserts=0, samples=0, deletes=0)
-        self.insert_blocked_s = 0.0
-        self.sample_blocked_s = 0.0
 
     @property
     def inserts(self) -> int:
@@ -113,14 +111,6 @@ class RateLimiter:
         items it then did not keep); the deletes absorb the difference."""
         self.counts.deletes = self.inserts - size
 
-    def on_insert_blocked(self, seconds: float) -> None:
-        """Add wall time an insert request waited for ``can_insert`` (measured by the caller)."""
-        self.insert_blocked_s += seconds
-
-    def on_sample_blocked(self, seconds: float) -> None:
-        """Add wall time a sample request waited for ``can_sample`` (measured by the caller)."""
-        self.sample_blocked_s += seconds
-
     def check_no_deadlock(self, insert_size: int, sample_size: int) -> None:
         """Raise ValueError unless inserts of ``insert_size`` and samples of ``sample_size``
         items can never block each other: needs 2 * error_buffer >= insert_size * s + sample_size."""
@@ -141,6 +131,4 @@ class RateLimiter:
             "samples": float(self.samples),
             "deletes": float(self.deletes),
             "error": self.error,
-            "insert_blocked_s": self.insert_blocked_s,
-            "sample_blocked_s": self.sample_blocked_s,
         }
