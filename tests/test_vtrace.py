@@ -176,6 +176,37 @@ def test_ratios_above_the_bars_count_as_the_bars():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("rho_bar", [1.0, 2.0, INF])
+def test_a_ratio_that_overflows_at_an_episode_end_stays_in_its_episode(rho_bar):
+    """c_bar = inf, float32 as the learner computes: pi/mu = exp(100) is inf at step 3, where an
+    episode ends (terminated in column 0, truncated in column 1) and its trace is cut. The
+    targets are the direct sum's everywhere: finite where rho_bar is; with rho_bar = inf the
+    weight of that step's delta is infinite, so its episode's targets up to it are too, and never
+    NaN, and every other episode's are unchanged."""
+    rng = np.random.default_rng(5)
+    T, B, gamma, lam = 6, 3, 0.9, 0.95
+    reward, value, next_value, _, _ = random_segment(rng, T, B, "none")
+    terminated, done = np.zeros((T, B), bool), np.zeros((T, B), bool)
+    terminated[[1, 3], 0] = done[[1, 3], 0] = True  # column 0: episodes 0-1, 2-3, 4-5
+    done[3, 1] = True  # column 1: truncated at 3
+    log_rho = rng.normal(scale=0.5, size=(T, B))
+    log_rho[3, :2] = 100.0
+    tensors = [torch.as_tensor(a, dtype=torch.float32 if a.dtype == np.float64 else None)
+               for a in (log_rho, reward, value, next_value, terminated, done)]
+    adv, vs = vtrace(*tensors, gamma=gamma, lam=lam, rho_bar=rho_bar, c_bar=INF)
+    ref_vs, ref_adv = reference_vtrace(log_rho, reward, value, next_value, terminated, done, gamma, lam, rho_bar, INF)
+    assert not vs.isnan().any() and not adv.isnan().any()
+    overflowed = np.zeros((T, B), bool)  # the overflowing step's episode, up to that step
+    if rho_bar == INF:
+        overflowed[2:4, 0] = overflowed[:4, 1] = True
+        assert vs[torch.as_tensor(overflowed)].isinf().all()
+    else:
+        assert vs.isfinite().all() and adv.isfinite().all()
+    rest = ~overflowed
+    np.testing.assert_allclose(vs.numpy()[rest], ref_vs[rest], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(adv.numpy()[rest], ref_adv[rest], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- targets of a real batch
 
 
