@@ -30,7 +30,9 @@ class A2C:
     def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One A2C step on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
 
-        Returns policy_loss, value_loss, entropy, grad_norm (before clipping), lr,
+        The loss is the mean over the batch's real steps, times their number with
+        ``loss_reduction = "sum"``. Returns policy_loss, value_loss and entropy (per-step means
+        either way), grad_norm (of the loss as reduced, before clipping), lr,
         explained_variance, and approx_kl / clip_fraction (behaviour vs current policy,
         a measure of staleness; clip_fraction uses |ratio - 1| > 0.2).
         """
@@ -46,6 +48,8 @@ class A2C:
         value_loss = 0.5 * ((value - data.returns) ** 2).mean()
         entropy = entropy.mean()
         loss = policy_loss - cfg.entropy_coef * entropy + cfg.value_coef * value_loss
+        if cfg.loss_reduction == "sum":  # the stats stay per-step means, comparable across reductions
+            loss = loss * advantage.numel()
         grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
         with torch.no_grad():
             log_ratio = log_prob - data.old_log_prob
