@@ -234,9 +234,14 @@ class IQNConfig(DQNConfig):
     """Fractions per observation that estimate Q for acting and the double-Q action (K; the paper: 32)."""
     n_cosines: int = 64
     """Cosine features of a fraction, cos(pi i tau) for i = 0..n-1 (the paper: 64)."""
+    merge_hidden_sizes: tuple[int, ...] = (512,)
+    """Widths of the fully connected layers between the product of the encoder's features and the
+    fraction's embedding and the head (the paper and Dopamine: one of 512, ReLU); [] = none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if any(w < 1 for w in self.merge_hidden_sizes):
+            raise ValueError(f"IQNConfig.merge_hidden_sizes: widths must be >= 1, got {list(self.merge_hidden_sizes)}")
         if min(self.n_taus, self.n_target_taus, self.n_acting_taus, self.n_cosines) < 1:
             raise ValueError(f"IQNConfig: n_taus, n_target_taus, n_acting_taus and n_cosines must be >= 1, got "
                              f"{self.n_taus}, {self.n_target_taus}, {self.n_acting_taus}, {self.n_cosines}")
