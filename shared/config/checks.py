@@ -12,6 +12,7 @@ from pathlib import Path
 from shared.envs.backends import validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
+from shared.algos.hparams import PQNConfig
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
 from shared.config.schema import ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, WANDB_MODES, most_count
@@ -80,6 +81,9 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if exp.model.layer_norm and spec.agent.family == "qpg":
         raise ConfigError(f"model.layer_norm = true: {spec.name}'s critics have no MLP trunk to normalise; it is for "
                           "Q and policy-gradient agents (pqn)")
+    if isinstance(exp.algo, PQNConfig) and getattr(exp.agent, "distributional", False):
+        raise ConfigError(f"agent.distributional = true: {spec.name} regresses scalar Q(lambda) targets, not C51's "
+                          "return distribution; set it to false (C51 is algo.name = 'dqn')")
     if spec.batch == "sequences" and not exp.model.lstm_size:
         raise ConfigError(f"model.lstm_size = 0: {spec.name} trains a recurrent agent on sequences; set model.lstm_size "
                           "> 0 (e.g. 64)")
