@@ -88,8 +88,9 @@ def plain_dqn(n: int, hidden: tuple):
 
 def rlpipe_learner(config_file: str, device: torch.device = torch.device("cpu"), overrides: tuple[str, ...] = (),
                    prepare=lambda agent: None):
-    """(train one batch, gradient steps per batch, batch size, hidden sizes) for a shipped config
-    with ``overrides``, its learner on ``device``; ``prepare(agent)`` runs once the algorithm is built."""
+    """(train one batch and return the update's stats, gradient steps per batch, batch size, hidden
+    sizes) for a shipped config with ``overrides``, its learner on ``device``; ``prepare(agent)``
+    runs once the algorithm is built."""
     exp = config.load(CONFIGS / config_file, ["run.max_env_steps=1000000000", f"run.device='{device}'", *overrides])
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
@@ -113,7 +114,7 @@ def rlpipe_learner(config_file: str, device: torch.device = torch.device("cpu"),
         slot.bootstrap_discount[...] = 0.95
         steps, n = 1, len(slot.action)
     meta = {"env_steps": 0, "episodes": []}
-    return (lambda: learner.train(slot, meta)), steps, n, exp.model.hidden_sizes
+    return (lambda: (learner.train(slot, meta), learner.last_stats)[1]), steps, n, exp.model.hidden_sizes
 
 
 def per_step_ms(fn, steps_per_call: int, calls: int) -> float:
