@@ -33,7 +33,8 @@ def test_dqn_configs_run_updates_in_serial_mode(name):
     assert result["reason"] == "budget" and result["updates"] >= 1
 
 
-@pytest.mark.parametrize("name", ["halfcheetah_sac", "halfcheetah_td3", "pendulum_ddpg", "pendulum_tqc"])
+@pytest.mark.parametrize("name", ["halfcheetah_sac", "halfcheetah_td3", "halfcheetah_crossq", "pendulum_ddpg",
+                                  "pendulum_tqc", "pendulum_crossq_cpu"])
 def test_continuous_control_configs_run_updates_in_serial_mode(name):
     """MuJoCo HalfCheetah-v5 (the mujoco extra) and Pendulum with the configs' own networks:
     past the random warm-up, the actor acts and the learner updates."""
