@@ -145,7 +145,8 @@ class ImpalaConfig(A2CConfig):
     targets and rho-weighted advantages (defaults: the paper's Atari settings, rho_bar = c_bar = 1,
     lambda 1, RMSprop lr 6e-4 with epsilon 0.01 annealed linearly to 0 over the run, baseline cost
     0.5, entropy 0.01, gradient clip 40, on the loss summed over T x B as the paper's and
-    torchbeast's code sum it: on a mean the same epsilon and clip would dwarf the gradients)."""
+    torchbeast's code sum it: on a mean, T x B times smaller, epsilon would dwarf the gradients
+    and the clip never act)."""
 
     advantages: str = "vtrace"
     lr: float = 6e-4
@@ -236,7 +237,8 @@ class IQNConfig(DQNConfig):
     """Cosine features of a fraction, cos(pi i tau) for i = 0..n-1 (the paper: 64)."""
     merge_hidden_sizes: tuple[int, ...] = (512,)
     """Widths of the fully connected layers between the product of the encoder's features and the
-    fraction's embedding and the head (the paper and Dopamine: one of 512, ReLU); [] = none."""
+    fraction's embedding and the head, with ``model.activation`` (the paper and Dopamine: one of
+    512, ReLU); [] = none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
