@@ -22,7 +22,7 @@ def test_bf16_updates_are_finite_and_near_fp32(config_file, overrides, terms):
     for autocast in ("off", "bf16"):
         torch.manual_seed(0)  # the same initial networks
         train, *_ = rlpipe_learner(config_file, overrides=(*overrides, f"learner.autocast='{autocast}'"),
-                                   prepare=lambda agent: agents.__setitem__(autocast, agent))
+                                   prepare=lambda agent, name=autocast: agents.update({name: agent}))
         stats[autocast] = [train() for _ in range(3)]
     for fp32, bf16 in zip(stats["off"], stats["bf16"]):
         for term in terms:
@@ -31,6 +31,7 @@ def test_bf16_updates_are_finite_and_near_fp32(config_file, overrides, terms):
             # SAC's actor loss alpha log pi - Q is a small difference of such terms (~0.1 here,
             # 0.01 apart measured), so its error is absolute.
             assert bf16[term] == pytest.approx(fp32[term], rel=0.05, abs=0.02), term
+    # fp32 parameters, hence fp32 gradients and Adam moments (torch makes them like the parameters).
     assert all(p.dtype == torch.float32 for p in agents["bf16"].parameters())
 
 
