@@ -33,7 +33,16 @@ def test_dqn_configs_run_updates_in_serial_mode(name):
     assert result["reason"] == "budget" and result["updates"] >= 1
 
 
-@pytest.mark.parametrize("name", ["halfcheetah_sac", "halfcheetah_td3", "pendulum_ddpg", "pendulum_tqc"])
+def test_minatar_breakout_impala_runs_updates_in_serial_mode():
+    """The paper's settings as ImpalaConfig has them: RMSprop, the summed loss, the annealed rate."""
+    exp = config.load(CONFIGS / "minatar_breakout_impala.toml", ["run.max_env_steps=1280"])
+    assert (exp.algo.optimizer, exp.algo.loss_reduction, exp.algo.anneal_lr) == ("rmsprop", "sum", True)
+    result = train_serial(exp)
+    assert result["reason"] == "budget" and result["updates"] >= 2
+
+
+@pytest.mark.parametrize("name", ["halfcheetah_sac", "halfcheetah_td3", "halfcheetah_crossq", "pendulum_ddpg",
+                                  "pendulum_tqc", "pendulum_crossq_cpu"])
 def test_continuous_control_configs_run_updates_in_serial_mode(name):
     """MuJoCo HalfCheetah-v5 (the mujoco extra) and Pendulum with the configs' own networks:
     past the random warm-up, the actor acts and the learner updates."""

@@ -14,6 +14,9 @@ from shared.algos import registry
 from shared.algos.hparams import PQNConfig
 from shared.algos.pqn import PQN, batch_targets, q_lambda_returns
 from shared.data.batches import OnPolicyBatch, Samples
+from shared.config import loading
+from shared.config.schema import ConfigError
+from tests.pipeline import CONFIGS
 from tests.test_vtrace import PATTERNS, as_t, random_segment
 
 torch.set_num_threads(1)
@@ -118,6 +121,13 @@ def test_layer_norm_q_network_acts_in_torch_and_normalises_every_hidden_layer():
         linear, _ = agent.encoder.trunk.plan[0]
         h = torch.nn.functional.layer_norm(linear(x), (16,))
         assert torch.allclose(h.mean(-1), torch.zeros(5), atol=1e-5)
+
+
+def test_pqn_refuses_a_distributional_agent():
+    """PQN regresses scalar targets: with C51's head it would fit the distribution's expectation by MSE."""
+    with pytest.raises(ConfigError, match=r"^agent.distributional = true: pqn regresses scalar Q\(lambda\) targets"):
+        loading.load(CONFIGS / "cartpole_pqn.toml", ["agent.distributional=true"])
+    assert loading.load(CONFIGS / "cartpole_pqn.toml").algo_name == "pqn"
 
 
 def test_pqn_is_an_on_policy_algorithm_of_q_agents():

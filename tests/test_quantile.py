@@ -8,6 +8,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from services.build import check_buildable
 from shared.agents import EVALUATE
@@ -88,13 +89,22 @@ def test_cosine_embedding_by_hand():
     np.testing.assert_allclose(out[0].detach().numpy(), want, rtol=1e-6, atol=1e-6)
 
 
-def test_iqn_quantiles_are_the_head_on_the_features_times_the_embedding():
+@pytest.mark.parametrize("merge", [(512,), (16, 8), ()])
+def test_iqn_quantiles_are_the_head_on_the_features_times_the_embedding(merge):
+    """psi(x) * phi(tau), then the paper's (Dopamine's) 512-wide ReLU layer by default, or the
+    ``merge_hidden_sizes`` given, shared by the dueling streams."""
     torch.manual_seed(1)
-    agent, _ = make("iqn", IQNConfig(n_cosines=4), QAgentConfig(dueling=True), obs_dim=3, actions=2)
+    model = ModelConfig(hidden_sizes=(), activation="relu")  # features = the raw observation
+    agent, _ = make("iqn", IQNConfig(n_cosines=4, merge_hidden_sizes=merge), QAgentConfig(dueling=True), model=model,
+                    obs_dim=3, actions=2)
     obs, taus = torch.randn(5, 3), torch.rand(5, 7)
     values, got_taus = agent.quantiles(obs, taus)
     assert values.shape == (5, 2, 7) and got_taus is taus
-    mixed = obs[:, None, :] * agent.tau_embedding(taus)  # [5, 7, 3]: LINEAR's features are obs
+    mixed = obs[:, None, :] * agent.tau_embedding(taus)  # [5, 7, 3]
+    for width, linear in zip(merge, [m for m in agent.merged.net if isinstance(m, nn.Linear)] if merge else []):
+        assert linear.out_features == width
+        mixed = torch.relu(linear(mixed))
+    assert (agent.merged is None) == (merge == ())
     advantage, value = agent.advantage(mixed), agent.value(mixed)  # [5, 7, 2], [5, 7, 1]
     want = value + advantage - advantage.mean(-1, keepdim=True)
     torch.testing.assert_close(values, want.transpose(1, 2))
@@ -220,6 +230,11 @@ def test_config_errors_name_the_field():
         IQNConfig(n_taus=0)
     with pytest.raises(ValueError, match="exactly one of n_quantiles"):
         QuantileHead(n_quantiles=4, n_cosines=8)
+    assert IQNConfig().merge_hidden_sizes == (512,)
+    with pytest.raises(ValueError, match="IQNConfig.merge_hidden_sizes: widths must be >= 1"):
+        IQNConfig(merge_hidden_sizes=(0,))
+    with pytest.raises(ValueError, match="QuantileHead.merge_hidden_sizes: IQN only"):
+        QuantileHead(n_quantiles=4, merge_hidden_sizes=(8,))
     exp = loading.load(CONFIGS / "cartpole_qr_dqn.toml", ["agent.distributional=true"])
     with pytest.raises(ConfigError, match="agent.distributional = true"):
         check_buildable(exp)

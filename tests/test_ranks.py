@@ -7,6 +7,7 @@ import multiprocessing as mp
 import queue
 from pathlib import Path
 
+import gymnasium as gym
 import numpy as np
 import pytest
 
@@ -55,10 +56,41 @@ def train_rank(rank: int, run_dir: str, config_file: str, averaged: bool, out) -
         group.close()
 
 
+def impala_rank(rank: int | None, run_dir: str, out) -> None:
+    """IMPALA's first update of test_vtrace's bandit batch (4 x 32), without clipping: the whole
+    batch (rank None) or rank ``rank``'s half of its columns in a group of two."""
+    import torch
+
+    from shared.agents.pg import PgAgent
+    from shared.algos import registry
+    from shared.algos.hparams import ImpalaConfig
+    from shared.data.batches import column_share
+    from shared.transport import ranks
+    from tests import test_pg_algos
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)  # the same agent and batch in every process
+    agent = PgAgent(test_pg_algos.OBS, gym.spaces.Discrete(2))
+    batch = test_pg_algos.bandit_batch(agent, 4, 32, test_pg_algos.match_context, seed=0)
+    algo = registry.resolve("impala").make(agent, ImpalaConfig(max_grad_norm=0.0))
+    if rank is None:
+        out.put((rank, algo.update(batch, 0.0).stats["grad_norm"]))
+        return
+    group = ranks.join(Path(run_dir), rank, 2, torch.device("cpu"), 60.0)
+    out.put((rank, algo.update(column_share(batch, rank, 2), 0.0).stats["grad_norm"]))
+    group.close()
+
+
 def run_ranks(config_file: str, run_dir: Path, averaged: bool = True) -> list[list[int]]:
+    got = spawn_ranks(train_rank, str(run_dir), config_file, averaged)
+    return [got[0], got[1]]
+
+
+def spawn_ranks(target, *args) -> dict:
+    """``target(rank, *args, out)`` in two spawned processes, ranks 0 and 1: what each put in ``out``, by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=train_rank, args=(rank, str(run_dir), config_file, averaged, out)) for rank in (0, 1)]
+    procs = [ctx.Process(target=target, args=(rank, *args, out)) for rank in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -71,7 +103,7 @@ def run_ranks(config_file: str, run_dir: Path, averaged: bool = True) -> list[li
             if p.is_alive():
                 p.kill()
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return [got[0], got[1]]
+    return got
 
 
 @pytest.mark.parametrize("config_file", ["cartpole_ppo.toml", "cartpole_dqn.toml", "pendulum_sac.toml"])
@@ -85,3 +117,12 @@ def test_without_the_group_the_same_ranks_drift_apart(tmp_path):
     """The check above can fail: on their different batches, unaveraged ranks diverge at once."""
     rank0, rank1 = run_ranks("cartpole_ppo.toml", tmp_path, averaged=False)
     assert all(a != b for a, b in zip(rank0, rank1))
+
+
+def test_impalas_summed_loss_is_the_whole_batchs_over_two_ranks(tmp_path):
+    """Each rank sums its half and the group averages the gradients: the ranks' step must be the
+    whole batch's sum, as one learner takes it (twice the average of the halves' sums)."""
+    whole = queue.Queue()
+    impala_rank(None, str(tmp_path), whole)
+    got = spawn_ranks(impala_rank, str(tmp_path))
+    assert got[0] == got[1] == pytest.approx(whole.get()[1], rel=1e-5)

@@ -25,7 +25,7 @@ JOIN_TIMEOUT_S = 120.0
 
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("learner", instance, exp.placement.node("learner"))
-    device = torch_device(exp.run.device)
+    device = torch_device(exp.run.device, exp.learner.threads)
     group = None
     if exp.learner.count > 1:
         device = ranks.rank_device(device, instance)

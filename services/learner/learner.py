@@ -82,6 +82,7 @@ class Learner:
         """``group``: this learner's place among data-parallel ranks (None: the only learner);
         ``algo``: None to ``attach`` it later (after ``resume``), once version 0 is out."""
         self.agent, self.algo, self.device, self.m, self.group = agent, algo, device, metrics, group
+        self.bf16 = exp.learner.autocast == "bf16"
         self.pending_algo_state: dict | None = None  # a checkpoint's, for an algorithm attached later
         self.max_policy_lag, self.max_env_steps = exp.replay.max_policy_lag, exp.run.max_env_steps
         self.log_interval_s, self.checkpoint_interval_s = exp.run.log_interval_s, exp.learner.checkpoint_interval_s
@@ -129,7 +130,10 @@ class Learner:
         lag = float(self.version - versions.mean())
         t0 = time.perf_counter()
         skipped = optim.skipped_steps()
-        update: Update = self.algo.update(batch, min(1.0, self.env_steps / self.max_env_steps))
+        # Autocast casts only the ops on its lists (matmuls, convolutions) to bf16: the fp32
+        # parameters get fp32 gradients through the casts, and the optimizer's step is no such op.
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            update: Update = self.algo.update(batch, min(1.0, self.env_steps / self.max_env_steps))
         skipped = optim.skipped_steps() - skipped
         if skipped:
             self._count_skipped(skipped)

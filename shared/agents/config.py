@@ -194,11 +194,17 @@ class QuantileHead:
     acting_samples: int = 32
     """IQN: fractions drawn U(0, 1) per observation to estimate Q for acting and for double-Q's
     bootstrap action (K)."""
+    merge_hidden_sizes: tuple[int, ...] = ()
+    """IQN: widths of the fully connected layers (``model.activation``) between the product of
+    features and embedding and the head; () = the head right on the product."""
 
     def __post_init__(self) -> None:
         if (self.n_quantiles > 0) == (self.n_cosines > 0) or min(self.n_quantiles, self.n_cosines) < 0:
             raise ValueError(f"QuantileHead: exactly one of n_quantiles (QR-DQN) and n_cosines (IQN) must be > 0, got "
                              f"{self.n_quantiles} and {self.n_cosines}")
+        if self.merge_hidden_sizes and (self.n_cosines == 0 or min(self.merge_hidden_sizes) < 1):
+            raise ValueError(f"QuantileHead.merge_hidden_sizes: IQN only (n_cosines > 0), widths >= 1, got "
+                             f"{self.merge_hidden_sizes} with n_cosines {self.n_cosines}")
         if self.acting_samples < 1:
             raise ValueError(f"QuantileHead.acting_samples: must be >= 1, got {self.acting_samples}")
 

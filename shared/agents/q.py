@@ -34,8 +34,8 @@ class QAgent(nn.Module):
     Q [N, A], C51 logits [N, A, atoms] over the fixed ``support`` buffer [atoms], or with a
     ``quantiles`` head the return's quantile values [N, A, T] at fractions [N, T] (QR-DQN: the
     fixed ``taus`` buffer [T]; IQN: fractions given with each call, the features multiplied by
-    their ``CosineEmbedding``). All inputs are moved to the device the module is on; outputs
-    live there too.
+    their ``CosineEmbedding``, then through the ``merged`` layers). All inputs are moved to the
+    device the module is on; outputs live there too.
 
     With an action mask (``ModelConfig.action_mask``) greedy actions are the argmax over the
     legal ones and epsilon's random actions uniform over them (``legal_actions`` gives the
@@ -79,14 +79,18 @@ class QAgent(nn.Module):
             feat_dim = self.core.out_dim
             self.acting = ActingMemory(1, model_cfg.lstm_size, torch.zeros((), dtype=torch.int64))
         hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
-        self.advantage = MLP(feat_dim, hidden, act, output_size=self.n_actions * self.n_atoms)
-        self.value = MLP(feat_dim, hidden, act, output_size=self.n_atoms) if cfg.dueling else None
+        implicit = quantiles is not None and quantiles.implicit
+        merge_sizes = tuple(quantiles.merge_hidden_sizes) if implicit else ()
+        head_in = merge_sizes[-1] if merge_sizes else feat_dim
+        self.advantage = MLP(head_in, hidden, act, output_size=self.n_actions * self.n_atoms)
+        self.value = MLP(head_in, hidden, act, output_size=self.n_atoms) if cfg.dueling else None
         if cfg.distributional:
             self.register_buffer("support", torch.linspace(cfg.v_min, cfg.v_max, cfg.n_atoms))
         else:
             self.support = None
-        implicit = quantiles is not None and quantiles.implicit
         self.tau_embedding = CosineEmbedding(quantiles.n_cosines, feat_dim) if implicit else None
+        # IQN's layers after the merge, shared by the dueling streams (Dopamine's 512 after psi x phi).
+        self.merged = MLP(feat_dim, merge_sizes, act) if merge_sizes else None
         if quantiles is not None and not implicit:
             n = quantiles.n_quantiles
             self.register_buffer("taus", (2 * torch.arange(n, dtype=torch.float32) + 1) / (2 * n))
@@ -154,6 +158,8 @@ class QAgent(nn.Module):
         if taus is None:
             taus = torch.rand(features.shape[0], head.acting_samples, device=features.device)
         mixed = features.unsqueeze(-2) * self.tau_embedding(taus)  # [N, T, F]
+        if self.merged is not None:
+            mixed = self.merged(mixed)
         return self._from_features(mixed).transpose(-1, -2), taus
 
     def dist(self, obs) -> torch.Tensor:

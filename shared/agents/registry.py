@@ -64,7 +64,8 @@ def _implicit_quantile(obs_example, action_space, model_cfg, agent_cfg, algo_cfg
     from shared.agents.q import QAgent
 
     return QAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space=obs_space,
-                  quantiles=QuantileHead(n_cosines=algo_cfg.n_cosines, acting_samples=algo_cfg.n_acting_taus))
+                  quantiles=QuantileHead(n_cosines=algo_cfg.n_cosines, acting_samples=algo_cfg.n_acting_taus,
+                                         merge_hidden_sizes=tuple(algo_cfg.merge_hidden_sizes)))
 
 
 def _deterministic(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):

@@ -14,7 +14,7 @@ from torch import nn
 from shared.data.batches import OnPolicyBatch
 from shared.algos.gae import explained_variance, pg_targets, real_steps
 from shared.algos.hparams import A2CConfig
-from shared.algos.optim import gradient_step, optimizer, set_lr
+from shared.algos.optim import gradient_step, optimizer, ranks, set_lr
 from shared.algos.update import Update
 
 
@@ -30,7 +30,9 @@ class A2C:
     def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One A2C step on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
 
-        Returns policy_loss, value_loss, entropy, grad_norm (before clipping), lr,
+        The loss is the mean over the batch's real steps, or with ``loss_reduction = "sum"``
+        their sum (over all learner ranks' shares). Returns policy_loss, value_loss and entropy (per-step means
+        either way), grad_norm (of the loss as reduced, before clipping), lr,
         explained_variance, and approx_kl / clip_fraction (behaviour vs current policy,
         a measure of staleness; clip_fraction uses |ratio - 1| > 0.2).
         """
@@ -46,6 +48,10 @@ class A2C:
         value_loss = 0.5 * ((value - data.returns) ** 2).mean()
         entropy = entropy.mean()
         loss = policy_loss - cfg.entropy_coef * entropy + cfg.value_coef * value_loss
+        if cfg.loss_reduction == "sum":  # the stats stay per-step means, comparable across reductions
+            # The ranks' gradients are averaged (gradient_step): each rank's share counts ranks() times
+            # so that the step is the whole batch's sum.
+            loss = loss * (advantage.numel() * ranks())
         grad_norm = gradient_step(self.optimizer, loss, self.agent.parameters(), cfg.max_grad_norm)
         with torch.no_grad():
             log_ratio = log_prob - data.old_log_prob

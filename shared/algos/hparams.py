@@ -100,6 +100,10 @@ def check_optimizer(config: object, allowed: tuple[str, ...] = OPTIMIZERS) -> No
                          f"{', '.join(allowed)}")
 
 
+LOSS_REDUCTIONS = ("mean", "sum")
+"""How A2C and IMPALA reduce their loss over a batch's steps (``A2CConfig.loss_reduction``)."""
+
+
 @dataclass(frozen=True)
 class A2CConfig(PgTargetsConfig):
     """A2C hyperparameters (defaults: Stable-Baselines3's A2C)."""
@@ -122,20 +126,32 @@ class A2CConfig(PgTargetsConfig):
     """Normalise advantages to zero mean, unit std over the batch."""
     max_grad_norm: float = 0.5
     """Clip the global gradient norm to this; 0 = no clipping."""
+    loss_reduction: str = "mean"
+    """How the loss reduces over the batch's T x B steps: mean (SB3, CleanRL) or sum (IMPALA and
+    torchbeast: the learning rate, RMSprop's epsilon and the gradient clip are sized for the sum's
+    gradients, T x B times the mean's)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_optimizer(self)
+        if self.loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"{type(self).__name__}.loss_reduction = {self.loss_reduction!r}: allowed: "
+                             f"{', '.join(LOSS_REDUCTIONS)}")
 
 
 @dataclass(frozen=True)
 class ImpalaConfig(A2CConfig):
     """IMPALA's learner (Espeholt et al. 2018) in one process: A2C's single gradient step on V-trace
     targets and rho-weighted advantages (defaults: the paper's Atari settings, rho_bar = c_bar = 1,
-    lambda 1, RMSprop lr 6e-4 with epsilon 0.01, baseline cost 0.5, entropy 0.01, gradient clip 40)."""
+    lambda 1, RMSprop lr 6e-4 with epsilon 0.01 annealed linearly to 0 over the run, baseline cost
+    0.5, entropy 0.01, gradient clip 40, on the loss summed over T x B as the paper's and
+    torchbeast's code sum it: on a mean, T x B times smaller, epsilon would dwarf the gradients
+    and the clip never act)."""
 
     advantages: str = "vtrace"
     lr: float = 6e-4
+    anneal_lr: bool = True
+    loss_reduction: str = "sum"
     optimizer_eps: float = 0.01
     value_coef: float = 0.5
     entropy_coef: float = 0.01
@@ -219,9 +235,15 @@ class IQNConfig(DQNConfig):
     """Fractions per observation that estimate Q for acting and the double-Q action (K; the paper: 32)."""
     n_cosines: int = 64
     """Cosine features of a fraction, cos(pi i tau) for i = 0..n-1 (the paper: 64)."""
+    merge_hidden_sizes: tuple[int, ...] = (512,)
+    """Widths of the fully connected layers between the product of the encoder's features and the
+    fraction's embedding and the head, with ``model.activation`` (the paper and Dopamine: one of
+    512, ReLU); [] = none."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if any(w < 1 for w in self.merge_hidden_sizes):
+            raise ValueError(f"IQNConfig.merge_hidden_sizes: widths must be >= 1, got {list(self.merge_hidden_sizes)}")
         if min(self.n_taus, self.n_target_taus, self.n_acting_taus, self.n_cosines) < 1:
             raise ValueError(f"IQNConfig: n_taus, n_target_taus, n_acting_taus and n_cosines must be >= 1, got "
                              f"{self.n_taus}, {self.n_target_taus}, {self.n_acting_taus}, {self.n_cosines}")

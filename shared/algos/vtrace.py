@@ -43,7 +43,9 @@ def vtrace(
         - at t = T-1, v_T is the bootstrap value next_value[T-1] (the recursion starts at 0).
     rho_bar chooses the fixed point (rho_bar = inf: the value function of pi; smaller: that of
     a policy between mu and pi); c_bar only sets how fast the traces contract and how much
-    variance they carry, not the fixed point.
+    variance they carry, not the fixed point. A ratio that overflows (inf) stays in its episode:
+    its trace is cut at the episode's end like any other; with rho_bar = inf its own delta is
+    infinite, and so are its episode's targets up to it (the learner skips such a step).
 
     Identities (tests/test_vtrace.py): on-policy (log_rho = 0) with rho_bar, c_bar >= 1,
     v_s is the GAE(lambda) return exactly, for every lambda; the advantage is
@@ -55,18 +57,22 @@ def vtrace(
     ratio = log_rho.exp()
     rho = ratio.clamp(max=rho_bar)
     not_terminated = 1.0 - terminated.to(value.dtype)
-    not_done = 1.0 - done.to(value.dtype)
+    goes_on = ~done.bool()
     discount = gamma * not_terminated
     delta = rho * (reward + discount * next_value - value)
-    decay = (gamma * lam) * ratio.clamp(max=c_bar) * not_done
+    # The cuts at episode ends select instead of multiplying by 0: with c_bar = inf a ratio that
+    # overflows at an episode's last step would make its trace inf, and inf x 0 is NaN, which the
+    # recursion would carry back over the whole episode (with rho_bar = inf too, an infinite
+    # correction from the next episode would do the same across the cut).
+    decay = torch.where(goes_on, (gamma * lam) * ratio.clamp(max=c_bar), 0.0)
     correction = torch.empty_like(delta)  # v_s - V(s_s)
     running = torch.zeros_like(delta[0])
     for t in reversed(range(delta.shape[0])):
-        running = torch.addcmul(delta[t], decay[t], running)
+        running = torch.where(goes_on[t], torch.addcmul(delta[t], decay[t], running), delta[t])
         correction[t] = running
     # v_{t+1} where step t's episode goes on inside the segment (next_value[t] = V(s_{t+1})),
     # next_value[t] itself where it ends or the segment does.
     later = torch.cat([correction[1:], torch.zeros_like(correction[:1])], dim=0)
-    next_vs = next_value + not_done * later
+    next_vs = next_value + torch.where(goes_on, later, 0.0)
     advantage = rho * (reward + discount * next_vs - value)
     return advantage, value + correction

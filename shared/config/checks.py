@@ -12,9 +12,10 @@ from pathlib import Path
 from shared.envs.backends import validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
+from shared.algos.hparams import PQNConfig
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
-from shared.config.schema import ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, WANDB_MODES, most_count
+from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, WANDB_MODES, most_count
 
 
 def check(exp: Experiment, check_ports: bool) -> None:
@@ -25,7 +26,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
         "action_server.count": exp.action_server.count, "action_server.max_batch": exp.action_server.max_batch,
         "replay.capacity": exp.replay.capacity, "learner.batch_segments": exp.learner.batch_segments,
         "learner.prefetch": exp.learner.prefetch, "learner.timeout_ms": exp.learner.timeout_ms,
-        "learner.count": exp.learner.count,
+        "learner.count": exp.learner.count, "learner.threads": exp.learner.threads,
         "run.max_env_steps": exp.run.max_env_steps, "run.return_window": exp.run.return_window,
     }
     for name, value in positive.items():
@@ -37,6 +38,8 @@ def check(exp: Experiment, check_ports: bool) -> None:
     for name, section in (("sampler", exp.sampler), ("action_server", exp.action_server)):
         if section.max_count and section.max_count < section.count:
             raise ConfigError(f"{name}.count = {section.count}: above {name}.max_count = {section.max_count}")
+    if exp.learner.autocast not in AUTOCAST:
+        raise ConfigError(f"learner.autocast = {exp.learner.autocast!r}: allowed: {', '.join(AUTOCAST)}")
     if exp.sampler.inference not in INFERENCE:
         raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
     if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":
@@ -81,6 +84,9 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if exp.model.layer_norm and spec.agent.family == "qpg":
         raise ConfigError(f"model.layer_norm = true: {spec.name}'s critics have no MLP trunk to normalise; it is for "
                           "Q and policy-gradient agents (pqn)")
+    if isinstance(exp.algo, PQNConfig) and getattr(exp.agent, "distributional", False):
+        raise ConfigError(f"agent.distributional = true: {spec.name} regresses scalar Q(lambda) targets, not C51's "
+                          "return distribution; set it to false (C51 is algo.name = 'dqn')")
     if spec.batch == "sequences" and not exp.model.lstm_size:
         raise ConfigError(f"model.lstm_size = 0: {spec.name} trains a recurrent agent on sequences; set model.lstm_size "
                           "> 0 (e.g. 64)")

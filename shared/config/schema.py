@@ -175,6 +175,14 @@ class LearnerConfig:
     killed run loses of its learning, whatever its length."""
     timeout_ms: int = 5000
     """How long to wait for a batch before asking replay again."""
+    autocast: str = "off"
+    """off | bf16: run the algorithm's update under ``torch.autocast`` with bfloat16 (CPU and
+    CUDA): matrix products and convolutions in bf16, parameters, gradients and optimizer state
+    in fp32. Pays on CPUs with bf16 instructions (avx512_bf16, AMX) and on GPUs
+    (docs/benchmarks.md, "Learner step")."""
+    threads: int = 1
+    """torch (and BLAS) intra-op threads of the learner process: more pay only where the other
+    processes leave cores idle (docs/benchmarks.md, "Learner step")."""
 
 
 @dataclass(frozen=True)
@@ -263,6 +271,8 @@ class LoggingConfig:
 
 WANDB_MODES = ("online", "offline", "disabled")
 INFERENCE = ("auto", "local", "server")
+AUTOCAST = ("off", "bf16")
+"""What ``learner.autocast`` may be."""
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,9 @@ def plain_dqn(n: int, hidden: tuple):
 
 def rlpipe_learner(config_file: str, device: torch.device = torch.device("cpu"), overrides: tuple[str, ...] = (),
                    prepare=lambda agent: None):
-    """(train one batch, gradient steps per batch, batch size, hidden sizes) for a shipped config
-    with ``overrides``, its learner on ``device``; ``prepare(agent)`` runs once the algorithm is built."""
+    """(train one batch and return the update's stats, gradient steps per batch, batch size, hidden
+    sizes) for a shipped config with ``overrides``, its learner on ``device``; ``prepare(agent)``
+    runs once the algorithm is built."""
     exp = config.load(CONFIGS / config_file, ["run.max_env_steps=1000000000", f"run.device='{device}'", *overrides])
     probe = env_probe(exp)
     agent = make_agent(exp, probe).to(device)
@@ -113,7 +114,7 @@ def rlpipe_learner(config_file: str, device: torch.device = torch.device("cpu"),
         slot.bootstrap_discount[...] = 0.95
         steps, n = 1, len(slot.action)
     meta = {"env_steps": 0, "episodes": []}
-    return (lambda: learner.train(slot, meta)), steps, n, exp.model.hidden_sizes
+    return (lambda: (learner.train(slot, meta), learner.last_stats)[1]), steps, n, exp.model.hidden_sizes
 
 
 def per_step_ms(fn, steps_per_call: int, calls: int) -> float:
@@ -139,3 +140,27 @@ def test_learner_step_vs_plain_eager_torch(config_file, plain):
           f"{statistics.median(ours):.2f} ms/step (runs {[round(x, 2) for x in ours]}), plain eager torch "
           f"{statistics.median(theirs):.2f} ms/step (runs {[round(x, 2) for x in theirs]}); ratio {ratio:.2f}")
     assert ratio > 0
+
+
+@pytest.mark.parametrize("config_file, overrides", [
+    ("pendulum_sac.toml", ("model.hidden_sizes=[256, 256]", "algo.batch_size=256")),
+    ("minatar_breakout_dqn.toml", ()),
+], ids=["sac_256x256_batch256", "minatar_dqn_cnn"])
+def test_bf16_autocast_and_threads_vs_the_same_runs_fp32(config_file, overrides):
+    """The learner options of issue 38's MuJoCo and MinAtar rows: ``learner.autocast = "bf16"``
+    and ``learner.threads = 2`` against one-thread fp32, alternating rounds in one process
+    (ratios < 1: faster). bf16 pays where the CPU has bf16 instructions (avx512_bf16, AMX)."""
+    variants = {"fp32": ("off", 1), "bf16": ("bf16", 1), "fp32, 2 threads": ("off", 2), "bf16, 2 threads": ("bf16", 2)}
+    trains = {name: rlpipe_learner(config_file, overrides=(*overrides, f"learner.autocast='{autocast}'"))[0]
+              for name, (autocast, _) in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(ROUNDS):
+        for name, (_, threads) in variants.items():
+            torch.set_num_threads(threads)
+            times[name].append(per_step_ms(trains[name], 1, 30))
+    torch.set_num_threads(1)
+    base = statistics.median(times["fp32"])
+    print(f"\n{config_file} {' '.join(overrides)}: fp32 one thread {base:.2f} ms an update; " + "; ".join(
+        f"{name} {statistics.median(t):.2f} ms ({statistics.median(t) / base:.2f}x)" for name, t in times.items()
+        if name != "fp32"))
+    assert base > 0
