@@ -102,3 +102,13 @@ def test_only_a_parsed_loopback_address_binds_without_bind_any(host, ok):
     else:
         with pytest.raises(schema.ConfigError, match="network.metrics_host"):
             loading.load(DEFAULT, overrides)
+
+
+def test_a_run_directory_made_before_a_key_was_removed_still_loads(tmp_path):
+    """env.seed (never read: run.seed seeds the envs) was removed; every older run's resolved
+    config holds its default 0, and `launch --resume`, `evaluate` and `results` must read it."""
+    stored = tmp_path / "config.toml"
+    stored.write_text(DEFAULT.read_text().replace("[env]\n", "[env]\nseed = 0\n", 1))
+    assert loading.load(stored).env.id == "CartPole-v1"
+    with pytest.raises(schema.ConfigError, match=r"^env\.seed was removed: run\.seed seeds the envs$"):
+        loading.load(DEFAULT, ["env.seed=3"])

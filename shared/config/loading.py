@@ -47,11 +47,18 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+RETIRED = {("env", "seed"): (0, "run.seed seeds the envs")}
+"""Keys that were removed: (section, key) -> (the default every run directory's resolved config
+holds, what replaces the key). A run made before the removal still loads (its config.toml holds
+the default, which is dropped); a config that sets another value is told what to set instead."""
+
+
 def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
     known = set(SECTIONS) | {"algo", "agent"}
     for name in raw:
         if name not in known:
             raise ConfigError(f"unknown section [{name}]{_suggest(name, known)} (allowed: {', '.join(sorted(known))})")
+    raw = _drop_retired(raw)
     sections = {name: _build(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()}
     algo_raw = dict(raw.get("algo", {}))
     algo_name = algo_raw.pop("name", "ppo")
@@ -66,6 +73,17 @@ def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
     exp = Experiment(algo_name=algo_name, algo=algo, agent=agent, **sections)
     check(exp, check_ports)
     return exp
+
+
+def _drop_retired(raw: dict) -> dict:
+    raw = dict(raw)
+    for (section, key), (default, instead) in RETIRED.items():
+        values = raw.get(section)
+        if isinstance(values, dict) and key in values:
+            if values[key] != default:
+                raise ConfigError(f"{section}.{key} was removed: {instead}")
+            raw[section] = {k: v for k, v in values.items() if k != key}
+    return raw
 
 
 def _build(section: str, cls: type, values) -> Any:

@@ -113,6 +113,10 @@ def main(argv=None) -> int:
                                                                   "runs (a grid's)")
     c.add_argument("--out", metavar="FILE.md", help="also write the Markdown table here")
     c.add_argument("--json", metavar="FILE.json", help="also write the rows as JSON here")
+    c.add_argument("--keep", metavar="DIR", help="copy the files each row is built from (config, provenance, result, "
+                   "progress, evaluations; no checkpoint, log or secret) into DIR, to commit beside the table")
+    c.add_argument("--into", metavar="FILE.md", help="write the table into FILE.md between its "
+                   "'<!-- rlpipe results: begin -->' and '<!-- rlpipe results: end -->' lines")
     c.add_argument("--reference", metavar="TEXT", help="every row's published reference, with its step count and "
                                                        "source (default: the known one for its algorithm and env)")
     c = sub.add_parser("plot", help="learning curves of runs (seeds of one config as mean and min-max band); "
@@ -505,9 +509,19 @@ def _results(args) -> int:
     dirs = _run_dirs(args.runs)
     if dirs is None:
         return 2
+    if args.keep:
+        dirs = results.keep(dirs, Path(args.keep))
+        print(f"kept the records of {len(dirs)} run(s) in {args.keep}")
     rows = results.rows(dirs, args.reference)
-    print(results.write(rows, Path(args.out) if args.out else None, Path(args.json) if args.json else None))
-    for path in (args.out, args.json):
+    table = results.write(rows, Path(args.out) if args.out else None, Path(args.json) if args.json else None)
+    print(table)
+    if args.into:
+        try:
+            results.into(Path(args.into), table)
+        except (OSError, ValueError) as e:
+            print(f"rlpipe: {e}", file=sys.stderr)
+            return 1
+    for path in (args.out, args.json, args.into):
         if path:
             print(f"wrote {path}")
     return 0

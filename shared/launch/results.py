@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import statistics
 from pathlib import Path
 
 from shared.launch import gridfile, plots, provenance, runs, stats
 from shared.runtime import evaluation
+from shared.runtime.process import RUN_CONFIG
 
 COLUMNS = ("algorithm", "env (config)", "env steps", "seeds", "final mean return (training window)",
            "greedy evaluation", "wall-clock", "measured (date, commit, host)", "published reference (source)",
@@ -194,3 +196,45 @@ def _number(text) -> float | None:
 
 def _unique(values) -> list:
     return [v for v in dict.fromkeys(values) if v]
+
+
+RECORD = (RUN_CONFIG, provenance.META, "result.json", "progress.csv", evaluation.EVAL_CSV, evaluation.LATEST)
+"""The files of a run directory that its results row is built from: what ``keep`` copies."""
+
+
+def keep(run_dirs: list[Path], dest: Path) -> list[Path]:
+    """Copy the RECORD files of each run (no checkpoints, logs, sockets or secret) into
+    ``dest/<run>``, or ``dest/<grid>/<run>`` with the grid's record for a grid's run, so that
+    ``rows`` of the copies equals ``rows`` of the runs; the copies' directories."""
+    kept = []
+    for run_dir in map(Path, run_dirs):
+        record = grid_of(run_dir)
+        target = Path(dest) / (f"{run_dir.parent.name}/{run_dir.name}" if record else run_dir.name)
+        target.mkdir(parents=True, exist_ok=True)
+        if record is not None:
+            shutil.copy2(run_dir.parent / gridfile.GRID_FILE, target.parent / gridfile.GRID_FILE)
+        for name in RECORD:
+            if (run_dir / name).exists():
+                shutil.copy2(run_dir / name, target / name)
+        kept.append(target)
+    return kept
+
+
+BEGIN, END = "<!-- rlpipe results: begin -->", "<!-- rlpipe results: end -->"
+"""The markers of the section of a Markdown file that ``into`` rewrites."""
+
+
+def into(path: Path, table: str) -> None:
+    """Replace what stands between BEGIN and END in the Markdown file ``path`` with ``table``;
+    ValueError naming the file when it has no such section."""
+    text = Path(path).read_text()
+    head, sep, rest = text.partition(BEGIN)
+    _, sep2, tail = rest.partition(END)
+    if not (sep and sep2):
+        raise ValueError(f"{path}: no section between {BEGIN} and {END} to write the rows into")
+    Path(path).write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+
+
+def section(path: Path) -> str:
+    """The table between BEGIN and END in the Markdown file ``path`` ('' without one)."""
+    return Path(path).read_text().partition(BEGIN)[2].partition(END)[0].strip()
