@@ -207,6 +207,17 @@ def _prepare(args) -> int:
 
 
 def _launch(args) -> int:
+    """A detached launch returns once the run is built and leaves it to `status` and `stop`; in
+    the foreground, SIGTERM and SIGHUP stop the run as Ctrl-C does."""
+    from shared.runtime.process import terminate_as_interrupt
+
+    if args.detach:
+        return _start_and_follow(args)
+    with terminate_as_interrupt():
+        return _start_and_follow(args)
+
+
+def _start_and_follow(args) -> int:
     from shared.config import schema
     from shared.launch import api, follow
 
@@ -440,10 +451,9 @@ def _run_dirs(names: list[str]) -> list[Path] | None:
 
 
 def _grid(args) -> int:
-    import signal
-
     from shared.config import schema
     from shared.launch.grid import FINISHED, Grid, parse_seeds, parse_vary
+    from shared.runtime.process import terminate_as_interrupt
 
     if args.resume and (args.config or args.vary or args.seeds or args.overrides):
         print("rlpipe: grid --resume GRID_DIR takes the grid's own config, variants and seeds: no CONFIG, --vary, "
@@ -460,18 +470,15 @@ def _grid(args) -> int:
         return 2
     # A terminal closing or a scheduler's time limit ends the grid as Ctrl-C does: the live runs
     # stop (the learners checkpoint) and `grid --resume` goes on from there.
-    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with terminate_as_interrupt():
         rows = grid.run()
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
     return 0 if all(r["reason"] in FINISHED for r in rows) else 1
 
 
 def _tune(args) -> int:
     from shared.config import schema
     from shared.launch import tune
+    from shared.runtime.process import terminate_as_interrupt
 
     try:
         study = tune.Tune(args.config, args.overrides, tune.parse_params(args.params), args.trials, args.parallel,
@@ -482,7 +489,12 @@ def _tune(args) -> int:
     except tune.MissingExtra as e:
         print(f"rlpipe: {e}", file=sys.stderr)
         return 2
-    rows = study.run()
+    try:
+        with terminate_as_interrupt():  # SIGTERM, SIGHUP: the live trials are stopped and failed as at Ctrl-C
+            rows = study.run()
+    except tune.StudyInUse as e:
+        print(f"rlpipe: tune: {e}", file=sys.stderr)
+        return 2
     return 0 if any(r["state"] == "COMPLETE" for r in rows) else 1
 
 
