@@ -1,0 +1,89 @@
+"""Commands that follow their runs in the foreground, ended as job schedulers, CI runners and
+``timeout`` end them: SIGTERM (or SIGHUP, a closed terminal) to ``rlpipe launch`` stops its run
+as Ctrl-C does; ``rlpipe grid`` and ``tune`` work under ``umask 002``; SIGTERM to ``tune`` stops
+its trial runs and fails their trials; a second tune of the same study is refused in one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from shared.launch import rundirs, runs, supervisor, tune
+from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
+
+CONFIG = str(CONFIGS / "cartpole_ppo.toml")
+
+
+def group_writable_umask():
+    os.umask(0o002)
+
+
+def wait_for_progress(root: Path, pattern: str, timeout: float = 120) -> Path:
+    """The run directory matching ``pattern`` under ``root`` once it has a progress row."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for run_dir in root.glob(pattern):
+            if rundirs.read_progress(run_dir):
+                return run_dir
+        time.sleep(0.05)
+    raise AssertionError(f"no run {pattern} with progress under {root} within {timeout:.0f} s")
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    assert not supervisor.running(run_dir)
+    killed, removed = supervisor.clean(run_dir)
+    assert not killed and not removed, f"{run_dir.name} left processes {killed} or segments {removed}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_a_foreground_launch_stops_its_run(tmp_path, sig):
+    proc = subprocess.Popen(**rlpipe_command("launch", CONFIG, "--set", f"run.runs_dir='{tmp_path}'",
+                                             "--set", "network.metrics_port=0", "--set", "run.log_interval_s=0.2",
+                                             "--set", "run.max_env_steps=10000000"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = wait_for_progress(tmp_path, "cartpole_ppo_*")
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stdout + stderr
+    assert "interrupted: stopping the run" in stdout and f"run {run_dir} stopped" in stdout
+    assert_nothing_left(run_dir)
+
+
+def test_grid_and_tune_under_umask_002_and_sigterm_to_tune_fails_its_live_trials(tmp_path):
+    grid = subprocess.run(**rlpipe_command("grid", CONFIG, "--seeds", "0", "--set", f"run.runs_dir='{tmp_path}'",
+                                           "--set", "run.max_env_steps=2048", "--set", "network.metrics_port=0"),
+                          capture_output=True, text=True, timeout=300, preexec_fn=group_writable_umask)
+    assert grid.returncode == 0, grid.stdout + grid.stderr
+    (grid_dir,) = tmp_path.glob("grid_*")
+    assert grid_dir.stat().st_mode & 0o777 == 0o700 and (grid_dir / "summary.md").exists()
+
+    study_dir = tmp_path / "study"
+    args = ["tune", CONFIG, "--param", "algo.lr=loguniform:1e-4:1e-3", "--trials", "3", "--parallel", "1",
+            "--out", str(study_dir), "--set", f"run.runs_dir='{tmp_path}'", "--set", "network.metrics_port=0",
+            "--set", "run.max_env_steps=10000000", "--set", "run.log_interval_s=0.2"]
+    proc = subprocess.Popen(**rlpipe_command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=group_writable_umask)
+    try:
+        run_dir = wait_for_progress(study_dir, "trial_0_*")
+        second = rlpipe_here(*args)
+        assert second.returncode == 2
+        assert second.stderr.splitlines() == [f"rlpipe: tune: {study_dir / tune.STUDY_DB} is being written by another "
+                                              f"rlpipe tune (pid {proc.pid}): wait for it to end, or give this one "
+                                              "another --out"]
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "interrupted: stopping the live runs" in stdout, stdout + stderr
+    study = tune.optuna().load_study(study_name="cartpole_ppo", storage=f"sqlite:///{study_dir / tune.STUDY_DB}")
+    assert [t.state.name for t in study.trials] == ["FAIL"]  # the live one; no other was started
+    assert [d.name for d in runs.find_runs(study_dir)] == [run_dir.name]
+    assert_nothing_left(run_dir)
