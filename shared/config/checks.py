@@ -27,6 +27,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
         "learner.prefetch": exp.learner.prefetch, "learner.timeout_ms": exp.learner.timeout_ms,
         "learner.count": exp.learner.count,
         "run.max_env_steps": exp.run.max_env_steps, "run.return_window": exp.run.return_window,
+        "run.max_skipped_updates": exp.run.max_skipped_updates,
     }
     for name, value in positive.items():
         if value < 1:

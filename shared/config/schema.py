@@ -42,6 +42,10 @@ class RunConfig:
     """Wall-clock budget in seconds (a safety net for tests and unattended runs)."""
     log_interval_s: float = 2.0
     """Seconds between progress rows (terminal and progress.csv)."""
+    max_skipped_updates: int = 100
+    """The run ends as failed after this many updates in a row whose every gradient step was
+    skipped for a non-finite loss or gradient norm (``shared.algos.optim.gradient_step``): it
+    learns nothing any more, and would otherwise spend its whole budget so."""
     watchdog_s: float = 60.0
     """A service whose loops have not turned (its heartbeat, ``shared.runtime.heartbeat``) for this
     many seconds is hung (an env stuck in ``step()``, a stopped process): the run's watchdog kills it

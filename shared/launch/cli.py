@@ -258,6 +258,9 @@ def _start_and_follow(args) -> int:
     if result is None:
         print(f"run {run.dir} stopped after {time.monotonic() - t0:.1f} s without a result")
         return 1
+    if result["reason"] == "failed":
+        print(f"rlpipe: run {run.dir} failed after {result['env_steps']} env steps: {result['error']}", file=sys.stderr)
+        return 1
     print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
           f"{result['env_steps']} env steps, {result['updates']} updates, in {result['wall_s']:.1f} s")
     print(f"run directory: {run.dir}")
@@ -296,9 +299,15 @@ def _status(args) -> int:
     if not runner.running(run_dir):
         result = rundirs.read_result(run_dir)
         print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
+        if result and result.get("error"):
+            print(f"failed: {result['error']}")
         code = 0
     else:
         code = runner.status(run_dir)
+    rows = rundirs.read_progress(run_dir)
+    if rows and int(rows[-1].get("skipped_updates") or 0):  # rows of runs made before it was counted have none
+        print(f"skipped updates: {rows[-1]['skipped_updates']} of {rows[-1]['updates']} learned nothing (every gradient "
+              "step skipped: loss or gradient norm not finite)")
     for line in timesplit.lines(timesplit.read(run_dir), "since the start"):
         print(line)
     return code
