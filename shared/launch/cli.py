@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     c.add_argument("--out", metavar="DIR", help="directory to write to (default: RUN/package)")
     c.add_argument("--episodes", type=int, default=None, help="greedy evaluation episodes for the model card "
                                                                "(default: the run's eval.episodes)")
-    c.add_argument("--push", metavar="REPO", help="then upload the folder to this Hugging Face Hub model repo "
+    c.add_argument("--push", metavar="REPO", help="then upload the files it wrote to this Hugging Face Hub model repo "
                                                   "(needs a token: HF_TOKEN or `hf auth login`)")
     c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
     c.add_argument("config", nargs="?", help="experiment TOML file")
@@ -430,10 +430,10 @@ def _package(args) -> int:
         print(f"rlpipe: package: --episodes {args.episodes}: must be >= 1", file=sys.stderr)
         return 2
     try:
-        out = package.package(run_dir, Path(args.out) if args.out else None, args.episodes)
-        print(f"{run_dir.name}: package written to {out}")
+        files = package.package(run_dir, Path(args.out) if args.out else None, args.episodes)
+        print(f"{run_dir.name}: package written to {files[0].parent}")
         if args.push:
-            print(f"uploaded to {package.push(out, args.push)}")
+            print(f"uploaded {', '.join(f.name for f in files)} to {package.push(files, args.push)}")
     except export.ExportError as e:
         print(f"rlpipe: package: {e}", file=sys.stderr)
         return 2
