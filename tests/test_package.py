@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import tomllib
 from pathlib import Path
@@ -138,6 +139,27 @@ def test_push_uploads_the_files_it_wrote_and_nothing_else(trained, tmp_path, mon
     assert refused.returncode == 2 and refused.stderr.splitlines() == [
         f"rlpipe: package: --out {trained}: that is the run directory, whose config.toml the package's would "
         "replace; give a folder of its own (default: RUN/package)"]
+
+
+def test_evaluate_and_export_fall_back_to_the_previous_checkpoint(trained, tmp_path):
+    """A latest checkpoint cut short (a full disk): evaluate and export (and package, which loads
+    through export's function) use previous.pt, as the learner resumes; neither readable is one line."""
+    run = tmp_path / trained.name
+    shutil.copytree(trained, run)
+    latest, previous = run / "checkpoints" / "latest.pt", run / "checkpoints" / "previous.pt"
+    shutil.copyfile(latest, previous)
+    version = torch.load(previous, weights_only=True)["version"]
+    latest.write_bytes(latest.read_bytes()[:100])
+    evaluated = rlpipe_here("evaluate", str(run), "--episodes", "2")
+    assert evaluated.returncode == 0 and f"policy version {version} " in evaluated.stdout, evaluated.stderr
+    exported = rlpipe_here("export", str(run), "--format", "torchscript", "--out", str(tmp_path / "export"))
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads((tmp_path / "export" / "policy.json").read_text())["policy_version"] == version
+
+    previous.write_bytes(b"")
+    evaluated = rlpipe_here("evaluate", str(run), "--episodes", "2")
+    assert evaluated.returncode == 1 and len(evaluated.stderr.splitlines()) == 1
+    assert evaluated.stderr.startswith("rlpipe: no checkpoint of this run can be loaded (")
 
 
 def test_package_of_a_run_without_a_checkpoint_is_one_line(tmp_path):

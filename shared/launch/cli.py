@@ -383,7 +383,7 @@ def _evaluate(args) -> int:
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    from services.evaluator.episodes import CannotRender, evaluate
+    from services.evaluator.episodes import CannotRender, Unloadable, evaluate
     from shared.config import loading
     from shared.runtime.process import RUN_CONFIG
 
@@ -394,7 +394,7 @@ def _evaluate(args) -> int:
         return 2
     try:
         result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None)
-    except (FileNotFoundError, CannotRender) as e:
+    except (FileNotFoundError, Unloadable, CannotRender) as e:
         print(f"rlpipe: {e}", file=sys.stderr)
         return 1
     print(f"{run_dir.name}: {result['episodes']} greedy episodes of policy version {result['policy_version']} "
