@@ -87,3 +87,15 @@ def test_grid_and_tune_under_umask_002_and_sigterm_to_tune_fails_its_live_trials
     assert [t.state.name for t in study.trials] == ["FAIL"]  # the live one; no other was started
     assert [d.name for d in runs.find_runs(study_dir)] == [run_dir.name]
     assert_nothing_left(run_dir)
+
+
+def test_a_grid_run_that_does_not_fit_is_not_started_and_said_so(tmp_path):
+    """grid (and tune: the same launcher) checks /dev/shm and the disk before each run, as launch does."""
+    out = rlpipe_here("grid", CONFIG, "--seeds", "0", "--set", f"run.runs_dir='{tmp_path}'", "--set",
+                      "sampler.horizon=1000000", "--set", "sampler.envs=1024", "--set", "network.metrics_port=0")
+    assert out.returncode == 1, out.stdout + out.stderr
+    (run_dir,) = runs.find_runs(next(tmp_path.glob("grid_*")))
+    (line,) = [line for line in out.stdout.splitlines() if line.startswith(f"{run_dir.name}: not started: ")]
+    assert "/dev/shm has " in line and "sampler rings and slots" in line
+    assert "| no room |" in (run_dir.parent / "summary.md").read_text()
+    assert not supervisor.running(run_dir) and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from shared.config import checks, endpoints, loading
 from shared.launch import backend, follow, gridfile, rundirs, supervisor
-from shared.launch import runs, stats
+from shared.launch import runs, space, stats
 from shared.config.schema import ConfigError, Experiment
 from shared.runtime.process import RUN_CONFIG
 
@@ -210,9 +210,10 @@ class Launcher:
 
     def _follow(self, exp: Experiment, run_dir: Path, on_row) -> str:
         """Start the run, wait for its end and stop it; why it ended (the learner's reason, the
-        reason of on_row's StopFollowing, crashed, killed: supervisord died under its services, or
-        stopped: it ended without a result)."""
+        reason of on_row's StopFollowing, crashed, killed: supervisord died under its services,
+        stopped: it ended without a result, or no room: /dev/shm or the disk cannot hold it)."""
         try:
+            space.check(exp, run_dir.parent)  # as `launch` does: /dev/shm and the disk hold the run, or one line
             supervisor.start(exp, run_dir)
             if self.stopping.is_set():  # stopped while it started: `map`'s stop may have come before it
                 return "stopped"
@@ -227,6 +228,9 @@ class Launcher:
         except follow.ServiceCrashLoop as e:
             self.say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
             return "crashed"
+        except space.NoRoom as e:
+            self.say(f"{run_dir.name}: not started: {e}")
+            return "no room"
         except RuntimeError as e:  # supervisord did not come up
             self.say(f"{run_dir.name}: {e}")
             return "not started"
