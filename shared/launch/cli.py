@@ -185,6 +185,10 @@ def _train(args) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: the run stopped with a checkpoint (`rlpipe launch --resume RUN` goes on from it)")
         return 1
+    if result["reason"] == "failed":
+        print(f"rlpipe: run {result['run_dir']} failed after {result['env_steps']} env steps: {result['error']}",
+              file=sys.stderr)
+        return 1
     print(f"serial run ended ({result['reason']}): mean return {result['mean_return']:.1f} "
           f"after {result['env_steps']} env steps in {result['wall_s']:.1f} s")
     print(f"run directory: {result['run_dir']}")
