@@ -1,7 +1,9 @@
 """Commands that follow their runs in the foreground, ended as job schedulers, CI runners and
 ``timeout`` end them: SIGTERM (or SIGHUP, a closed terminal) to ``rlpipe launch`` stops its run
 as Ctrl-C does; ``rlpipe grid`` and ``tune`` work under ``umask 002``; SIGTERM to ``tune`` stops
-its trial runs and fails their trials; a second tune of the same study is refused in one line."""
+its trial runs and fails their trials, and the tune after one killed outright (SIGKILL) does; a
+second tune of the same study is refused in one line; grid (and tune) check each run's room in
+/dev/shm and on the disk before it starts."""
 
 from __future__ import annotations
 
@@ -99,3 +101,31 @@ def test_a_grid_run_that_does_not_fit_is_not_started_and_said_so(tmp_path):
     assert "/dev/shm has " in line and "sampler rings and slots" in line
     assert "| no room |" in (run_dir.parent / "summary.md").read_text()
     assert not supervisor.running(run_dir) and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))
+
+
+def test_a_tune_after_one_killed_outright_stops_its_runs_and_fails_its_trials(tmp_path):
+    """SIGKILL leaves tune no chance to clean up: its trial's run goes on and the trial stays RUNNING;
+    the next tune of the same directory stops that run and fails that trial, then runs its own."""
+    study_dir = tmp_path / "study"
+    args = ["tune", CONFIG, "--param", "algo.lr=loguniform:1e-4:1e-3", "--trials", "1", "--out", str(study_dir),
+            "--set", f"run.runs_dir='{tmp_path}'", "--set", "network.metrics_port=0", "--set", "run.log_interval_s=0.2"]
+    proc = subprocess.Popen(**rlpipe_command(*args, "--set", "run.max_env_steps=10000000"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    left = None
+    try:
+        left = wait_for_progress(study_dir, "trial_0_*")
+        proc.kill()
+        proc.wait(timeout=30)
+        assert supervisor.running(left)
+        again = rlpipe_here(*args, "--set", "run.max_env_steps=2048")
+    finally:
+        proc.kill()
+        if left is not None:
+            supervisor.clean(left)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"{left.name}: left running by an earlier tune: stopping it" in again.stdout
+    assert "trial 0: left running by an earlier tune: failed" in again.stdout
+    study = tune.optuna().load_study(study_name="cartpole_ppo", storage=f"sqlite:///{study_dir / tune.STUDY_DB}")
+    assert [t.state.name for t in study.trials] == ["FAIL", "COMPLETE"]
+    for run_dir in runs.find_runs(study_dir):
+        assert_nothing_left(run_dir)
