@@ -221,6 +221,33 @@ def test_ppo_cartpole_reaches_its_target_through_an_infinite_value_once(runs, mo
         assert not non_finite(torch.load(path, weights_only=True)), path
 
 
+def test_a_loss_that_is_always_nan_ends_the_run_failed_with_one_line(tmp_path):
+    """PPO with a NaN value coefficient: every gradient step of every update is skipped; after
+    run.max_skipped_updates such updates the run ends failed, said in one line, exit 1; progress
+    rows, result.json and `rlpipe status` count the skipped updates."""
+    from shared.launch import rundirs, supervisor
+    from tests.pipeline import CONFIGS, rlpipe, rlpipe_here
+
+    out = rlpipe("launch", str(CONFIGS / "cartpole_ppo.toml"), "--set", f"run.runs_dir='{tmp_path}'",
+                 "--set", "network.metrics_port=0", "--set", "algo.value_coef=nan", "--set", "run.max_skipped_updates=5",
+                 "--set", "run.log_interval_s=0.2")
+    (run_dir,) = tmp_path.glob("cartpole_ppo_*")
+    assert out.returncode == 1, out.stdout + out.stderr
+    error = ("the last 5 updates (run.max_skipped_updates) learned nothing: every gradient step was skipped for a "
+             "non-finite loss or gradient norm (a NaN or an infinity in the batch, the loss or the config?)")
+    result = rundirs.read_result(run_dir)
+    assert out.stderr.splitlines() == [f"rlpipe: run {run_dir} failed after {result['env_steps']} env steps: {error}"]
+    assert result["reason"] == "failed" and result["error"] == error
+    assert result["skipped_updates"] == result["updates"] == 5
+    assert int(rundirs.read_progress(run_dir)[-1]["skipped_updates"]) == 5
+    status = rlpipe_here("status", str(run_dir)).stdout.splitlines()
+    assert status[:3] == [f"{run_dir.name}: not running; ended (failed)", f"failed: {error}",
+                          "skipped updates: 5 of 5 learned nothing (every gradient step skipped: loss or gradient "
+                          "norm not finite)"]
+    killed, removed = supervisor.clean(run_dir)
+    assert not killed and not removed
+
+
 def test_an_action_server_that_never_welcomes_is_given_up_on_with_a_clear_error(tmp_path):
     from services.sampler.transport import RemoteActions
 

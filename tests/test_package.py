@@ -1,18 +1,22 @@
 """`rlpipe package`: the folder of a short real run (serial mode) is complete and honest.
 
 The model card's evaluation is `rlpipe evaluate`'s, the weights are the checkpoint's, the
-config is the run's, the ONNX policy runs, the curve is a PNG and the video decodes. `--push`
-without a Hugging Face token is one line and leaves the folder; nothing here reaches the network.
+config is the run's as a package shows it, the ONNX policy runs, the curve is a PNG and the video
+decodes. `--push` uploads the files it wrote and nothing else (the Hub client's upload is recorded
+here); without a Hugging Face token it is one line and leaves the folder. Nothing here reaches the
+network.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import sys
 import tomllib
 from pathlib import Path
 
-from huggingface_hub import constants as hub_constants
+from huggingface_hub import HfApi, constants as hub_constants
 import imageio_ffmpeg
 import numpy as np
 import onnxruntime as ort
@@ -20,7 +24,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shared.config import loading
 from shared.launch import api, package
+from shared.transport.auth import SECRET_FILE
 from tests.pipeline import rlpipe_here
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"
@@ -71,7 +77,9 @@ def test_a_package_holds_the_card_weights_config_policy_curve_and_video(trained,
     weights = load_file(out / package.WEIGHTS)
     assert weights.keys() == checkpoint["agent"].keys()
     assert all(torch.equal(weights[k], checkpoint["agent"][k]) for k in weights)
-    assert (out / package.CONFIG).read_text() == (trained / "config.toml").read_text()
+    shown = loading.load(out / package.CONFIG)
+    assert shown == package.public_config(loading.load(trained / "config.toml"))
+    assert shown.run.runs_dir == "runs" and str(trained.parent) not in (out / package.CONFIG).read_text() + card
 
     session = ort.InferenceSession(str(out / "policy.onnx"), providers=["CPUExecutionProvider"])
     action, value = session.run(None, {"obs": np.zeros((2, 4), np.float32)})
@@ -82,6 +90,76 @@ def test_a_package_holds_the_card_weights_config_policy_curve_and_video(trained,
     meta = next(frames)
     decoded = sum(1 for _ in frames)
     assert decoded >= 8 and tuple(meta["size"]) == (600, 400)  # CartPole's render size
+
+
+def test_the_public_config_hides_paths_hosts_accounts_and_string_kwargs():
+    exp = loading.from_dict({"run": {"runs_dir": "/home/someone/secret-project/runs"},
+                             "env": {"kwargs": '{"map": "/home/someone/maps/a.txt", "frame_skip": 4, "sticky": true, '
+                                               '"server": {"url": "https://internal:8443", "retries": [3, "token"]}}'},
+                             "network": {"host": "10.1.2.3", "metrics_host": "10.1.2.3", "bind_any": True},
+                             "logging": {"entity": "someone"}})
+    shown = package.public_config(exp)
+    assert shown.run.runs_dir == "runs" and shown.logging.entity == ""
+    assert (shown.network.host, shown.network.metrics_host) == ("127.0.0.1", "127.0.0.1")
+    assert json.loads(shown.env.kwargs) == {"map": "<private>", "frame_skip": 4, "sticky": True,
+                                            "server": {"url": "<private>", "retries": [3, "<private>"]}}
+    assert shown.algo == exp.algo and shown.env.id == exp.env.id
+
+
+def test_push_uploads_the_files_it_wrote_and_nothing_else(trained, tmp_path, monkeypatch):
+    """An --out folder holding other things (a copy of the run's secret, logs, a file of its own): one
+    commit of the package's files, by name; no byte of the secret, no absolute path of this machine."""
+    out = tmp_path / "pkg"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "learner0.log").write_text("a log line\n")
+    (out / SECRET_FILE).write_text((trained / SECRET_FILE).read_text())
+    monkeypatch.setenv("HF_TOKEN", "hf_" + "x" * 34)
+    calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        calls.append(("create_repo", repo_id))
+        return f"https://huggingface.co/{repo_id}"
+
+    def create_commit(self, repo_id, operations, **kwargs):
+        calls.append(("create_commit", repo_id, {op.path_in_repo: Path(op.path_or_fileobj).read_bytes()
+                                                 for op in operations}))
+
+    monkeypatch.setattr(HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(HfApi, "create_commit", create_commit)
+    made = rlpipe_here("package", str(trained), "--out", str(out), "--episodes", "1", "--push", "someone/cartpole")
+    assert made.returncode == 0, made.stderr
+    assert f"uploaded {', '.join(package.FILES)} to https://huggingface.co/someone/cartpole" in made.stdout
+    (_, (_, repo, uploaded)) = calls
+    assert repo == "someone/cartpole" and list(uploaded) == list(package.FILES)
+    secret = (trained / SECRET_FILE).read_bytes()
+    for name, data in uploaded.items():
+        assert secret not in data and str(trained.parent).encode() not in data, name
+
+    refused = rlpipe_here("package", str(trained), "--out", str(trained))
+    assert refused.returncode == 2 and refused.stderr.splitlines() == [
+        f"rlpipe: package: --out {trained}: that is the run directory, whose config.toml the package's would "
+        "replace; give a folder of its own (default: RUN/package)"]
+
+
+def test_evaluate_and_export_fall_back_to_the_previous_checkpoint(trained, tmp_path):
+    """A latest checkpoint cut short (a full disk): evaluate and export (and package, which loads
+    through export's function) use previous.pt, as the learner resumes; neither readable is one line."""
+    run = tmp_path / trained.name
+    shutil.copytree(trained, run)
+    latest, previous = run / "checkpoints" / "latest.pt", run / "checkpoints" / "previous.pt"
+    shutil.copyfile(latest, previous)
+    version = torch.load(previous, weights_only=True)["version"]
+    latest.write_bytes(latest.read_bytes()[:100])
+    evaluated = rlpipe_here("evaluate", str(run), "--episodes", "2")
+    assert evaluated.returncode == 0 and f"policy version {version} " in evaluated.stdout, evaluated.stderr
+    exported = rlpipe_here("export", str(run), "--format", "torchscript", "--out", str(tmp_path / "export"))
+    assert exported.returncode == 0, exported.stderr
+    assert json.loads((tmp_path / "export" / "policy.json").read_text())["policy_version"] == version
+
+    previous.write_bytes(b"")
+    evaluated = rlpipe_here("evaluate", str(run), "--episodes", "2")
+    assert evaluated.returncode == 1 and len(evaluated.stderr.splitlines()) == 1
+    assert evaluated.stderr.startswith("rlpipe: no checkpoint of this run can be loaded (")
 
 
 def test_package_of_a_run_without_a_checkpoint_is_one_line(tmp_path):
@@ -96,7 +174,7 @@ def test_package_of_a_run_without_a_checkpoint_is_one_line(tmp_path):
 
 def test_push_without_a_token_touches_nothing(tmp_path, no_token):
     with pytest.raises(package.export.ExportError) as e:
-        package.push(tmp_path, "someone/repo")
+        package.push([], "someone/repo")
     assert "\n" not in str(e.value) and "no Hugging Face token" in str(e.value)
 
 
@@ -107,5 +185,5 @@ def test_a_missing_package_names_the_hub_extra(trained, tmp_path, monkeypatch):
     assert out.stderr.strip() == "rlpipe: package: the safetensors package is not installed: pip install 'rlpipe[hub]'"
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
     with pytest.raises(package.export.ExportError) as e:
-        package.push(tmp_path, "someone/repo")
+        package.push([], "someone/repo")
     assert str(e.value) == "the huggingface_hub package is not installed: pip install 'rlpipe[hub]'"

@@ -1,20 +1,26 @@
 """Weights & Biases logging (``[logging] wandb``): a real CartPole PPO run through the pipeline
 logs its progress scalars against env steps and its resolved config to an offline W&B run in the
-run directory; ``launch --resume`` continues the same W&B run id; asking for W&B without the
-package is one config error line. Offline throughout: nothing here touches the network."""
+run directory, with the default config under ``WANDB_MODE=offline``; a learner killed and restarted
+from an older checkpoint, and ``launch --resume``, continue the same W&B run id without logging a
+row twice; a W&B endpoint that never answers does not stop training; asking for W&B without the
+package is one config error line. Nothing here touches the network beyond 127.0.0.1."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import socket
 import sys
+import threading
 import tomllib
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from services.learner.wandb_run import WANDB_ID
+from services.learner.wandb_run import WANDB_ID, WANDB_STEP
 from shared.runtime.process import RUN_CONFIG, TB_DIR
 from tests.pipeline import Run, rlpipe_here
 
@@ -80,27 +86,42 @@ def offline_wandb(tmp_path, monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-def test_an_offline_wandb_run_holds_the_scalars_and_config_and_a_resumed_run_keeps_its_id(tmp_path, offline_wandb):
-    run = Run.launch(tmp_path, "cartpole_ppo.toml", "run.max_env_steps=2048", "logging.wandb=true",
-                     "logging.mode='offline'", "logging.project='rlpipe-test'", "logging.group='seeds'",
-                     "logging.tags=['ppo', 'cartpole']")
+def test_an_offline_wandb_run_holds_the_scalars_and_config_and_a_resumed_run_keeps_its_id(tmp_path, offline_wandb,
+                                                                                        monkeypatch):
+    """The default logging.mode and project: WANDB_MODE=offline and WANDB_PROJECT decide. The learner
+    is killed (-9) after a few rows; restarted with no checkpoint it counts its env steps from 0
+    again, and the rows W&B already has are not logged twice."""
+    monkeypatch.setenv("WANDB_PROJECT", "rlpipe-test")
+    run = Run.launch(tmp_path, "cartpole_ppo.toml", "run.max_env_steps=20480", "logging.wandb=true",
+                     "logging.group='seeds'", "logging.tags=['ppo', 'cartpole']", "learner.checkpoint_interval_s=1000")
     try:
-        result = run.wait_result(60)
-        assert result["env_steps"] == 2048, result
-        (first,) = (run.dir / "wandb").glob("offline-run-*")
+        def wandb_step() -> int:
+            return int((run.dir / WANDB_STEP).read_text()) if (run.dir / WANDB_STEP).exists() else 0
+
+        run.wait_for(lambda: wandb_step() >= 1024, 60, "W&B to take a row at 1024 env steps")
+        os.kill(run.pid("learner0"), signal.SIGKILL)
+        had = wandb_step()  # what W&B took from the killed learner (the .wandb file may not hold it all: W&B buffers)
+        result = run.wait_result(90)
+        assert result["env_steps"] == 20480, result
+        killed, first = sorted((run.dir / "wandb").glob("offline-run-*"))
         logged = read_offline_run(first)
+        assert [h["env_steps"] for h in logged["history"] if "env_steps" in h][0] > had  # no row twice
         run_id = (run.dir / WANDB_ID).read_text()
         assert logged["run"].run_id == run_id and first.name.endswith(run_id)
+        assert killed.name.endswith(run_id)  # the restarted learner continued the same W&B run
         assert logged["run"].project == "rlpipe-test" and logged["run"].run_group == "seeds"
         assert list(logged["run"].tags) == ["ppo", "cartpole"] and logged["run"].display_name == run.id
         assert logged["config"] == tomllib.loads((run.dir / RUN_CONFIG).read_text())  # the resolved config
-        assert logged["config"]["logging"]["wandb"] is True and logged["config"]["run"]["max_env_steps"] == 2048
+        assert logged["config"]["logging"]["wandb"] is True and logged["config"]["run"]["max_env_steps"] == 20480
 
-        # Every progress row, with the scalars TensorBoard got, at the row's env steps.
-        rows = run.progress()
+        # Every progress row of the restarted learner past what W&B had, with the scalars TensorBoard got, at the
+        # row's env steps.
+        every = run.progress()
+        restart = next(i for i in range(1, len(every)) if int(every[i]["env_steps"]) < int(every[i - 1]["env_steps"]))
+        rows = [r for r in every[restart:] if int(r["env_steps"]) > had]
         history = [h for h in logged["history"] if "env_steps" in h]
         assert [h["env_steps"] for h in history] == [int(r["env_steps"]) for r in rows]
-        assert history[-1]["env_steps"] == 2048
+        assert history[-1]["env_steps"] == 20480
         assert history[-1]["progress/mean_return"] == pytest.approx(float(rows[-1]["mean_return"]))
         tensorboard = EventAccumulator(str(run.dir / TB_DIR))
         tensorboard.Reload()
@@ -109,18 +130,18 @@ def test_an_offline_wandb_run_holds_the_scalars_and_config_and_a_resumed_run_kee
         assert set(tags) == {key for h in history for key in h if "/" in key}
         for tag in tags:
             logged_at = {h["env_steps"]: h[tag] for h in history if tag in h}
-            assert {e.step: pytest.approx(e.value, rel=1e-6, abs=1e-6) for e in tensorboard.Scalars(tag)} == logged_at
+            # TensorBoard drops the killed learner's events at and past the restarted one's first step.
+            assert {e.step: pytest.approx(e.value, rel=1e-6, abs=1e-6) for e in tensorboard.Scalars(tag)
+                    if e.step > had} == logged_at
 
         stopped = rlpipe_here("stop", str(run.dir))
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
         resumed = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-        run.wait_result(60)
-        runs = sorted((run.dir / "wandb").glob("offline-run-*"))
-        assert len(runs) == 2 and (run.dir / WANDB_ID).read_text() == run_id
-        again = read_offline_run(next(r for r in runs if r != first))
-        assert again["run"].run_id == run_id
-        assert again["history"][-1]["env_steps"] == 2048  # the checkpoint's count goes on
+        assert run.wait_result(60)["env_steps"] == 20480  # the checkpoint's count goes on
+        # Its one row, at the budget, is one W&B has: no W&B run is started for it.
+        assert sorted((run.dir / "wandb").glob("offline-run-*")) == [killed, first]
+        assert (run.dir / WANDB_ID).read_text() == run_id
     finally:
         run.close()
     assert run.segments() == []
@@ -136,7 +157,46 @@ def test_wandb_asked_for_without_the_package_is_one_config_error_line(tmp_path, 
     out = rlpipe_here(*common, "--set", "logging.wandb=true", "--set", "logging.mode='sometimes'")
     assert out.returncode == 2
     assert out.stderr.splitlines() == ["rlpipe: config error: logging.mode = 'sometimes': allowed: online, offline, "
-                                       "disabled"]
+                                       "disabled, or empty (WANDB_MODE decides)"]
+
+
+@pytest.fixture
+def silent_endpoint():
+    """A W&B server address on 127.0.0.1 that accepts connections and never answers."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def accept():
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:  # closed
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def test_a_wandb_that_never_answers_does_not_stop_training(tmp_path, offline_wandb, monkeypatch, silent_endpoint):
+    """Online W&B against a server that accepts and stays silent: the run trains to its budget, its
+    result written, while wandb.init waits for its timeout; the learner says W&B was given up on."""
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_BASE_URL", silent_endpoint)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)  # a key of the right form: W&B goes as far as the server
+    run = Run.launch(tmp_path, "cartpole_ppo.toml", "run.max_env_steps=4096", "logging.wandb=true",
+                     "logging.timeout_s=3")
+    try:
+        result = run.wait_result(60)
+        assert result["reason"] == "budget" and result["env_steps"] == 4096, result
+        assert result["updates"] == 16 and len(run.progress()) >= 2
+        assert "learner: no W&B run (" in run.logs("learner0")
+        assert not (run.dir / WANDB_STEP).exists()  # W&B took no row
+    finally:
+        run.close()
+    assert run.segments() == []
 
 
 def test_the_evaluators_video_goes_to_wandb_with_its_evaluation(tmp_path, offline_wandb):

@@ -20,7 +20,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from services.learner.learner import CHECKPOINT
+from services.learner.checkpoints import CHECKPOINT, Checkpoints, Unloadable  # noqa: F401 (load_agent raises it)
 from shared.agents import EVALUATE
 from shared.config.schema import Experiment
 from shared.envs.backends import make_env_group
@@ -111,19 +111,23 @@ def record_episode(exp: Experiment, agent: torch.nn.Module, path: Path) -> float
 
 
 def load_agent(exp: Experiment, run_dir: Path) -> tuple[torch.nn.Module, dict]:
-    """The run's agent on the CPU in eval mode with its latest checkpoint loaded, and that
+    """The run's agent on the CPU in eval mode with its latest checkpoint loaded, or the previous
+    one where the latest cannot be (as the learner resumes: ``Checkpoints.load``), and that
     checkpoint's state (``agent``, ``version``, ``env_steps``, ...). FileNotFoundError (one
-    line) where the learner has written none yet."""
-    path = Path(run_dir) / CHECKPOINT
-    if not path.exists():
-        raise FileNotFoundError(f"no checkpoint at {path}: the learner writes one every "
-                                f"{exp.learner.checkpoint_interval_s:g} s")
+    line) where the learner has written none yet; Unloadable naming both files where neither loads."""
     probe = env_probe(exp)
     agent = make_agent(exp, probe)
     probe.close()
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    agent.load_state_dict(state["agent"])
-    return agent.eval(), state
+    loaded = []
+
+    def apply(state: dict) -> None:
+        agent.load_state_dict(state["agent"])
+        loaded.append(state)
+
+    if Checkpoints(Path(run_dir)).load(torch.device("cpu"), apply) is None:
+        raise FileNotFoundError(f"no checkpoint at {Path(run_dir) / CHECKPOINT}: the learner writes one every "
+                                f"{exp.learner.checkpoint_interval_s:g} s")
+    return agent.eval(), loaded[-1]
 
 
 def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None = None) -> dict:

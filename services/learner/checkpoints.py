@@ -19,6 +19,10 @@ CHECKPOINT = "checkpoints/latest.pt"
 PREVIOUS_CHECKPOINT = "checkpoints/previous.pt"
 
 
+class Unloadable(RuntimeError):
+    """Neither checkpoint of the run can be loaded; str() names both files and why."""
+
+
 class Checkpoints:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
@@ -49,7 +53,7 @@ class Checkpoints:
     def load(self, device: torch.device, apply) -> Path | None:
         """``apply(state)`` with the latest checkpoint's state, or the previous one's where the
         latest cannot be loaded or applied; the file used, or None if there is none.
-        RuntimeError naming both files if neither works."""
+        Unloadable naming both files if neither works."""
         paths = [p for p in (self.run_dir / CHECKPOINT, self.run_dir / PREVIOUS_CHECKPOINT) if p.exists()]
         errors = []
         for path in paths:
@@ -61,6 +65,6 @@ class Checkpoints:
                 continue
             return path
         if errors:
-            raise RuntimeError("no checkpoint of this run can be loaded (" + "; ".join(errors) +
-                               "); move them away to start the learner afresh")
+            raise Unloadable("no checkpoint of this run can be loaded (" + "; ".join(errors) +
+                             "); move them away to start the learner afresh")
         return None

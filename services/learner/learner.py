@@ -129,12 +129,12 @@ class Learner:
         versions = slot.samples.policy_version if "samples" in slot else slot.policy_version
         lag = float(self.version - versions.mean())
         t0 = time.perf_counter()
-        skipped = optim.skipped_steps()
+        skipped, taken = optim.skipped_steps(), optim.taken_steps()
         # Autocast casts only the ops on its lists (matmuls, convolutions) to bf16: the fp32
         # parameters get fp32 gradients through the casts, and the optimizer's step is no such op.
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             update: Update = self.algo.update(batch, min(1.0, self.env_steps / self.max_env_steps))
-        skipped = optim.skipped_steps() - skipped
+        skipped, taken = optim.skipped_steps() - skipped, optim.taken_steps() - taken
         if skipped:
             self._count_skipped(skipped)
         # The observations the batch's statistics came from were acted on with the normaliser as
@@ -150,7 +150,7 @@ class Learner:
             raise RuntimeError(f"learner: {', '.join(bad[:3])} not finite after update {self.progress.updates + 1}; "
                                "these parameters are neither published nor checkpointed")
         self.last_stats = update.stats
-        self.progress.record_update(update.stats, lag)
+        self.progress.record_update(update.stats, lag, skipped=bool(skipped) and not taken)
         self.version += 1
         if self.group is not None:
             updates = self.progress.updates
@@ -250,6 +250,7 @@ class Learner:
         def apply(ck: dict) -> None:
             counters = {name: ck[name] for name in (*COUNTERS, "returns", "wall_s")}  # all there, or none is taken
             counters["lengths"] = ck.get("lengths", ())
+            counters["skipped_updates"] = ck.get("skipped_updates", 0)
             self.agent.load_state_dict(ck["agent"])
             if self.algo is None:
                 self.pending_algo_state = ck["algo"]
@@ -280,7 +281,12 @@ class Learner:
         to_target = None if self.t_first_batch is None else time.monotonic() - self.t_first_batch
         result = {"reason": reason, "env_steps": p.env_steps, "updates": p.updates, "policy_version": self.version,
                   "mean_return": p.mean_return(), "episodes": p.episodes_seen, "wall_s": round(p.wall_at_row, 2),
-                  "first_batch_to_end_s": to_target}
+                  "first_batch_to_end_s": to_target, "skipped_updates": p.skipped_updates}
+        if reason == "failed":
+            result["error"] = (f"the last {p.skipped_in_a_row} updates (run.max_skipped_updates) learned nothing: "
+                               "every gradient step was skipped for a non-finite loss or gradient norm (a NaN or "
+                               "an infinity in the batch, the loss or the config?)")
+            log.error("learner: run failed: %s", result["error"])
         p.close()  # first: with result.json there, TensorBoard's and W&B's files are complete
         if self.run_dir is not None and self.leads:
             self._write_result(result)

@@ -27,6 +27,7 @@ log = logging.getLogger("services.learner.learner")
 PROGRESS = "progress.csv"
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
                    "episodes", "mean_return", "mean_length", "policy_lag", "dropped", "replay_size", "eta_s",
+                   "skipped_updates",
                    *evaluation.PROGRESS_COLUMNS]
 ETA_ROWS = 10
 """Progress rows the ETA's env-step rate is measured over (the rows before it, this incarnation's)."""
@@ -55,6 +56,8 @@ class Progress:
         self.updates = 0
         self.episodes_seen = 0
         self.dropped = 0
+        self.skipped_updates = 0  # updates whose every gradient step was skipped (a non-finite loss)
+        self.skipped_in_a_row = 0  # such updates since the last one that learned (not checkpointed)
         self.replay_size = 0  # items in replay's table at the last batch
         self.returns: collections.deque = collections.deque(maxlen=return_window)
         self.lengths: collections.deque = collections.deque(maxlen=return_window)
@@ -78,7 +81,11 @@ class Progress:
             self.lengths.append(length)
         self.episodes_seen += len(meta["episodes"])
 
-    def record_update(self, stats: dict[str, float], lag: float) -> None:
+    def record_update(self, stats: dict[str, float], lag: float, skipped: bool = False) -> None:
+        """One update's diagnostics and policy lag; ``skipped``: every gradient step of it was
+        skipped (a non-finite loss or gradient norm), so it learned nothing."""
+        self.skipped_updates += skipped
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if skipped else 0
         self.diag_sums.update({term: float(value) for term, value in stats.items()})
         self.diag_updates += 1
         self.updates += 1
@@ -102,7 +109,8 @@ class Progress:
                 "updates": self.updates, "updates_per_s": round(update_rate, 2), "policy_version": version,
                 "episodes": self.episodes_seen, "mean_return": round(self.mean_return(), 2),
                 "mean_length": round(mean_length, 1), "policy_lag": round(self.last_lag, 2), "dropped": self.dropped,
-                "replay_size": self.replay_size, "eta_s": round(self.eta_s(now), 1)}
+                "replay_size": self.replay_size, "eta_s": round(self.eta_s(now), 1),
+                "skipped_updates": self.skipped_updates}
 
     def eta_s(self, now: float) -> float:
         """Seconds until the env-step budget at the env-step rate since the last ETA_ROWS rows of this
@@ -185,13 +193,14 @@ class Progress:
     def state(self) -> dict:
         """What a checkpoint keeps."""
         return {**{name: getattr(self, name) for name in COUNTERS}, "returns": list(self.returns),
-                "lengths": list(self.lengths), "wall_s": self.wall_s()}
+                "lengths": list(self.lengths), "wall_s": self.wall_s(), "skipped_updates": self.skipped_updates}
 
     def load_state(self, state: dict) -> None:
         for name in COUNTERS:
             setattr(self, name, state[name])
         self.returns.extend(state["returns"])
         self.lengths.extend(state.get("lengths", ()))
+        self.skipped_updates = state.get("skipped_updates", 0)  # checkpoints made before it was counted have none
         self.wall_before = state["wall_s"]
         self.steps_at_row, self.updates_at_row, self.wall_at_row = self.env_steps, self.updates, self.wall_before
 

@@ -1,4 +1,6 @@
-"""When the run is over: the return target, the env-step budget or the wall-clock budget.
+"""When the run is over: the return target, the env-step budget, the wall-clock budget, or
+failed: ``run.max_skipped_updates`` updates in a row learned nothing (every gradient step skipped
+for a non-finite loss or gradient norm).
 
 With data-parallel ranks, rank 0 decides for all: its reason goes to the others after each
 update, at the same point on every rank, so that all stop after the same update.
@@ -11,7 +13,7 @@ from shared.transport.ranks import Group
 
 from services.learner.progress import Progress
 
-REASONS = (None, "target", "budget", "wall")
+REASONS = (None, "target", "budget", "wall", "failed")
 
 
 class Stopping:
@@ -20,8 +22,10 @@ class Stopping:
         self.decided: str | None = None  # a group's end of the run, as rank 0 decided it at the last update
 
     def reason(self) -> str | None:
-        """This rank's reason to stop now (target, budget, wall), or None."""
+        """This rank's reason to stop now (target, budget, wall, failed), or None."""
         run, p = self.run, self.progress
+        if p.skipped_in_a_row >= run.max_skipped_updates:
+            return "failed"
         if len(p.returns) >= run.return_window and p.mean_return() >= run.target_return:
             return "target"
         if p.env_steps >= run.max_env_steps:

@@ -110,12 +110,19 @@ def average_over_ranks(tensors: Iterable[torch.Tensor]) -> None:
 
 
 _skipped_steps = 0
+_taken_steps = 0
 
 
 def skipped_steps() -> int:
     """Gradient steps ``gradient_step`` skipped in this process so far (a process-wide count:
     the learner reads its increase around each update and reports it)."""
     return _skipped_steps
+
+
+def taken_steps() -> int:
+    """Gradient steps ``gradient_step`` took in this process so far (as ``skipped_steps``: an
+    update whose steps were all skipped learned nothing)."""
+    return _taken_steps
 
 
 def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, max_grad_norm: float) -> torch.Tensor:
@@ -128,7 +135,7 @@ def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, 
     NaN into every parameter (the clip factor ``max_norm / inf`` is 0, ``inf * 0`` NaN) and the
     optimizer's moments. Ranks decide on the averaged norm alone, so they decide alike. The
     check reads one value back from the device each step."""
-    global _skipped_steps
+    global _skipped_steps, _taken_steps
     params = list(params)
     for group in optimizer.param_groups:  # zero_grad(set_to_none=True) (module doc)
         for p in group["params"]:
@@ -148,4 +155,5 @@ def gradient_step(optimizer: torch.optim.Optimizer, loss: torch.Tensor, params, 
             p.grad = None
         return grad_norm
     optimizer.step()
+    _taken_steps += 1
     return grad_norm

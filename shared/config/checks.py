@@ -28,6 +28,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
         "learner.prefetch": exp.learner.prefetch, "learner.timeout_ms": exp.learner.timeout_ms,
         "learner.count": exp.learner.count, "learner.threads": exp.learner.threads,
         "run.max_env_steps": exp.run.max_env_steps, "run.return_window": exp.run.return_window,
+        "run.max_skipped_updates": exp.run.max_skipped_updates,
     }
     for name, value in positive.items():
         if value < 1:
@@ -178,8 +179,11 @@ def _check_eval(exp: Experiment) -> None:
 
 def _check_logging(exp: Experiment) -> None:
     lg = exp.logging
-    if lg.mode not in WANDB_MODES:
-        raise ConfigError(f"logging.mode = {lg.mode!r}: allowed: {', '.join(WANDB_MODES)}")
+    if lg.mode and lg.mode not in WANDB_MODES:
+        raise ConfigError(f"logging.mode = {lg.mode!r}: allowed: {', '.join(WANDB_MODES)}, or empty (WANDB_MODE "
+                          "decides)")
+    if not lg.timeout_s > 0:
+        raise ConfigError(f"logging.timeout_s = {lg.timeout_s}: must be > 0 (seconds W&B's start and finish may take)")
     # find_spec, not an import: wandb takes seconds to import, and only the learner needs it.
     if lg.to_wandb and importlib.util.find_spec("wandb") is None:
         raise ConfigError("logging.wandb = true: the wandb package is not installed; pip install 'rlpipe[wandb]' "

@@ -42,6 +42,10 @@ class RunConfig:
     """Wall-clock budget in seconds (a safety net for tests and unattended runs)."""
     log_interval_s: float = 2.0
     """Seconds between progress rows (terminal and progress.csv)."""
+    max_skipped_updates: int = 100
+    """The run ends as failed after this many updates in a row whose every gradient step was
+    skipped for a non-finite loss or gradient norm (``shared.algos.optim.gradient_step``): it
+    learns nothing any more, and would otherwise spend its whole budget so."""
     watchdog_s: float = 60.0
     """A service whose loops have not turned (its heartbeat, ``shared.runtime.heartbeat``) for this
     many seconds is hung (an env stuck in ``step()``, a stopped process): the run's watchdog kills it
@@ -251,17 +255,22 @@ class LoggingConfig:
     wandb: bool = False
     """Also log the progress scalars (against env steps) and the resolved config to a W&B run
     whose files go in the run directory; ``launch --resume`` continues the same W&B run."""
-    project: str = "rlpipe"
-    """W&B project the run goes to."""
+    project: str = ""
+    """W&B project the run goes to (empty: ``WANDB_PROJECT``, else rlpipe)."""
     entity: str = ""
     """W&B entity (user or team; empty: the logged-in user's default)."""
     group: str = ""
     """W&B group, e.g. one per grid or set of seeds (empty: none)."""
     tags: tuple[str, ...] = ()
     """W&B tags of the run."""
-    mode: str = "online"
+    mode: str = ""
     """online (synced as it runs), offline (written to the run directory only; ``wandb sync
-    <run>/wandb/offline-run-*`` uploads it later) or disabled (W&B is not started at all)."""
+    <run>/wandb/offline-run-*`` uploads it later), disabled (W&B is not started at all), or
+    empty: W&B's own settings decide (``WANDB_MODE``, else online)."""
+    timeout_s: float = 30.0
+    """Seconds W&B's start (``wandb.init``) and its finish at the run's end may take, each; past
+    them the run goes on, or ends, without W&B (said in the learner's log). W&B gets the rows from
+    a thread of its own, so it never holds up an update."""
 
     @property
     def to_wandb(self) -> bool:
@@ -270,6 +279,7 @@ class LoggingConfig:
 
 
 WANDB_MODES = ("online", "offline", "disabled")
+"""``logging.mode``'s values besides empty (W&B's settings decide)."""
 INFERENCE = ("auto", "local", "server")
 AUTOCAST = ("off", "bf16")
 """What ``learner.autocast`` may be."""

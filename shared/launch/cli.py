@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     c.add_argument("--out", metavar="DIR", help="directory to write to (default: RUN/package)")
     c.add_argument("--episodes", type=int, default=None, help="greedy evaluation episodes for the model card "
                                                                "(default: the run's eval.episodes)")
-    c.add_argument("--push", metavar="REPO", help="then upload the folder to this Hugging Face Hub model repo "
+    c.add_argument("--push", metavar="REPO", help="then upload the files it wrote to this Hugging Face Hub model repo "
                                                   "(needs a token: HF_TOKEN or `hf auth login`)")
     c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
     c.add_argument("config", nargs="?", help="experiment TOML file")
@@ -189,6 +189,10 @@ def _train(args) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: the run stopped with a checkpoint (`rlpipe launch --resume RUN` goes on from it)")
         return 1
+    if result["reason"] == "failed":
+        print(f"rlpipe: run {result['run_dir']} failed after {result['env_steps']} env steps: {result['error']}",
+              file=sys.stderr)
+        return 1
     print(f"serial run ended ({result['reason']}): mean return {result['mean_return']:.1f} "
           f"after {result['env_steps']} env steps in {result['wall_s']:.1f} s")
     print(f"run directory: {result['run_dir']}")
@@ -211,6 +215,17 @@ def _prepare(args) -> int:
 
 
 def _launch(args) -> int:
+    """A detached launch returns once the run is built and leaves it to `status` and `stop`; in
+    the foreground, SIGTERM and SIGHUP stop the run as Ctrl-C does."""
+    from shared.runtime.process import terminate_as_interrupt
+
+    if args.detach:
+        return _start_and_follow(args)
+    with terminate_as_interrupt():
+        return _start_and_follow(args)
+
+
+def _start_and_follow(args) -> int:
     from shared.config import schema
     from shared.launch import api, follow
 
@@ -251,6 +266,9 @@ def _launch(args) -> int:
     if result is None:
         print(f"run {run.dir} stopped after {time.monotonic() - t0:.1f} s without a result")
         return 1
+    if result["reason"] == "failed":
+        print(f"rlpipe: run {run.dir} failed after {result['env_steps']} env steps: {result['error']}", file=sys.stderr)
+        return 1
     print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
           f"{result['env_steps']} env steps, {result['updates']} updates, in {result['wall_s']:.1f} s")
     print(f"run directory: {run.dir}")
@@ -289,9 +307,15 @@ def _status(args) -> int:
     if not runner.running(run_dir):
         result = rundirs.read_result(run_dir)
         print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
+        if result and result.get("error"):
+            print(f"failed: {result['error']}")
         code = 0
     else:
         code = runner.status(run_dir)
+    rows = rundirs.read_progress(run_dir)
+    if rows and int(rows[-1].get("skipped_updates") or 0):  # rows of runs made before it was counted have none
+        print(f"skipped updates: {rows[-1]['skipped_updates']} of {rows[-1]['updates']} learned nothing (every gradient "
+              "step skipped: loss or gradient norm not finite)")
     for line in timesplit.lines(timesplit.read(run_dir), "since the start"):
         print(line)
     return code
@@ -367,7 +391,7 @@ def _evaluate(args) -> int:
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
-    from services.evaluator.episodes import CannotRender, evaluate
+    from services.evaluator.episodes import CannotRender, Unloadable, evaluate
     from shared.config import loading
     from shared.runtime.process import RUN_CONFIG
 
@@ -378,7 +402,7 @@ def _evaluate(args) -> int:
         return 2
     try:
         result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None)
-    except (FileNotFoundError, CannotRender) as e:
+    except (FileNotFoundError, Unloadable, CannotRender) as e:
         print(f"rlpipe: {e}", file=sys.stderr)
         return 1
     print(f"{run_dir.name}: {result['episodes']} greedy episodes of policy version {result['policy_version']} "
@@ -414,10 +438,10 @@ def _package(args) -> int:
         print(f"rlpipe: package: --episodes {args.episodes}: must be >= 1", file=sys.stderr)
         return 2
     try:
-        out = package.package(run_dir, Path(args.out) if args.out else None, args.episodes)
-        print(f"{run_dir.name}: package written to {out}")
+        files = package.package(run_dir, Path(args.out) if args.out else None, args.episodes)
+        print(f"{run_dir.name}: package written to {files[0].parent}")
         if args.push:
-            print(f"uploaded to {package.push(out, args.push)}")
+            print(f"uploaded {', '.join(f.name for f in files)} to {package.push(files, args.push)}")
     except export.ExportError as e:
         print(f"rlpipe: package: {e}", file=sys.stderr)
         return 2
@@ -444,10 +468,9 @@ def _run_dirs(names: list[str]) -> list[Path] | None:
 
 
 def _grid(args) -> int:
-    import signal
-
     from shared.config import schema
     from shared.launch.grid import FINISHED, Grid, parse_seeds, parse_vary
+    from shared.runtime.process import terminate_as_interrupt
 
     if args.resume and (args.config or args.vary or args.seeds or args.overrides):
         print("rlpipe: grid --resume GRID_DIR takes the grid's own config, variants and seeds: no CONFIG, --vary, "
@@ -464,18 +487,15 @@ def _grid(args) -> int:
         return 2
     # A terminal closing or a scheduler's time limit ends the grid as Ctrl-C does: the live runs
     # stop (the learners checkpoint) and `grid --resume` goes on from there.
-    before = {sig: signal.signal(sig, signal.default_int_handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with terminate_as_interrupt():
         rows = grid.run()
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
     return 0 if all(r["reason"] in FINISHED for r in rows) else 1
 
 
 def _tune(args) -> int:
     from shared.config import schema
     from shared.launch import tune
+    from shared.runtime.process import terminate_as_interrupt
 
     try:
         study = tune.Tune(args.config, args.overrides, tune.parse_params(args.params), args.trials, args.parallel,
@@ -486,7 +506,12 @@ def _tune(args) -> int:
     except tune.MissingExtra as e:
         print(f"rlpipe: {e}", file=sys.stderr)
         return 2
-    rows = study.run()
+    try:
+        with terminate_as_interrupt():  # SIGTERM, SIGHUP: the live trials are stopped and failed as at Ctrl-C
+            rows = study.run()
+    except tune.StudyInUse as e:
+        print(f"rlpipe: tune: {e}", file=sys.stderr)
+        return 2
     return 0 if any(r["state"] == "COMPLETE" for r in rows) else 1
 
 

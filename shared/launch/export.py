@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.evaluator.episodes import load_agent
+from services.evaluator.episodes import Unloadable, load_agent
 from shared.agents.config import Memory, RnnState
 from shared.agents.masking import legal, masked, masked_argmax
 from shared.agents.memory import core_memory
@@ -216,7 +216,7 @@ def load_policy(run_dir: Path) -> tuple[GreedyPolicy, dict]:
     torch.set_num_threads(1)
     try:
         agent, state = load_agent(exp, run_dir)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, Unloadable) as e:
         raise ExportError(str(e)) from None
     probe = env_probe(exp)
     obs_example = probe.example_observation()

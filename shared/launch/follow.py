@@ -132,6 +132,8 @@ def format_row(row: dict) -> str:
             f"lag {float(row['policy_lag']):.2f}")
     if row.get("eval_return"):  # the evaluator's latest return, once there is one
         line += f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
+    if int(row.get("skipped_updates") or 0):  # updates that learned nothing (a non-finite loss)
+        line += f"  skipped {row['skipped_updates']}"
     eta = float(row.get("eta_s") or "nan")  # rows of runs made before the ETA have none
     if math.isfinite(eta):
         line += f"  eta {duration(eta)}"

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from shared.config import checks, endpoints, loading
 from shared.launch import backend, follow, gridfile, rundirs, supervisor
-from shared.launch import runs, stats
+from shared.launch import runs, space, stats
 from shared.config.schema import ConfigError, Experiment
 from shared.runtime.process import RUN_CONFIG
 
@@ -143,8 +143,9 @@ class Launcher:
             try:
                 for future in as_completed(futures):
                     future.result()  # a job's exception surfaces at once
-            except KeyboardInterrupt:
-                self.say("interrupted: stopping the live runs")
+            except BaseException as e:  # Ctrl-C (SIGTERM, SIGHUP: cli), or a job that crashed: no run is left going
+                self.say("interrupted: stopping the live runs" if isinstance(e, KeyboardInterrupt) else
+                         f"{type(e).__name__}: {e}: stopping the live runs")
                 self.stopping.set()
                 for future in futures:
                     future.cancel()
@@ -152,6 +153,8 @@ class Launcher:
                     live = list(self.live)
                 for run_dir in live:
                     backend.for_run(run_dir).stop(run_dir)
+                if not isinstance(e, KeyboardInterrupt):
+                    raise
             return [f.result() for f in futures if not f.cancelled()]
 
     def run(self, exp: Experiment, name: str, label: str, on_row: Callable[[dict], None] | None = None,
@@ -207,10 +210,13 @@ class Launcher:
 
     def _follow(self, exp: Experiment, run_dir: Path, on_row) -> str:
         """Start the run, wait for its end and stop it; why it ended (the learner's reason, the
-        reason of on_row's StopFollowing, crashed, killed: supervisord died under its services, or
-        stopped: it ended without a result)."""
+        reason of on_row's StopFollowing, crashed, killed: supervisord died under its services,
+        stopped: it ended without a result, or no room: /dev/shm or the disk cannot hold it)."""
         try:
+            space.check(exp, run_dir.parent)  # as `launch` does: /dev/shm and the disk hold the run, or one line
             supervisor.start(exp, run_dir)
+            if self.stopping.is_set():  # stopped while it started: `map`'s stop may have come before it
+                return "stopped"
             with (run_dir / "logs" / "follow.log").open("a") as log:  # a resumed run's goes on
                 result = follow.follow(run_dir, exp.run.max_wall_s, out=log, on_row=on_row)
             if result:
@@ -222,6 +228,9 @@ class Launcher:
         except follow.ServiceCrashLoop as e:
             self.say(f"{run_dir.name}: {e}; last lines of {e.log_path}:\n{e.log_tail(5)}")
             return "crashed"
+        except space.NoRoom as e:
+            self.say(f"{run_dir.name}: not started: {e}")
+            return "no room"
         except RuntimeError as e:  # supervisord did not come up
             self.say(f"{run_dir.name}: {e}")
             return "not started"
@@ -283,7 +292,7 @@ class Grid:
         keeps the runs that have a result, resumes those that have none and starts the rest."""
         jobs = [(v, s) for v in self.variants for s in self.seeds]
         if self.record is None:
-            self.dir.mkdir(parents=True)
+            rundirs.make_runs_dir(self.dir)
             variants = [{"label": v.label, "overrides": list(v.overrides)} for v in self.variants]
             self.record = gridfile.GridFile.create(self.dir, self.config, self.overrides, variants, self.seeds,
                                                    self.launcher.parallel)

@@ -7,10 +7,15 @@ seeds, env steps, wall time, hardware), the latest checkpoint's agent weights as
 ``model.safetensors``, the run's resolved ``config.toml``, the greedy policy as ONNX with its
 ``policy.json`` (``shared.launch.export``), ``training_curve.png`` (``shared.launch.plots``)
 and ``replay.mp4``, the first evaluation episode (gymnasium's RecordVideo through moviepy).
+
+What a package shows is public: its config and card hold no absolute path of this machine and no
+value an env may take that could be private (``public_config``); ``--push`` uploads the files
+``package`` wrote, by name, and nothing else of the folder (no run ``secret``, logs or stale files).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -32,18 +37,49 @@ FILES = (CARD, WEIGHTS, CONFIG, export.FORMATS["onnx"], export.METADATA, CURVE, 
 the env renders)."""
 CARD_SECTIONS = ("algo", "agent", "model", "env", "sampler", "learner", "replay")
 """Config sections the card lists as hyperparameters (all of them are in config.toml)."""
+PRIVATE = "<private>"
+"""What a package shows for a string value of ``env.kwargs``."""
 
 
-def package(run_dir: Path, out_dir: Path | None = None, episodes: int | None = None) -> Path:
+def public_config(exp):
+    """``exp`` as a package shows it: ``run.runs_dir``, the network hosts and the W&B entity back
+    to their defaults (an absolute path names the user's machine and account, a host its
+    network), and every string in ``env.kwargs`` (a path, a URL, a key an env may take) shown
+    as PRIVATE; the numbers and booleans of ``env.kwargs`` stay (they are hyperparameters)."""
+
+    def hide(value):
+        if isinstance(value, str):
+            return PRIVATE
+        if isinstance(value, dict):
+            return {k: hide(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [hide(v) for v in value]
+        return value
+
+    kwargs = json.dumps(hide(json.loads(exp.env.kwargs))) if exp.env.kwargs else ""
+    run, net, lg = type(exp.run)(), type(exp.network)(), type(exp.logging)()
+    return dataclasses.replace(
+        exp, run=dataclasses.replace(exp.run, runs_dir=run.runs_dir),
+        env=dataclasses.replace(exp.env, kwargs=kwargs),
+        network=dataclasses.replace(exp.network, host=net.host, metrics_host=net.metrics_host),
+        logging=dataclasses.replace(exp.logging, entity=lg.entity))
+
+
+def package(run_dir: Path, out_dir: Path | None = None, episodes: int | None = None) -> list[Path]:
     """Write the package of ``run_dir``'s latest checkpoint to ``out_dir`` (default:
     ``run_dir/package``), evaluated over ``episodes`` greedy episodes (default: the run's
-    ``eval.episodes``); returns the folder. ExportError (one line) for a run without a
-    checkpoint or a missing package (safetensors, onnx, onnxruntime)."""
+    ``eval.episodes``); returns the files written, in FILES order (the package's files an
+    earlier package left there and this one did not write are removed). ExportError (one line)
+    for a run without a checkpoint, a missing package (safetensors, onnx, onnxruntime), or the
+    run directory itself as ``out_dir`` (its own config.toml would be overwritten)."""
     run_dir = Path(run_dir)
     exp = loading.load(run_dir / RUN_CONFIG)
     episodes = exp.eval.episodes if episodes is None else episodes
     safetensors_torch = export.require("safetensors.torch", "hub")
     out = Path(out_dir) if out_dir is not None else run_dir / "package"
+    if out.resolve() == run_dir.resolve():
+        raise export.ExportError(f"--out {out}: that is the run directory, whose config.toml the package's would "
+                                 "replace; give a folder of its own (default: RUN/package)")
     out.mkdir(parents=True, exist_ok=True)
     export.export(run_dir, "onnx", out)  # first: the one-line error of a run without a checkpoint
     _, state = load_agent(exp, run_dir)
@@ -51,7 +87,8 @@ def package(run_dir: Path, out_dir: Path | None = None, episodes: int | None = N
     safetensors_torch.save_file(tensors, str(out / WEIGHTS), metadata={
         "format": "pt", "algo": exp.algo_name, "env": exp.env.id, "policy_version": str(state["version"]),
         "env_steps": str(state["env_steps"])})
-    shutil.copyfile(run_dir / RUN_CONFIG, out / CONFIG)
+    public = public_config(exp)
+    (out / CONFIG).write_text(loading.dumps(public))
     result = evaluate(exp, run_dir, episodes)  # the numbers `rlpipe evaluate RUN --episodes N` prints
     try:
         plots.plot_runs([run_dir], out / CURVE)
@@ -59,8 +96,11 @@ def package(run_dir: Path, out_dir: Path | None = None, episodes: int | None = N
     except ValueError:  # no finished episode in progress.csv yet
         curve = False
     video = _record(exp, run_dir, out / VIDEO)
-    (out / CARD).write_text(model_card(exp, run_dir, state, result, curve, video))
-    return out
+    (out / CARD).write_text(model_card(public, run_dir, state, result, curve, video))
+    written = [name for name in FILES if (name != CURVE or curve) and (name != VIDEO or video is None)]
+    for stale in set(FILES) - set(written):
+        (out / stale).unlink(missing_ok=True)
+    return [out / name for name in written]
 
 
 def _record(exp, run_dir: Path, path: Path) -> str | None:
@@ -159,8 +199,9 @@ def model_card(exp, run_dir: Path, state: dict, result: dict, curve: bool, no_vi
     return "\n".join(lines)
 
 
-def push(folder: Path, repo: str) -> str:
-    """Upload ``folder`` to the Hub model repo ``repo`` (made if missing); returns its URL.
+def push(files: list[Path], repo: str) -> str:
+    """Upload ``files`` (what ``package`` wrote), each by its name, to the Hub model repo ``repo``
+    (made if missing), in one commit; returns the repo's URL. Nothing else of their folder goes.
     ExportError (one line) without huggingface_hub, without a token, or when the Hub refuses."""
     hub = export.require("huggingface_hub", "hub")
     token = hub.get_token()
@@ -170,8 +211,9 @@ def push(folder: Path, repo: str) -> str:
     api = hub.HfApi(token=token)
     try:
         url = api.create_repo(repo, repo_type="model", exist_ok=True)
-        api.upload_folder(folder_path=str(folder), repo_id=repo, repo_type="model",
-                          commit_message="rlpipe package")
+        api.create_commit(repo_id=repo, repo_type="model", commit_message="rlpipe package",
+                          operations=[hub.CommitOperationAdd(path_in_repo=f.name, path_or_fileobj=str(f))
+                                      for f in files])
     except Exception as e:  # HTTP errors, bad repo ids, no network: one line, the folder stays
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise export.ExportError(f"--push {repo}: {type(e).__name__}: {first}") from None

@@ -32,8 +32,7 @@ def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
     root = Path(exp.run.runs_dir)
     old_umask = os.umask(PRIVATE_UMASK)  # this process's, for the files made here (restored below)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        check_runs_dir(root)
+        make_runs_dir(root)
         while True:
             run_dir = root / f"{base}_{stamp}_{secrets.token_hex(3)}"
             try:
@@ -53,6 +52,18 @@ def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
     finally:
         os.umask(old_umask)
     return run_dir.resolve()
+
+
+def make_runs_dir(root: Path) -> None:
+    """Make ``root`` (and its missing parents) a directory of runs only we can write to, whatever
+    this process's umask (``umask 002`` would leave a grid's or tune's directory group-writable,
+    which ``check_runs_dir`` then refuses), or refuse an existing one as ``check_runs_dir`` does."""
+    old_umask = os.umask(PRIVATE_UMASK)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    finally:
+        os.umask(old_umask)
+    check_runs_dir(root)
 
 
 def check_runs_dir(root: Path) -> None:

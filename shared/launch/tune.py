@@ -26,8 +26,11 @@ launch``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import math
+import os
 import sys
 import threading
 from datetime import datetime
@@ -35,13 +38,15 @@ from pathlib import Path
 
 from shared.config import checks, loading
 from shared.config.schema import ConfigError
-from shared.launch import follow, rundirs, runs
+from shared.launch import backend, follow, rundirs, runs
 from shared.launch.grid import FINISHED, Launcher, default_parallel, literal, run_experiment
 from shared.launch.rundirs import read_result
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice")
 METRICS = ("final", "auc")
 STUDY_DB = "study.db"
+STUDY_LOCK = "study.db.lock"
+"""Held (flock) by the one ``rlpipe tune`` writing the study beside it; it holds that tune's pid."""
 SUMMARY = "summary.md"
 BEST_CONFIG = "best.toml"
 CHECKPOINTS = 20
@@ -49,6 +54,10 @@ CHECKPOINTS = 20
 WARMUP = 0.25
 """Fraction of the budget before which no trial is pruned (early returns say little)."""
 EXTRA = "pip install 'rlpipe[tune]' (optuna>=3.6)"
+
+
+class StudyInUse(RuntimeError):
+    """Another ``rlpipe tune`` writes the study of this tune directory; str() is one line naming it."""
 
 
 class MissingExtra(RuntimeError):
@@ -225,9 +234,44 @@ class Tune:
         """Every trial, K at a time; a trial whose run fails is a failed trial and the others go
         on. Writes the summary (a row a trial of this call: its number, state, value, parameters,
         why its run ended, env steps, wall time, run directory) and the best trial's config
-        (BEST_CONFIG, over every trial of the study); returns the rows. Ctrl-C stops the live
-        runs and starts no more."""
-        self.dir.mkdir(parents=True, exist_ok=True)  # --out of an earlier tune: its study goes on
+        (BEST_CONFIG, over every trial of the study); returns the rows. Ctrl-C (and SIGTERM,
+        SIGHUP: ``cli``) or a crash stops the live runs, fails their trials and starts no more.
+        StudyInUse if another tune writes this directory's study."""
+        rundirs.make_runs_dir(self.dir)  # --out of an earlier tune: its study goes on
+        with self._only_writer():
+            return self._run()
+
+    @contextlib.contextmanager
+    def _only_writer(self):
+        """Hold STUDY_LOCK while inside, or StudyInUse at once: two tunes writing one study
+        would see each other's trials as running and end late in sqlite's "database is locked"."""
+        with open(self.dir / STUDY_LOCK, "a+") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "?"
+                raise StudyInUse(f"{self.dir / STUDY_DB} is being written by another rlpipe tune (pid {holder}): "
+                                 "wait for it to end, or give this one another --out") from None
+            lock.truncate(0)
+            lock.write(str(os.getpid()))
+            lock.flush()
+            yield
+
+    def _end_orphans(self, study) -> None:
+        """What a tune killed outright (SIGKILL: nothing of it could clean up) left: its trials'
+        runs still going are stopped, its trials still RUNNING in the study are failed. With
+        STUDY_LOCK held, no other tune runs them."""
+        for run_dir in sorted(self.dir.glob("trial_*")):
+            runner = backend.for_run(run_dir)
+            if runner.running(run_dir):
+                self._say(f"{run_dir.name}: left running by an earlier tune: stopping it")
+                runner.stop(run_dir)
+        for trial in study.get_trials(deepcopy=False, states=(self.optuna.trial.TrialState.RUNNING,)):
+            self._say(f"trial {trial.number}: left running by an earlier tune: failed")
+            study.tell(trial.number, state=self.optuna.trial.TrialState.FAIL)
+
+    def _run(self) -> list[dict]:
         optuna = self.optuna
         optuna.logging.set_verbosity(optuna.logging.WARNING)  # each trial's line is ours
         study = optuna.create_study(
@@ -235,6 +279,7 @@ class Tune:
             sampler=optuna.samplers.TPESampler(seed=self.seed, constant_liar=True),
             pruner=optuna.pruners.MedianPruner(n_startup_trials=self.startup_trials,
                                                n_warmup_steps=int(self.budget * WARMUP)))
+        self._end_orphans(study)
         self._say(f"tune {self.dir}: {self.trials} trial(s) of {', '.join(p.key for p in self.params)}, "
                   f"{self.launcher.parallel} at a time, objective: {self.metric} return; study {self.storage}")
         rows = [r for r in self.launcher.map(lambda _: self._trial(study), range(self.trials)) if "trial" in r]

@@ -7,6 +7,7 @@ Services that run a network call ``torch_device``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -92,6 +93,27 @@ def install_signal_handlers() -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """Inside, SIGTERM and SIGHUP raise KeyboardInterrupt as Ctrl-C does, once (later ones are
+    ignored until the end, so the stop they start is not cut short): a command that follows its
+    runs in the foreground (launch, grid, tune) stops them when a job scheduler, a CI runner or
+    ``timeout`` ends it, or its terminal closes, instead of leaving them running. The previous
+    handlers are back on leaving."""
+
+    def handler(signum, frame):
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, was in previous.items():
+            signal.signal(sig, was)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
