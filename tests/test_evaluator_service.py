@@ -79,6 +79,9 @@ def test_rlpipe_evaluate_plays_the_checkpoint_and_records_a_video(tmp_path):
     out = rlpipe_here("evaluate", str(run_dir), "--episodes", "3")
     assert out.returncode == 0, out.stderr
     assert re.search(r"3 greedy episodes of policy version 3 \(1234 env steps\): return \S+ \+- ", out.stdout)
+    recorded = evaluation.latest(run_dir)  # an ended run's evaluation is kept for `rlpipe results`
+    assert (recorded["episodes"], recorded["policy_version"], recorded["env_steps"]) == (3, 3, 1234)
+    assert f"return {recorded['mean_return']:.1f} +- {recorded['std_return']:.1f}" in out.stdout
 
     video = tmp_path / "video"
     out = rlpipe_here("evaluate", str(run_dir), "--episodes", "2", "--video", str(video))

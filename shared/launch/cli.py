@@ -393,6 +393,8 @@ def _evaluate(args) -> int:
         return 2
     from services.evaluator.episodes import CannotRender, Unloadable, evaluate
     from shared.config import loading
+    from shared.launch import runs
+    from shared.runtime import evaluation
     from shared.runtime.process import RUN_CONFIG
 
     exp = loading.load(run_dir / RUN_CONFIG)
@@ -400,6 +402,7 @@ def _evaluate(args) -> int:
     if episodes < 1:
         print(f"rlpipe: --episodes {episodes}: must be >= 1", file=sys.stderr)
         return 2
+    t0 = time.monotonic()
     try:
         result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None)
     except (FileNotFoundError, Unloadable, CannotRender) as e:
@@ -408,6 +411,10 @@ def _evaluate(args) -> int:
     print(f"{run_dir.name}: {result['episodes']} greedy episodes of policy version {result['policy_version']} "
           f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "
           f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
+    if runs.status(run_dir) != "running":  # a live run's evaluator owns its evaluation files
+        evaluation.record(run_dir, {**result, "wall_time": round(time.time(), 3),
+                                    "eval_s": round(time.monotonic() - t0, 3), "video": ""})
+        print(f"recorded in {run_dir / evaluation.LATEST} (`rlpipe results` shows it)")
     if args.video:
         print(f"video of the first episode: {', '.join(str(p) for p in sorted(Path(args.video).glob('*.mp4')))}")
     return 0

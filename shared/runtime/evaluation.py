@@ -1,7 +1,8 @@
 """The evaluator's results in the run directory: every evaluation a row of eval.csv, the latest
 one also in eval.json, which the learner copies into its progress rows.
 
-Only the evaluator writes these files, so no two processes append to one CSV. eval.json is
+Only the evaluator writes these files while the run is live, so no two processes append to one
+CSV; `rlpipe evaluate` of a run that has ended records its result here too. eval.json is
 replaced atomically (write a temporary file, rename it), so a reader sees the previous
 result or the new one, never half of one.
 """
