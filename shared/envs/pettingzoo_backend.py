@@ -275,7 +275,10 @@ class PettingZooGroup:
             self._return[i] += reward
             self._length[i] += a in moved
             if term or trunc:
-                self._write(final_dst, i, self._column_obs(obs[a], j, False) if a in obs else current.get(a), "step")
+                final = self._column_obs(obs[a], j, False) if a in obs else current.get(a)
+                # Its padding steps (until the env resets) are taken in its last observation.
+                self._write(final_dst, i, final, "step")
+                self._write(dst, i, final, "step")
                 finished.append((i, float(self._return[i]), int(self._length[i])))
                 self._gone[i] = True
             else:
