@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+pytest.importorskip("pettingzoo")
+mpe2 = pytest.importorskip("mpe2")
+
 from services.build import agent_info, env_probe, make_agent
 from services.evaluator.episodes import load_agent
 from services.sampler.local import LocalActions
@@ -34,7 +37,6 @@ from tests.pettingzoo_for_tests import LIFETIMES
 from tests.test_envs import Buffers
 from tests.test_memory import FixedParams, KeepAll
 
-mpe2 = pytest.importorskip("mpe2")
 torch.set_num_threads(1)
 
 SPREAD = EnvConfig(id="pettingzoo:mpe2.simple_spread_v3")
