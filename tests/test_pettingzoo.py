@@ -3,7 +3,7 @@ agent) over random actions, for a Parallel env (MPE's simple_spread) and a turn-
 (tic-tac-toe): columns, returns and lengths per agent, final observations, seeding, the pass of
 a waiting seat, padding for agents that left (failed steps in the sampler's segments, in no
 batch); a wrong env is one config-error line; PPO and DQN self-play on tic-tac-toe with one shared
-policy beat a random player in serial mode, PPO through the pipeline too."""
+policy beat a random player in serial mode and through the pipeline."""
 
 from __future__ import annotations
 
@@ -241,8 +241,10 @@ def test_self_play_with_a_shared_policy_beats_a_random_player_in_serial_mode(tmp
 
 
 @pytest.mark.learning
-def test_ppo_self_play_beats_a_random_player_through_the_pipeline(runs):
-    run = runs("tictactoe_ppo.toml", "sampler.inference=local")
+@pytest.mark.parametrize("config, inference", [("tictactoe_ppo.toml", "local"), ("tictactoe_dqn.toml", "server")])
+def test_self_play_beats_a_random_player_through_the_pipeline(runs, config, inference):
+    """PPO with a local-inference sampler (numpy acting), DQN with an action-server (torch)."""
+    run = runs(config, f"sampler.inference={inference}")
     result = run.wait_result(120)
     assert result["reason"] == "budget", result
-    assert_beats_random(loading.load(CONFIGS / "tictactoe_ppo.toml"), run.dir)
+    assert_beats_random(loading.load(CONFIGS / config), run.dir)
