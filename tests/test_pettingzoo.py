@@ -225,10 +225,11 @@ def against_random(exp, agent, seat: int, games: int = 300, seed: int = 1000) ->
 
 
 def assert_beats_random(exp, run_dir: Path) -> None:
-    """Random against random wins 58% as first player (loses 29%) and 29% as second (loses 58%)."""
+    """Wins more often than it loses in either seat, and far more than a random player would:
+    random against random wins 58% as first player (loses 29%) and 29% as second (loses 58%)."""
     agent, _ = load_agent(exp, run_dir)
     first, second = against_random(exp, agent, 0), against_random(exp, agent, 1)
-    assert first[0] >= 0.75 and first[1] <= 0.15 and second[0] >= 0.45 and second[1] <= 0.4, (first, second)
+    assert first[0] >= 0.75 and first[1] <= 0.15 and second[0] >= 0.4 and second[0] > second[1], (first, second)
 
 
 @pytest.mark.learning
