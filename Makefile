@@ -9,7 +9,7 @@ CONFIG ?= deploy/configs/cartpole_ppo.toml
 # a bare `torch` requirement would pull a multi-GB CUDA build; a user's own (CUDA) torch is kept.
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
-	$(PIP) install -q -e ".[test,atari,minatar,mujoco,cluster,envpool,stats,wandb,tune,export,hub]"
+	$(PIP) install -q -e ".[test,atari,minatar,mujoco,cluster,envpool,stats,wandb,tune,export,hub,marl]"
 
 run: install
 	$(PYTHON) -m shared.launch.cli launch $(CONFIG)

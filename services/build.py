@@ -5,7 +5,7 @@ from __future__ import annotations
 from shared.agents.config import info_example
 from shared.config.schema import ConfigError, Experiment
 from shared.runtime.plugins import first_line
-from shared.envs.backends import AnyEnvGroup, make_env_group
+from shared.envs.backends import AnyEnvGroup, columns_per_env, make_env_group
 from shared.data.layout import segment_spec, step_example
 
 
@@ -19,8 +19,8 @@ def on_policy(exp: Experiment) -> bool:
 
 
 def env_probe(exp: Experiment) -> AnyEnvGroup:
-    """One env of the experiment, for its spaces and example observation/action."""
-    return make_env_group(exp.env, 1, exp.run.seed)
+    """One env of the experiment (all its agents' columns), for its spaces and example observation/action."""
+    return make_env_group(exp.env, columns_per_env(exp.env), exp.run.seed)
 
 
 def make_agent(exp: Experiment, probe: AnyEnvGroup):

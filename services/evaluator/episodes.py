@@ -23,7 +23,7 @@ import torch
 from services.learner.checkpoints import CHECKPOINT, Checkpoints, Unloadable  # noqa: F401 (load_agent raises it)
 from shared.agents import EVALUATE
 from shared.config.schema import Experiment
-from shared.envs.backends import make_env_group
+from shared.envs.backends import columns_per_env, make_env_group
 from shared.envs.group import EnvGroup, EpisodeTracker, make_env
 from services.build import env_probe, example_step, make_agent
 from shared.data.layout import slot_spec
@@ -41,7 +41,8 @@ def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make
     """Returns [episodes] (float64) of ``episodes`` greedy episodes of ``agent``, played in
     ``min(envs, episodes)`` envs side by side on the held-out seeds: on the run's env backend,
     or gymnasium envs built by ``make`` when given."""
-    n = max(1, min(envs, episodes))
+    per_env = columns_per_env(exp.env)  # a multi-agent env's agents each play an episode
+    n = -(-max(1, min(envs, episodes)) // per_env) * per_env
     seed = exp.run.seed + exp.eval.seed_offset
     group = make_env_group(exp.env, n, seed) if make is None else EnvGroup(exp.env, n, seed, make=make)
     try:

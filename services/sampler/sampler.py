@@ -214,6 +214,8 @@ class Sampler:
                     self.metrics.env_errors.inc()
                 env.recreate(i, slot.observation)
             ended = e.finished
+        # A multi-agent env's column whose agent left the episode is padding: no transition, as a failed step.
+        np.logical_or(step.failed, env.padding, out=step.failed)
         # Envs reset themselves at an episode's end (and recreated ones count as truncated).
         np.logical_or(step.terminated, step.truncated, out=slot.first)
         slot.reward[:] = step.reward

@@ -9,7 +9,7 @@ import ipaddress
 import math
 import os
 from pathlib import Path
-from shared.envs.backends import validate_env_config
+from shared.envs.backends import columns_per_env, validate_env_config
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
 from shared.algos.hparams import PQNConfig
@@ -123,6 +123,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
         validate_env_config(exp.env)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_agent_columns(exp)
     if check_ports:
         ports = {"network.metrics_port": net.metrics_port} if net.metrics_port else {}
         if net.transport == "tcp":
@@ -131,6 +132,17 @@ def check(exp: Experiment, check_ports: bool) -> None:
             host = net.metrics_host if name == "network.metrics_port" else net.host
             if not port_free(host, port):
                 raise ConfigError(f"{name} = {port}: port already in use on {host}; pick another")
+
+
+def _check_agent_columns(exp: Experiment) -> None:
+    """A multi-agent env's N agents take N columns of one env group: ``sampler.envs`` is a multiple
+    of N (of 2N where the alternating sampler splits it in two groups)."""
+    n = columns_per_env(exp.env)
+    groups = 2 if exp.sampler.alternating and exp.sampler.inference == "server" else 1
+    if n > 1 and exp.sampler.envs % (n * groups):
+        what = f"2 groups of {n} agents" if groups == 2 else f"{n} agents"
+        raise ConfigError(f"sampler.envs = {exp.sampler.envs}: {exp.env.id!r} has {n} agents, one column each; "
+                          f"it must be a multiple of {n * groups} ({what}" + (", alternating)" if groups == 2 else ")"))
 
 
 def _check_sequences(exp: Experiment) -> None:

@@ -1,15 +1,20 @@
 """The choice of env backend (``env.backend``): which class steps a sampler's envs, and the
-config check of each. Both classes keep one contract (``shared.envs.group.EnvGroup``'s), so
+config check of each. Every class keeps one contract (``shared.envs.group.EnvGroup``'s), so
 the samplers, the evaluator and the probes of the services call ``make_env_group`` only.
+A ``pettingzoo:<module>`` id is stepped by ``PettingZooGroup`` (one column per agent) on the
+gymnasium backend.
 """
 
 from __future__ import annotations
 
 from shared.envs.envpool_backend import EnvPoolGroup, validate_envpool
 from shared.envs.group import EnvConfig, EnvGroup, validate_gymnasium
+from shared.envs.pettingzoo_backend import PettingZooGroup, columns_per_env, is_pettingzoo, validate_pettingzoo
 
-AnyEnvGroup = EnvGroup | EnvPoolGroup
-"""What ``make_env_group`` returns: either backend's group, one interface."""
+__all__ = ["AnyEnvGroup", "columns_per_env", "make_env_group", "split_steps", "validate_env_config"]
+
+AnyEnvGroup = EnvGroup | EnvPoolGroup | PettingZooGroup
+"""What ``make_env_group`` returns: any backend's group, one interface."""
 
 BACKENDS = {"gymnasium": (EnvGroup, validate_gymnasium), "envpool": (EnvPoolGroup, validate_envpool)}
 
@@ -17,6 +22,14 @@ BACKENDS = {"gymnasium": (EnvGroup, validate_gymnasium), "envpool": (EnvPoolGrou
 def _backend(cfg: EnvConfig):
     if cfg.backend not in BACKENDS:
         raise ValueError(f"env.backend = {cfg.backend!r}: allowed: {', '.join(BACKENDS)}")
+    if is_pettingzoo(cfg):
+        if cfg.backend != "gymnasium":
+            raise ValueError(f"env.backend = {cfg.backend!r}: PettingZoo envs ({cfg.id!r}) step on the 'gymnasium' "
+                             "backend only")
+        return PettingZooGroup, validate_pettingzoo
+    if cfg.agent_id:
+        raise ValueError(f"env.agent_id = true: {cfg.id!r} is a single-agent env; agent ids are for "
+                         "'pettingzoo:<module>' envs (set it false)")
     return BACKENDS[cfg.backend]
 
 
@@ -27,7 +40,9 @@ def validate_env_config(cfg: EnvConfig) -> None:
 
 
 def make_env_group(cfg: EnvConfig, n_envs: int, base_seed: int) -> AnyEnvGroup:
-    """``n_envs`` envs of ``cfg`` on its backend (which checks ``cfg``), env i seeded with ``base_seed + i``."""
+    """``n_envs`` env columns of ``cfg`` on its backend (which checks ``cfg``): ``n_envs`` envs, env i
+    seeded with ``base_seed + i``; for a PettingZoo env ``n_envs`` / N envs of N agents (see
+    ``shared.envs.pettingzoo_backend``)."""
     return _backend(cfg)[0](cfg, n_envs, base_seed)
 
 

@@ -231,6 +231,8 @@ class EnvPoolGroup:
         self._fresh: np.ndarray | None = None  # a rebuilt pool's first observations ...
         self._unclaimed: set[int] = set()  # ... of the envs whose recreate has not come yet
         self._sent: tuple[dict[int, str], str | None] | None = None  # a step in flight: its failures so far
+        self.padding = np.zeros(n_envs, bool)
+        """Never set: every env is in an episode (``EnvGroup.padding``)."""
 
     def _new_pool(self):
         B, k = self.n_envs, self._generation

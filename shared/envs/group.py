@@ -58,7 +58,8 @@ tasks.register()
 @dataclass(frozen=True)
 class EnvConfig:
     id: str = "CartPole-v1"
-    """A registered gymnasium id (ALE/…, MinAtar/… included) or "module:callable" returning a gymnasium.Env."""
+    """A registered gymnasium id (ALE/…, MinAtar/… included), "module:callable" returning a gymnasium.Env,
+    or "pettingzoo:<module>" for a multi-agent PettingZoo env (``shared.envs.pettingzoo_backend``)."""
     kwargs: str = ""
     """Keyword arguments for the env constructor as a JSON object, e.g. '{"repeat_action_probability": 0.0}'."""
     wrappers: tuple[str, ...] = ()
@@ -77,6 +78,10 @@ class EnvConfig:
     counted). 0: off. Gymnasium backend, pure-Python hangs only (``shared.envs.step_limit``): a C
     extension that holds the GIL is not interrupted, and the watchdog (``run.watchdog_s``) is the
     backstop; keep it well under that."""
+    agent_id: bool = False
+    """PettingZoo envs: add the one-hot of the agent's index (``possible_agents`` order) to each
+    column's observation as its ``agent_id`` leaf, so that one shared policy can act differently
+    per agent (``shared.envs.pettingzoo_backend``)."""
     split_step: str = "auto"
     """Alternating sampler (two env groups, server inference) on the envpool backend: "on" starts
     each group's step in EnvPool's threads and collects it after the sampler has served the other
@@ -442,6 +447,30 @@ def reward_problem(reward: float) -> str | None:
     return None
 
 
+def check_observation(obs_leaves: list[_Leaf], obs) -> list[np.ndarray] | str:
+    """The leaves (``_obs_leaves``) of one env observation as arrays, or what is wrong with it."""
+    arrays = []
+    for leaf in obs_leaves:
+        x = obs
+        try:
+            for key in leaf.path:
+                x = x[key]
+        except (KeyError, IndexError, TypeError):
+            return f"{leaf.name} is missing from the observation {type(obs).__name__}"
+        if type(x) is not np.ndarray:
+            x = np.asarray(x)
+        if x.shape != leaf.shape:
+            return f"{leaf.name} has shape {x.shape}, expected {leaf.shape}"
+        if x.dtype not in leaf.accepted:
+            if not np.can_cast(x.dtype, leaf.dtype, "same_kind"):
+                return f"{leaf.name} has dtype {x.dtype}, expected one that casts to {leaf.dtype}"
+            leaf.accepted.add(x.dtype)
+        if x.dtype.kind == "f" and _non_finite(x):
+            return f"{leaf.name} contains NaN or an infinity"
+        arrays.append(x)
+    return arrays
+
+
 def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
     arrays = [tree] if isinstance(tree, np.ndarray) else [x for _, x in leaves(tree)] if is_nat(tree) else []
     if len(arrays) != n_leaves or any(x.shape[:1] != (B,) for x in arrays):
@@ -483,6 +512,9 @@ class EnvGroup:
         self._seeded = False
         self._limit = StepLimit(cfg.step_timeout_s) if cfg.step_timeout_s else None
         self._sent = None  # the actions of a split step (send, then recv)
+        self.padding = np.zeros(n_envs, bool)
+        """Per column: its last step was padding, no transition (``PettingZooGroup``'s agents that left);
+        never here, where every env is in an episode."""
 
     def example_observation(self):
         """One observation (no leading dims): ndarray, or namedarraytuple for Dict/Tuple."""
@@ -507,29 +539,6 @@ class EnvGroup:
             message = "; ".join(self._describe(i, problem) for i, problem in failures)
             raise EnvError(message, tuple(i for i, _ in failures), finished, failed_steps)
 
-    def _check_obs(self, obs) -> list[np.ndarray] | str:
-        """The leaves of one env observation as arrays, or what is wrong with it."""
-        arrays = []
-        for leaf in self._obs_leaves:
-            x = obs
-            try:
-                for key in leaf.path:
-                    x = x[key]
-            except (KeyError, IndexError, TypeError):
-                return f"{leaf.name} is missing from the observation {type(obs).__name__}"
-            if type(x) is not np.ndarray:
-                x = np.asarray(x)
-            if x.shape != leaf.shape:
-                return f"{leaf.name} has shape {x.shape}, expected {leaf.shape}"
-            if x.dtype not in leaf.accepted:
-                if not np.can_cast(x.dtype, leaf.dtype, "same_kind"):
-                    return f"{leaf.name} has dtype {x.dtype}, expected one that casts to {leaf.dtype}"
-                leaf.accepted.add(x.dtype)
-            if x.dtype.kind == "f" and _non_finite(x):
-                return f"{leaf.name} contains NaN or an infinity"
-            arrays.append(x)
-        return arrays
-
     def _reset_env(self, i: int, seed: Optional[int]) -> list[np.ndarray] | str:
         """Called inside ``_limited()`` where a step limit is set."""
         limit = self._limit
@@ -543,7 +552,7 @@ class EnvGroup:
             return f"reset raised {_first_line(e)}"
         except StepTimeout:
             return limit.problem("reset")
-        return self._check_obs(obs)
+        return check_observation(self._obs_leaves, obs)
 
     def _limited(self):
         """The window in which env calls are timed (``env.step_timeout_s``): a batch step, a reset."""
@@ -625,7 +634,8 @@ class EnvGroup:
                 got = limit.problem("step")
             else:
                 # One chained comparison per env step (False for NaN too); the message only on failure.
-                got = self._check_obs(obs) if -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD else reward_problem(reward)
+                got = (check_observation(self._obs_leaves, obs) if -MAX_ABS_REWARD <= reward <= MAX_ABS_REWARD
+                       else reward_problem(reward))
             if isinstance(got, str):
                 failures.append((i, got))
                 failed_steps.append(i)

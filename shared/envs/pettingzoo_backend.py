@@ -1,0 +1,377 @@
+"""PettingZoo environments (``env.id = "pettingzoo:<module>"``): every (env, agent) pair is one
+column of a sampler's batch, behind ``EnvGroup``'s interface and contract (``[B, ...]`` outputs,
+terminated / truncated / final observation per column, a return and a length per agent's
+episode, ``EnvError``), so that the sampler, replay and every algorithm take its steps unchanged.
+
+``<module>`` is imported; one with ``parallel_env()`` is stepped through PettingZoo's Parallel API
+(every live agent acts each step: MPE, butterfly, sisl), else its ``env()`` through the AEC API
+(one agent acts a step: the classic board games). ``env.kwargs`` go to that constructor. All
+agents must share one observation space and one action space (one shared policy acts for all of
+them); ``possible_agents`` order gives the columns: env k of a group owns columns
+``k * N .. k * N + N - 1`` (N agents), so ``sampler.envs`` counts columns and is a multiple of N.
+``env.agent_id`` adds the one-hot of the agent's index as the observation's ``agent_id`` leaf (a
+Box observation becomes ``{"observation", "agent_id"}``).
+
+What a column's step is, where its agent does not act:
+
+- Waiting (AEC, not the agent's turn): a *pass*. The column's action mask (the env's
+  ``action_mask``, required of AEC envs) allows action 0 only and the env never sees the action.
+  It is a real step of the column: its reward is what the agent got from the others' moves (the
+  opponent's winning move gives -1 there), and its observation is the position the agent waits
+  in; so GAE and n-step targets carry the others' replies back to the agent's own move through
+  the value of that position. The policy learns nothing there: with one legal action its
+  log-probability is exactly 0 (``shared.agents.masking.MASKED_LOGIT``), so is its gradient and
+  its entropy, and a Q agent's bootstrap picks the pass. (Masking the wait as ``failed`` would
+  drop the opponent's reply from the agent's returns.) Its length counts the agent's own moves.
+- Gone (the agent's episode ended while others play on, in either API): padding. The column is
+  marked as the sampler marks a failed env step (``EnvGroup.padding``, which the sampler copies
+  into ``Samples.failed``): truncated, reward 0, final observation = observation, no loss
+  trains on it and no return crosses it, until the env resets and every column starts anew.
+
+Seeds: env k is seeded ``base_seed + k * N`` (its first column's index, so no two envs of a
+run share one) on the first reset; later resets continue its random stream.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+
+from shared.envs.group import (EnvConfig, EnvError, _action_converter, _example, _first_line, _leaf_arrays,
+                               _obs_leaves, check_common, check_observation, reward_problem)
+
+PREFIX = "pettingzoo:"
+MASK_KEY = "action_mask"
+AGENT_ID_KEY = "agent_id"
+PASS = 0
+"""The one legal action of a waiting column (the env never sees it)."""
+
+
+def is_pettingzoo(cfg: EnvConfig) -> bool:
+    return cfg.id.startswith(PREFIX)
+
+
+def _module(cfg: EnvConfig):
+    name = cfg.id[len(PREFIX):]
+    if not name:
+        raise ValueError(f"env.id = {cfg.id!r}: name the env's module, e.g. 'pettingzoo:pettingzoo.classic.tictactoe_v3'")
+    try:
+        module = importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - whatever the import raises, it is this field's error
+        raise ValueError(f"env.id = {cfg.id!r}: cannot import module {name!r} ({_first_line(e)}); "
+                         "give a PettingZoo env module such as 'pettingzoo.classic.tictactoe_v3'") from None
+    if not (callable(getattr(module, "parallel_env", None)) or callable(getattr(module, "env", None))):
+        raise ValueError(f"env.id = {cfg.id!r}: module {name!r} has neither parallel_env() nor env(); "
+                         "give a PettingZoo env module")
+    return module
+
+
+def _make_raw(cfg: EnvConfig, kwargs: dict[str, Any]):
+    """(the PettingZoo env, whether it is a Parallel one)."""
+    module = _module(cfg)
+    parallel = callable(getattr(module, "parallel_env", None))
+    try:
+        return (module.parallel_env if parallel else module.env)(**kwargs), parallel
+    except Exception as e:  # noqa: BLE001 - a bad kwarg or a broken env: this config's error
+        raise ValueError(f"env.kwargs: {cfg.id!r} cannot be built with {kwargs} ({_first_line(e)})") from None
+
+
+def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Space, spaces.Space, bool]:
+    """(agents, the column observation space, the action space, whether it holds a mask);
+    ValueError (one line naming the field) for an env one shared policy cannot act in."""
+    agents = list(raw.possible_agents)
+    if not agents:
+        raise ValueError(f"env.id = {cfg.id!r}: the env has no agents")
+    obs_space, act_space = raw.observation_space(agents[0]), raw.action_space(agents[0])
+    for a in agents[1:]:
+        if raw.observation_space(a) != obs_space or raw.action_space(a) != act_space:
+            raise ValueError(f"env.id = {cfg.id!r}: agent {a!r} has other observation or action spaces than "
+                             f"{agents[0]!r}; one shared policy needs the same for all agents")
+    masked = isinstance(obs_space, spaces.Dict) and MASK_KEY in obs_space.spaces
+    if not parallel and not masked:
+        raise ValueError(f"env.id = {cfg.id!r}: a turn-based (AEC) env must give an {MASK_KEY!r} in a Dict "
+                         "observation (waiting agents pass through it)")
+    if masked and not isinstance(act_space, spaces.Discrete):
+        raise ValueError(f"env.id = {cfg.id!r}: an {MASK_KEY!r} needs a Discrete action space, not {act_space}")
+    fields = dict(obs_space.spaces) if isinstance(obs_space, spaces.Dict) else {"observation": obs_space}
+    if masked:  # the classic games' int8 Box(0, 1): the masking code reads 0/1 leaves as MultiBinary
+        fields[MASK_KEY] = spaces.MultiBinary(int(act_space.n))
+    if cfg.agent_id:
+        fields[AGENT_ID_KEY] = spaces.Box(0.0, 1.0, (len(agents),), np.float32)
+    if isinstance(obs_space, spaces.Dict) or len(fields) > 1:
+        obs_space = spaces.Dict(fields)
+    return agents, obs_space, act_space, masked
+
+
+def validate_pettingzoo(cfg: EnvConfig) -> None:
+    """Raise ValueError (one line naming the field) if ``cfg``'s PettingZoo env cannot be stepped
+    here: a module that is no PettingZoo env, bad kwargs, agents with different spaces."""
+    kwargs, wrappers = check_common(cfg)
+    if wrappers:
+        raise ValueError(f"env.wrappers: {', '.join(cfg.wrappers)} are gymnasium wrappers; a PettingZoo env takes none")
+    for name, value in (("env.threads", cfg.threads), ("env.max_episode_steps", cfg.max_episode_steps),
+                        ("env.step_timeout_s", cfg.step_timeout_s)):
+        if value:
+            raise ValueError(f"{name} = {value}: not supported for PettingZoo envs; leave it 0 "
+                             "(set the env's own limit in env.kwargs, e.g. max_cycles)")
+    if cfg.split_step == "on":
+        raise ValueError("env.split_step = 'on': PettingZoo envs step in the sampler's own thread; leave it 'auto'")
+    raw, parallel = _make_raw(cfg, kwargs)
+    try:
+        _spaces(cfg, raw, parallel)
+    finally:
+        raw.close()
+
+
+def columns_per_env(cfg: EnvConfig) -> int:
+    """The batch columns one env of ``cfg`` takes: its N agents (1 for a single-agent env)."""
+    if not is_pettingzoo(cfg):
+        return 1
+    raw, _ = _make_raw(cfg, check_common(cfg)[0])
+    try:
+        return len(raw.possible_agents)
+    finally:
+        raw.close()
+
+
+class PettingZooGroup:
+    """B columns = B / N PettingZoo envs of N agents each, stepped one after another, auto-reset,
+    writing into [B, ...] arrays (``EnvGroup``'s contract; see the module docstring)."""
+
+    def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int):
+        """``n_envs`` = B columns, a multiple of the env's N agents; env k is seeded with
+        ``base_seed + k * N`` on the first reset."""
+        validate_pettingzoo(cfg)
+        self.cfg, self.n_envs, self.base_seed = cfg, n_envs, base_seed
+        self._kwargs = check_common(cfg)[0]
+        first, self._parallel = _make_raw(cfg, self._kwargs)
+        self.agents, self.observation_space, self.action_space, self._masked = _spaces(cfg, first, self._parallel)
+        N = len(self.agents)
+        if n_envs < N or n_envs % N:
+            first.close()
+            raise ValueError(f"sampler.envs: {cfg.id!r} has {N} agents, each one column; a group of {n_envs} columns "
+                             f"is no multiple of {N}")
+        self._raws = [first] + [_make_raw(cfg, self._kwargs)[0] for _ in range(n_envs // N - 1)]
+        self._example_obs = _example(self.observation_space, "Observation", "Observation")
+        self._example_act = _example(self.action_space, "Action", "Action")
+        self._obs_leaves = _obs_leaves(self.observation_space)
+        self._to_env_actions = _action_converter(self.action_space, n_envs)
+        self._one_hot = np.eye(N, dtype=np.float32)
+        if self._masked:
+            self._pass_mask = np.zeros(int(self.action_space.n), np.int8)
+            self._pass_mask[PASS] = 1
+        self.padding = np.zeros(n_envs, bool)
+        """Per column: its last step was padding (its agent gone), no transition; see the module docstring."""
+        self._gone = np.zeros(n_envs, bool)  # the column's agent left its episode; padding until the env resets
+        self._return = np.zeros(n_envs, np.float64)
+        self._length = np.zeros(n_envs, np.int64)
+        self._generation = [0] * len(self._raws)
+        self._seeded = False
+        self._sent = None
+
+    def example_observation(self):
+        """One column's observation (no leading dims): ndarray, or namedarraytuple for a Dict."""
+        return self._example_obs
+
+    def example_action(self):
+        """One column's action (no leading dims) in the form ``step`` takes."""
+        return self._example_act
+
+    def close(self) -> None:
+        for raw in self._raws:
+            raw.close()
+
+    # -- internals
+
+    def _columns(self, k: int) -> range:
+        N = len(self.agents)
+        return range(k * N, (k + 1) * N)
+
+    def _column_obs(self, obs, j: int, to_move: bool) -> dict | Any:
+        """Agent j's observation as the column presents it (mask of a waiting agent: the pass)."""
+        if isinstance(self.observation_space, spaces.Dict):
+            out = dict(obs) if isinstance(obs, dict) else {"observation": obs}
+            if self._masked and not to_move:
+                out[MASK_KEY] = self._pass_mask
+            if self.cfg.agent_id:
+                out[AGENT_ID_KEY] = self._one_hot[j]
+            return out
+        return obs
+
+    def _observations(self, k: int) -> dict[str, Any]:
+        """agent -> its current column observation of env k (agents still in the episode)."""
+        raw = self._raws[k]
+        if self._parallel:
+            return {a: self._column_obs(o, self.agents.index(a), True) for a, o in self._last_obs[k].items()}
+        return {a: self._column_obs(raw.observe(a), j, a == raw.agent_selection and not self._over(k))
+                for j, a in enumerate(self.agents) if a in raw.agents}
+
+    def _over(self, k: int) -> bool:
+        """Whether every agent of env k has left its episode."""
+        raw = self._raws[k]
+        if self._parallel:
+            return not raw.agents
+        return all(raw.terminations.get(a, True) or raw.truncations.get(a, True) for a in raw.agents)
+
+    def _write(self, dst: list[np.ndarray], i: int, obs, where: str) -> None:
+        got = check_observation(self._obs_leaves, obs)
+        if isinstance(got, str):
+            raise _Broken(f"{where}: {got}")
+        for d, x in zip(dst, got):
+            d[i] = x
+
+    def _reset_env(self, k: int, seed: int | None, dst: list[np.ndarray]) -> None:
+        raw = self._raws[k]
+        if self._parallel:
+            obs, _ = raw.reset(seed=seed)
+            self._last_obs[k] = obs
+        else:
+            raw.reset(seed=seed)
+        cols = self._columns(k)
+        self._gone[cols.start:cols.stop] = False
+        self._return[cols.start:cols.stop] = 0.0
+        self._length[cols.start:cols.stop] = 0
+        current = self._observations(k)
+        for j, i in enumerate(cols):
+            self._write(dst, i, current[self.agents[j]], "reset")
+
+    def _step_env(self, k: int, env_actions: list, dst, final_dst, reward_out, terminated_out, truncated_out,
+                  finished: list) -> None:
+        """Step env k once; its columns' outputs as ``step`` documents."""
+        raw, cols = self._raws[k], self._columns(k)
+        if self._parallel:
+            live = list(raw.agents)
+            obs, rewards, terms, truncs, _ = raw.step({a: env_actions[cols[self.agents.index(a)]] for a in live})
+            self._last_obs[k] = {a: o for a, o in obs.items() if not (terms.get(a) or truncs.get(a))}
+            moved = set(live)
+        else:
+            mover = raw.agent_selection
+            raw.step(env_actions[cols[self.agents.index(mover)]])
+            # A turn-based env hands the turn to agents that left so that they can be removed.
+            while raw.agents and not self._over(k) and (raw.terminations[raw.agent_selection]
+                                                        or raw.truncations[raw.agent_selection]):
+                raw.step(None)
+            obs = {a: raw.observe(a) for a in self.agents if a in raw.agents}
+            rewards, terms, truncs = raw.rewards, raw.terminations, raw.truncations
+            moved = {mover}
+        current = self._observations(k)
+        for j, a in enumerate(self.agents):
+            i = cols[j]
+            if self._gone[i]:
+                self.padding[i] = True
+                reward_out[i], terminated_out[i], truncated_out[i] = 0.0, False, True
+                for d, f in zip(dst, final_dst):
+                    f[i] = d[i]
+                continue
+            reward = float(rewards.get(a, 0.0))
+            problem = reward_problem(reward)
+            if problem is not None:
+                raise _Broken(f"agent {a!r}: {problem}")
+            term, trunc = bool(terms.get(a, True)), bool(truncs.get(a, False))
+            reward_out[i], terminated_out[i], truncated_out[i] = reward, term, trunc
+            self._return[i] += reward
+            self._length[i] += a in moved
+            if term or trunc:
+                final = self._column_obs(obs[a], j, False) if a in obs else current.get(a)
+                # Its padding steps (until the env resets) are taken in its last observation.
+                self._write(final_dst, i, final, "step")
+                self._write(dst, i, final, "step")
+                finished.append((i, float(self._return[i]), int(self._length[i])))
+                self._gone[i] = True
+            else:
+                self._write(dst, i, current[a], "step")
+        if self._over(k):
+            self._reset_env(k, None, dst)
+
+    # -- public
+
+    def reset(self, obs_out) -> None:
+        """Reset every env and write the B initial observations into ``obs_out[B, ...]``; the first
+        call seeds env k with ``base_seed + k * N``. Raises EnvError naming the envs that failed."""
+        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        self._last_obs: list[dict] = [{} for _ in self._raws]
+        failures = []
+        for k in range(len(self._raws)):
+            try:
+                self._reset_env(k, None if self._seeded else self.base_seed + self._columns(k).start, dst)
+            except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
+                failures.append((k, f"reset raised {_first_line(e)}"))
+        self._seeded = True
+        self._raise(failures, [])
+
+    def step(self, actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out
+             ) -> list[tuple[int, float, int]]:
+        """Step every env once (``EnvGroup.step``'s contract, per column) and reset those whose
+        agents have all left. ``self.padding[i]`` says whether column i's step was padding.
+
+        Returns ``(column, episode_return, episode_length)`` for each agent whose episode ended:
+        the sum of its rewards and the count of its own moves. An env that raised or returned a
+        bad value fails all its columns (``EnvError``: its first column in ``env_indices``,
+        ``recreate`` rebuilds the whole env; all its columns in ``failed_steps``)."""
+        B, n_leaves = self.n_envs, len(self._obs_leaves)
+        dst = _leaf_arrays(obs_out, B, n_leaves, "obs_out")
+        final_dst = _leaf_arrays(final_obs_out, B, n_leaves, "final_obs_out")
+        env_actions = self._to_env_actions(actions)
+        self.padding[:] = False
+        finished: list[tuple[int, float, int]] = []
+        failures: list[tuple[int, str]] = []
+        for k in range(len(self._raws)):
+            done_before = len(finished)
+            try:
+                self._step_env(k, env_actions, dst, final_dst, reward_out, terminated_out, truncated_out, finished)
+            except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
+                del finished[done_before:]
+                failures.append((k, f"step raised {_first_line(e)}" if not isinstance(e, _Broken) else str(e)))
+                for i in self._columns(k):
+                    reward_out[i], terminated_out[i], truncated_out[i] = 0.0, False, True
+                    for d, f in zip(dst, final_dst):
+                        f[i] = d[i]
+        self._raise(failures, finished, failed_steps=True)
+        return finished
+
+    def send(self, actions) -> None:
+        """The first half of a split step (``EnvGroup.send``)."""
+        if self._sent is not None:
+            raise RuntimeError("PettingZooGroup.send: the previous step was not received (call recv first)")
+        self._sent = actions
+
+    def recv(self, obs_out, reward_out, terminated_out, truncated_out, final_obs_out) -> list[tuple[int, float, int]]:
+        """``step`` with the actions ``send`` kept."""
+        if self._sent is None:
+            raise RuntimeError("PettingZooGroup.recv: no step was sent")
+        actions, self._sent = self._sent, None
+        return self.step(actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
+
+    def recreate(self, i: int, obs_out) -> None:
+        """Close the env of column i, build it anew, reset it (its k-th rebuild seeded
+        ``base_seed + first column + k * B``) and write its columns' observations into ``obs_out``."""
+        N = len(self.agents)
+        k = i // N
+        try:
+            self._raws[k].close()
+        except Exception:  # noqa: BLE001 - the old env is broken anyway; we only free it
+            pass
+        self._generation[k] += 1
+        self._raws[k] = _make_raw(self.cfg, self._kwargs)[0]
+        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        try:
+            self._reset_env(k, self.base_seed + k * N + self._generation[k] * self.n_envs, dst)
+        except Exception as e:  # noqa: BLE001 - the new env fails too: the sampler's error
+            raise EnvError(self._describe(k, f"after recreate: {_first_line(e)}"), (i,), []) from None
+
+    def _describe(self, k: int, problem: str) -> str:
+        return f"env {self.cfg.id!r} #{k} (columns {self._columns(k).start}..{self._columns(k).stop - 1}): {problem}"
+
+    def _raise(self, failures: list[tuple[int, str]], finished: list, failed_steps: bool = False) -> None:
+        if failures:
+            message = "; ".join(self._describe(k, p) for k, p in failures)
+            firsts = tuple(self._columns(k).start for k, _ in failures)
+            steps = tuple(i for k, _ in failures for i in self._columns(k)) if failed_steps else None
+            raise EnvError(message, firsts, finished, steps)
+
+
+class _Broken(Exception):
+    """An env returned a bad value (reward, observation); the message says which."""
