@@ -281,3 +281,35 @@ def test_a_truncated_table_segment_under_a_live_run_is_discarded_and_the_run_goe
     run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > int(last["env_steps"]) + 3_000
                  and int(run.progress()[-1]["updates"]) > int(last["updates"]), 60,
                  "the run to go on: env steps, and updates once the new table holds enough to sample")
+
+
+def restoring_child(run_id: str, snapshot: str) -> None:
+    """Restore the snapshot into shared memory (``RLPIPE_FAULT=replay.restore:<n>`` kills it midway)."""
+    ShmArena(run_id, 0, LAYOUT, snapshot=Path(snapshot))
+    os.kill(os.getpid(), 9)
+
+
+@pytest.mark.parametrize("cut", ["first segment", "last segment", "header not complete"])
+def test_a_replay_killed_in_the_middle_of_a_restore_comes_back_with_the_snapshot(run_id, tmp_path, caplog, cut):
+    """A kill after any file of the restore (the header last, its ``complete`` cell last of all):
+    the next start restores the snapshot again, never a table of zero tails taken for good."""
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    _run(table, 12)
+    table.arena.snapshot(tmp_path / "replay")
+    live, priorities, size = table.live.copy(), _priorities(table), table.size
+    table.arena.unlink()
+    files = len(list((tmp_path / "replay").glob("t.*")))
+    at = {"first segment": 1, "last segment": files, "header not complete": files + 1}[cut]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RLPIPE_FAULT=f"replay.restore:{at}")
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_replay_persist as t; "
+                           f"t.restoring_child({run_id!r}, {str(tmp_path / 'replay')!r})"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9 and shm.run_segments(run_id), proc.stderr  # killed with part of the table made
+    again = _table(ShmArena(run_id, 0, LAYOUT, snapshot=tmp_path / "replay"))
+    assert again.arena.restored and again.recovered["dropped"] == 0
+    assert again.size == size > 0
+    np.testing.assert_array_equal(again.live, live)
+    np.testing.assert_array_equal(_priorities(again), priorities)
+    if cut == "header not complete":
+        assert "not used (its construction did not finish): restoring the snapshot" in caplog.text, caplog.text
+    again.arena.unlink()
