@@ -224,6 +224,8 @@ def _launch(args) -> int:
     if result is None:
         print(f"run {run.dir} stopped after {took:.1f} s without a result")
         return 1
+    if result.get("error"):  # a run that could not go on (the watchdog's line)
+        print(f"rlpipe: {result['error']}", file=sys.stderr)
     print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
           f"{result['env_steps']} env steps, {result['updates']} updates, in {took:.1f} s")
     print(f"run directory: {run.dir}")
@@ -261,7 +263,8 @@ def _status(args) -> int:
     runner = backend.for_run(run_dir)
     if not runner.running(run_dir):
         result = rundirs.read_result(run_dir)
-        print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
+        ended = f"; ended ({result['reason']})" + (f": {result['error']}" if result.get("error") else "") if result else ""
+        print(f"{run_dir.name}: not running{ended}")
         code = 0
     else:
         code = runner.status(run_dir)
