@@ -135,7 +135,8 @@ def _check_watchdog(exp: Experiment) -> None:
         raise ConfigError(f"env.step_timeout_s = {limit:g}: must be under run.watchdog_s = {watchdog:g} "
                           "(the watchdog would kill the sampler before its env is interrupted)")
     wait_s = exp.sampler.timeout_ms / 1000.0
-    if exp.sampler.inference != "local" and wait_s + (limit or 0.0) >= watchdog:
+    server = resolve_inference(exp)[0].sampler.inference == "server"  # a local sampler waits on no action-server
+    if server and wait_s + (limit or 0.0) >= watchdog:
         raise ConfigError(f"run.watchdog_s = {watchdog:g}: must exceed sampler.timeout_ms = {exp.sampler.timeout_ms} "
                           f"({wait_s:g} s, a sampler's longest wait for actions without a heartbeat)"
                           + (f" plus env.step_timeout_s = {limit:g}" if limit else "")

@@ -113,7 +113,7 @@ class Watchdog:
             self.in_a_row[name] = self.in_a_row.get(name, 0) + 1
             if self.in_a_row[name] >= KILLS_TO_FAIL:
                 raise HungService(f"{name} hung {self.in_a_row[name]} times in a row (killed by the watchdog each "
-                                  f"time: no heartbeat for {silent:.0f} s, limit {limit:g} s, while {phase}); run "
+                                  f"time: no heartbeat for {silent:.1f} s, limit {limit:g} s, while {phase}); run "
                                   f"stopped. Its log: logs/{name}.log")
         return killed
 
@@ -142,8 +142,8 @@ def stop_run(run_dir: Path, server, why: str) -> None:
     tmp = run_dir / (RESULT + ".watchdog.tmp")
     tmp.write_text(json.dumps(result, indent=1))
     publish(tmp, run_dir / RESULT)
-    # supervisord's SIGTERM to this listener comes with stopAllProcesses: held until shutdown is asked too.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGHUP, signal.SIGINT})
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # supervisord's SIGTERM to this listener comes
+        signal.signal(sig, signal.SIG_IGN)  # with stopAllProcesses: it must not cut off the shutdown that follows
     server.stopAllProcesses(False)
     server.shutdown()
 
