@@ -202,3 +202,19 @@ def test_an_env_that_hangs_in_step_is_interrupted_and_its_sampler_ships_on(runs)
     assert metric_value(run.metrics(), "rlpipe_sampler_env_errors_total") == 1
     assert "step took longer than env.step_timeout_s = 1 s: interrupted" in run.logs("sampler0")
     assert run.status()["sampler0"] == ("RUNNING", pid)  # not restarted: neither a crash nor the watchdog
+
+
+def test_a_rank_waiting_on_rank_0_beats_as_long_as_rank_0_does(tmp_path, monkeypatch):
+    """A data-parallel rank > 0 blocked in a collective while rank 0 writes a checkpoint: its
+    heartbeat follows rank 0's (``heartbeat.following``), so neither is taken for hung."""
+    monkeypatch.setattr(heartbeat, "_map", None)  # this process publishes none after the test
+    heartbeat.start(tmp_path / "learner1")
+    leader = tmp_path / "learner0"
+    with heartbeat.following(leader, every_s=0.02):
+        assert math.isnan(heartbeat.read(tmp_path / "learner1").time)  # rank 0 has not beaten: nothing to follow
+        beat_at = time.monotonic()
+        leader.write_bytes(heartbeat._RECORD.pack(PID, b"writing a checkpoint", beat_at))
+        deadline = time.monotonic() + 10
+        while heartbeat.read(tmp_path / "learner1").time != beat_at:
+            assert time.monotonic() < deadline, "rank 1's heartbeat did not follow rank 0's"
+            time.sleep(0.02)

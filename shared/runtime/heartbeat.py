@@ -13,13 +13,15 @@ Until ``start``, ``beat()`` does nothing (serial mode, tests in one process).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
-from typing import NamedTuple
 import os
 import struct
+import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 DIR = "heartbeats"
 """The folder of a run's heartbeat files, in its socket directory (a tmpfs where there is one)."""
@@ -76,6 +78,32 @@ def read(path: Path) -> Beat | None:
         return None
     pid, name, t = _RECORD.unpack(data)
     return Beat(pid, t, name.rstrip(b"\0").decode(errors="replace"))
+
+
+@contextlib.contextmanager
+def following(leader: Path, every_s: float = 1.0):
+    """In the block, this process's heartbeat is kept at least as recent as the one at ``leader``
+    (read every ``every_s`` by a thread): for a data-parallel learner rank, which waits in the
+    group's collectives while rank 0 writes a checkpoint. The ranks move in lock-step, so a rank
+    that hangs stops rank 0 at the next collective, and both fall silent."""
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.wait(every_s):
+            theirs = read(leader)
+            if _map is None or theirs is None or math.isnan(theirs.time):
+                continue
+            (mine,) = _TIME.unpack_from(_map, _RECORD.size - _TIME.size)
+            if math.isnan(mine) or theirs.time > mine:
+                _TIME.pack_into(_map, _RECORD.size - _TIME.size, theirs.time)
+
+    thread = threading.Thread(target=follow, name="heartbeat-follow", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class BeatingWriter:
