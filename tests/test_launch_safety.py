@@ -213,11 +213,11 @@ def test_services_import_site_packages_before_the_launch_directory_and_only_its_
     """Launched from a directory holding the config's env module and a stray numpy.py: the
     services import the env module from there and numpy from site-packages; a config that names
     nothing there does not put it on their path."""
-    (tmp_path / "mylab_envs.py").write_text("import numpy\nLOADED_FROM = __file__\n"
-                                            "def make():\n    import gymnasium\n    return gymnasium.make('CartPole-v1')\n")
+    (tmp_path / "mylab_envs.py").write_text("import gymnasium\nimport numpy\nLOADED_FROM = __file__\n"
+                                            "def make():\n    return gymnasium.make('CartPole-v1')\n")
     (tmp_path / "numpy.py").write_text("raise SystemExit('the launch directory shadowed numpy')\n")
     os.chmod(tmp_path, 0o755)
-    assert plugins.IMPORT_DIR not in _service_env_in(monkeypatch, tmp_path)  # CartPole-v1: nothing of the launch directory
+    assert plugins.IMPORT_DIR not in _service_env_in(monkeypatch, tmp_path)  # CartPole-v1: nothing from there
     env = _service_env_in(monkeypatch, tmp_path, "env.id='mylab_envs:make'")
     assert env[plugins.IMPORT_DIR] == str(tmp_path) and str(tmp_path) not in env["PYTHONPATH"].split(os.pathsep)
     check = ("from shared.runtime.plugins import load_attribute; import numpy; load_attribute('mylab_envs:make', "

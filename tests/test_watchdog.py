@@ -152,7 +152,7 @@ def test_a_slow_env_is_not_killed_a_stopped_sampler_is_and_a_module_that_prints_
     import, in the watchdog too (which reads the run's config). Then sampler0 is SIGSTOPped: the
     watchdog kills it (its process group) and supervisord restarts it."""
     run = runs("cartpole_ppo.toml", "env.id='tests.noisy_envs_for_tests:make_slow_cartpole'", "sampler.envs=2",
-               "sampler.horizon=128", "run.watchdog_s=4", "run.target_return=1e9")
+               "sampler.horizon=128", "sampler.inference='local'", "run.watchdog_s=4", "run.target_return=1e9")
     pid = run.pid("sampler0")
     run.wait_steps(2 * 2 * 128, timeout=90)  # two segments: 20 s of a sampler busy in its env
     assert run.status()["sampler0"] == ("RUNNING", pid), run.logs("watchdog")
@@ -181,7 +181,8 @@ def test_a_service_the_watchdog_kills_three_times_in_a_row_stops_the_run_with_on
     """Each sampler0 hangs at its 50th env step (a 60 s sleep, no env.step_timeout_s): killed,
     restarted, hung again. At the third kill the run stops, result.json and `rlpipe status` say why."""
     run = runs("cartpole_ppo.toml", "env.id='tests.envs_for_tests:make_cartpole_failing_once'",
-               "env.kwargs='{\"mode\": \"sleep\", \"at\": 50}'", "run.watchdog_s=4", "run.target_return=1e9")
+               "env.kwargs='{\"mode\": \"sleep\", \"at\": 50}'", "sampler.inference='local'", "run.watchdog_s=4",
+               "run.target_return=1e9")
     result = run.wait_result(120)
     assert result["reason"] == "watchdog", result
     line = result["error"]

@@ -189,6 +189,7 @@ class ReplayService:
 
     def _make_table(self, spec):
         table = self.table_factory(spec)
+        heartbeat.phase("serving")  # after a restore from a snapshot, if there was one
         if table.recovered is not None:
             r = table.recovered
             log.warning("replay table re-attached after a restart: %s", json.dumps(r, sort_keys=True))
