@@ -219,3 +219,15 @@ def test_a_rank_waiting_on_rank_0_beats_as_long_as_rank_0_does(tmp_path, monkeyp
         while heartbeat.read(tmp_path / "learner1").time != beat_at:
             assert time.monotonic() < deadline, "rank 1's heartbeat did not follow rank 0's"
             time.sleep(0.02)
+
+
+def test_a_samplers_wait_for_the_learners_agent_is_bounded_and_says_what_it_waited_for(tmp_path, monkeypatch):
+    from services.sampler.__main__ import wait_for
+
+    monkeypatch.setattr(heartbeat, "_map", None)
+    heartbeat.start(tmp_path / "sampler0")
+    with pytest.raises(RuntimeError, match=r"^waited 0.2 s \(run.watchdog_startup_s\) for the learner's acting.json"):
+        wait_for("the learner's acting.json", lambda: None, 0.2)
+    beat = heartbeat.read(tmp_path / "sampler0")
+    assert beat.phase == "waiting for the learner's acting.json" and time.monotonic() - beat.time < 1.0
+    assert wait_for("a value", lambda: 7, 0.2) == 7

@@ -72,8 +72,8 @@ def wait_for(what: str, ready, limit_s: float):
     while not (value := ready()):
         now = time.monotonic()
         if now - t0 > limit_s:
-            raise RuntimeError(f"no {what} within {limit_s:g} s (run.watchdog_startup_s): is the learner "
-                               "building its agent? see logs/learner0.log")
+            raise RuntimeError(f"waited {limit_s:g} s (run.watchdog_startup_s) for {what}, in vain: is the "
+                               "learner building its agent? see logs/learner0.log")
         if now - t_note > NOTE_S:
             log.info("waiting for %s (%.0f s so far, at most %g s)", what, now - t0, limit_s)
             t_note = now

@@ -26,8 +26,8 @@ from typing import NamedTuple
 DIR = "heartbeats"
 """The folder of a run's heartbeat files, in its socket directory (a tmpfs where there is one)."""
 
-_RECORD = struct.Struct("<q32sd")  # pid, phase (UTF-8, NUL-padded), monotonic time of the latest beat (NaN: none yet)
-_PHASE = struct.Struct("<32s")
+_RECORD = struct.Struct("<q64sd")  # pid, phase (UTF-8, NUL-padded), monotonic time of the latest beat (NaN: none yet)
+_PHASE = struct.Struct("<64s")
 _TIME = struct.Struct("<d")
 _map: mmap.mmap | None = None
 
