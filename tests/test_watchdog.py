@@ -189,6 +189,7 @@ def test_a_service_the_watchdog_kills_three_times_in_a_row_stops_the_run_with_on
     assert line.startswith("sampler0 hung 3 times in a row") and "limit 4 s, while sampling" in line, line
     assert run.logs("watchdog").count("killed (SIGKILL") == 3
     run.wait_for(lambda: not backend.for_run(run.dir).running(run.dir), 30, "the run's processes to end")
+    assert run.segments() == []  # the hung sampler's too, though it was killed
     status = rlpipe_here("status", str(run.dir))
     assert f"not running; ended (watchdog): {line}" in status.stdout, status.stdout
 

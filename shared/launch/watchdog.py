@@ -45,7 +45,8 @@ from shared.launch import supervisor
 from shared.launch.rundirs import read_progress
 from shared.runtime import heartbeat, metrics
 from shared.runtime.files import publish
-from shared.runtime.process import RUN_CONFIG, install_signal_handlers, setup_logging
+from shared.runtime.process import RUN_CONFIG, install_signal_handlers, run_id_of, setup_logging
+from shared.transport import shm
 
 log = logging.getLogger("shared.launch.watchdog")
 
@@ -58,6 +59,10 @@ RESULT = "result.json"  # the learner's, which the run's followers end at
 
 class HungService(Exception):
     """A service the watchdog killed KILLS_TO_FAIL times in a row; ``str()`` is the line that says so."""
+
+    def __init__(self, process: str, line: str):
+        super().__init__(line)
+        self.process = process
 
 
 def overdue(now: float, pid: int, beat: heartbeat.Beat | None, seen_at: float, deadline_s: float,
@@ -112,7 +117,7 @@ class Watchdog:
             killed.append((name, pid, silent))
             self.in_a_row[name] = self.in_a_row.get(name, 0) + 1
             if self.in_a_row[name] >= KILLS_TO_FAIL:
-                raise HungService(f"{name} hung {self.in_a_row[name]} times in a row (killed by the watchdog each "
+                raise HungService(name, f"{name} hung {self.in_a_row[name]} times in a row (killed by the watchdog each "
                                   f"time: no heartbeat for {silent:.1f} s, limit {limit:g} s, while {phase}); run "
                                   f"stopped. Its log: logs/{name}.log")
         return killed
@@ -131,9 +136,11 @@ def kill_group(pid: int) -> bool:
     return True
 
 
-def stop_run(run_dir: Path, server, why: str) -> None:
-    """End the run for ``why`` (one line): result.json first (reason "watchdog", ``error``: the
-    line; the counts of the last progress row), then every process of the run, supervisord last."""
+def stop_run(run_dir: Path, server, hung: HungService) -> None:
+    """End the run for ``hung``: result.json first (reason "watchdog", ``error``: its line; the
+    counts of the last progress row), then every process of the run, supervisord last, and the
+    segments the hung process's last incarnation left (the others unlink theirs as they exit)."""
+    why = str(hung)
     rows = read_progress(run_dir)
     last = rows[-1] if rows else {}
     result = {"reason": "watchdog", "error": why, "env_steps": int(last.get("env_steps") or 0),
@@ -146,6 +153,10 @@ def stop_run(run_dir: Path, server, why: str) -> None:
         signal.signal(sig, signal.SIG_IGN)  # with stopAllProcesses: it must not cut off the shutdown that follows
     server.stopAllProcesses(False)
     server.shutdown()
+    prefix = f"{shm.PREFIX}{run_id_of(run_dir)}-{hung.process}-"
+    for path in shm.run_segments(run_id_of(run_dir)):
+        if path.name.startswith(prefix):
+            path.unlink(missing_ok=True)
 
 
 def main(argv=None) -> None:
@@ -176,7 +187,7 @@ def main(argv=None) -> None:
         except HungService as e:
             log.error("%s", e)
             childutils.listener.ok(protocol)
-            stop_run(run_dir, server, str(e))
+            stop_run(run_dir, server, e)
             return
         childutils.listener.ok(protocol)
 
