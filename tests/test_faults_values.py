@@ -241,7 +241,7 @@ def test_a_loss_that_is_always_nan_ends_the_run_failed_with_one_line(tmp_path):
     assert result["skipped_updates"] == result["updates"] == 5
     assert int(rundirs.read_progress(run_dir)[-1]["skipped_updates"]) == 5
     status = rlpipe_here("status", str(run_dir)).stdout.splitlines()
-    assert status[:3] == [f"{run_dir.name}: not running; ended (failed)", f"failed: {error}",
+    assert status[:2] == [f"{run_dir.name}: not running; ended (failed): {error}",
                           "skipped updates: 5 of 5 learned nothing (every gradient step skipped: loss or gradient "
                           "norm not finite)"]
     killed, removed = supervisor.clean(run_dir)

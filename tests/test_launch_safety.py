@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from shared.transport import auth
-from shared.config import endpoints, loading
+from shared.config import endpoints, loading, schema
 from shared.launch import rundirs, supervisor
+from shared.runtime import plugins
 from shared.runtime.process import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe
 
@@ -197,3 +198,42 @@ def test_runs_dir_must_be_ours_and_run_directories_are_private(tmp_path, private
         os.chown(runs, 12345, 12345)
         with pytest.raises(PermissionError, match="owner uid 12345"):
             rundirs.make_run_dir(exp)
+
+
+def _service_env_in(monkeypatch, where: Path, *overrides: str) -> dict:
+    """The services' import path of a run launched from ``where`` (the launcher, as `python -m
+    shared.launch.cli` there, imports the config's modules from it)."""
+    monkeypatch.chdir(where)
+    monkeypatch.syspath_prepend(str(where))
+    return rundirs.service_env(loading.load(CONFIGS / "cartpole_ppo.toml", list(overrides)))
+
+
+def test_services_import_site_packages_before_the_launch_directory_and_only_its_named_modules(tmp_path,
+                                                                                            monkeypatch):
+    """Launched from a directory holding the config's env module and a stray numpy.py: the
+    services import the env module from there and numpy from site-packages; a config that names
+    nothing there does not put it on their path."""
+    (tmp_path / "mylab_envs.py").write_text("import gymnasium\nimport numpy\nLOADED_FROM = __file__\n"
+                                            "def make():\n    return gymnasium.make('CartPole-v1')\n")
+    (tmp_path / "numpy.py").write_text("raise SystemExit('the launch directory shadowed numpy')\n")
+    os.chmod(tmp_path, 0o755)
+    assert plugins.IMPORT_DIR not in _service_env_in(monkeypatch, tmp_path)  # CartPole-v1: nothing from there
+    env = _service_env_in(monkeypatch, tmp_path, "env.id='mylab_envs:make'")
+    assert env[plugins.IMPORT_DIR] == str(tmp_path) and str(tmp_path) not in env["PYTHONPATH"].split(os.pathsep)
+    check = ("from shared.runtime.plugins import load_attribute; import numpy; load_attribute('mylab_envs:make', "
+             "'env.id'); import mylab_envs; print(numpy.__file__, mylab_envs.LOADED_FROM)")
+    out = subprocess.run([sys.executable, "-c", check], cwd="/", env={**os.environ, **env}, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    numpy_file, module_file = out.stdout.split()
+    assert "site-packages" in numpy_file and module_file == str(tmp_path / "mylab_envs.py")
+
+
+def test_a_launch_directory_other_users_can_write_to_is_refused_where_the_config_imports_from_it(tmp_path,
+                                                                                                   monkeypatch):
+    (tmp_path / "mylab_envs.py").write_text("def make():\n    pass\n")
+    os.chmod(tmp_path, 0o775)
+    with pytest.raises(schema.ConfigError, match=r"^env.id = 'mylab_envs:make': module 'mylab_envs' would be "
+                       r"imported from the launch directory, .* can be written by other users"):
+        _service_env_in(monkeypatch, tmp_path, "env.id='mylab_envs:make'")
+    assert plugins.IMPORT_DIR not in _service_env_in(monkeypatch, tmp_path)  # nothing imported from there: no objection

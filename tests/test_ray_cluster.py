@@ -149,7 +149,7 @@ def test_an_actor_reports_its_spent_restart_cap_and_its_log_rotates(tmp_path, mo
     script = textwrap.dedent(f"""
         import time
         from shared.launch.ray_backend import ServiceActor
-        ServiceActor("nosuch", 0, {str(tmp_path)!r}, False, {os.getcwd()!r})
+        ServiceActor("nosuch", 0, {str(tmp_path)!r}, False, {{"PYTHONPATH": {os.getcwd()!r}}})
         time.sleep(30)  # the actor's watcher ends this process when its service fails
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

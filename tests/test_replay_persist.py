@@ -266,6 +266,33 @@ def test_a_stopped_run_resumes_with_its_replay_table_and_checkpoint(runs):
     assert again.returncode == 2 and "is running: nothing to resume" in again.stderr
 
 
+def test_a_resumed_run_whose_replay_was_killed_in_the_middle_of_a_restore_comes_back_with_the_snapshot(runs):
+    """A stopped run's snapshot is restored into /dev/shm by a process killed before the header's
+    ``complete`` cell (what a replay killed mid-restore leaves); `rlpipe launch --resume`: the
+    live replay discards the incomplete table, says so, and restores the snapshot whole."""
+    run = runs("cartpole_dqn.toml", "replay.snapshot_interval_s=1", "run.target_return=1e9")
+    run.wait_steps(6_000, timeout=60)
+    time.sleep(1.5)  # a snapshot with those steps
+    assert rlpipe_here("stop", str(run.dir)).returncode == 0
+    snapshot = run.dir / "replay"
+    layout = int(np.fromfile(snapshot / "table", np.int64)[2])  # the header's fingerprint cell
+    cut = len(list(snapshot.glob("t.*"))) + 1  # every segment copied, the header not complete
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RLPIPE_FAULT=f"replay.restore:{cut}")
+    script = ("from pathlib import Path; from shared.replay.arena import ShmArena; "
+              f"ShmArena({run.id!r}, 0, {layout}, snapshot=Path({str(snapshot)!r}))")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == -9 and f"rlpipe-{run.id}-replay0-table" in run.segments(), proc.stderr
+    out = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+    assert out.returncode == 0, out.stderr
+    line = run.wait_for(lambda: re.search(r"re-attached after a restart: (\{.*\})", run.logs("replay")), 30,
+                        "the resumed replay to restore its table")
+    log = run.logs("replay")
+    assert "not used (its construction did not finish): restoring the snapshot" in log, log
+    restored = json.loads(line.group(1))
+    assert "restored from the snapshot" in log and restored["size"] > 4_000, restored
+
+
 def test_a_truncated_table_segment_under_a_live_run_is_discarded_and_the_run_goes_on(runs):
     """Replay's table segment cut short while it is down: the restarted replay starts an empty
     table (it refused every sampler's hello before, and the run made no progress again)."""
@@ -281,3 +308,35 @@ def test_a_truncated_table_segment_under_a_live_run_is_discarded_and_the_run_goe
     run.wait_for(lambda: int(run.progress()[-1]["env_steps"]) > int(last["env_steps"]) + 3_000
                  and int(run.progress()[-1]["updates"]) > int(last["updates"]), 60,
                  "the run to go on: env steps, and updates once the new table holds enough to sample")
+
+
+def restoring_child(run_id: str, snapshot: str) -> None:
+    """Restore the snapshot into shared memory (``RLPIPE_FAULT=replay.restore:<n>`` kills it midway)."""
+    ShmArena(run_id, 0, LAYOUT, snapshot=Path(snapshot))
+    os.kill(os.getpid(), 9)
+
+
+@pytest.mark.parametrize("cut", ["first segment", "last segment", "header not complete"])
+def test_a_replay_killed_in_the_middle_of_a_restore_comes_back_with_the_snapshot(run_id, tmp_path, caplog, cut):
+    """A kill after any file of the restore (the header last, its ``complete`` cell last of all):
+    the next start restores the snapshot again, never a table of zero tails taken for good."""
+    table = _table(ShmArena(run_id, 0, LAYOUT))
+    _run(table, 12)
+    table.arena.snapshot(tmp_path / "replay")
+    live, priorities, size = table.live.copy(), _priorities(table), table.size
+    table.arena.unlink()
+    files = len(list((tmp_path / "replay").glob("t.*")))
+    at = {"first segment": 1, "last segment": files, "header not complete": files + 1}[cut]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RLPIPE_FAULT=f"replay.restore:{at}")
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_replay_persist as t; "
+                           f"t.restoring_child({run_id!r}, {str(tmp_path / 'replay')!r})"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9 and shm.run_segments(run_id), proc.stderr  # killed with part of the table made
+    again = _table(ShmArena(run_id, 0, LAYOUT, snapshot=tmp_path / "replay"))
+    assert again.arena.restored and again.recovered["dropped"] == 0
+    assert again.size == size > 0
+    np.testing.assert_array_equal(again.live, live)
+    np.testing.assert_array_equal(_priorities(again), priorities)
+    if cut == "header not complete":
+        assert "not used (its construction did not finish): restoring the snapshot" in caplog.text, caplog.text
+    again.arena.unlink()

@@ -77,6 +77,11 @@ def test_off_arms_nothing():
 @pytest.mark.parametrize("overrides, mentions", [
     (["env.step_timeout_s=-1"], "env.step_timeout_s: must be >= 0 seconds"),
     (["env.step_timeout_s=60", "run.watchdog_s=30"], "must be under run.watchdog_s = 30"),
+    (["sampler.inference='server'", "run.watchdog_s=4"],
+     "run.watchdog_s = 4: must exceed sampler.timeout_ms = 5000 (5 s, a sampler's longest wait for actions"),
+    (["sampler.inference='server'", "sampler.timeout_ms=2000", "env.step_timeout_s=3", "run.watchdog_s=4"],
+     "must exceed sampler.timeout_ms = 2000 (2 s, a sampler's longest wait for actions without a heartbeat) plus "
+     "env.step_timeout_s = 3"),
     (["env.step_timeout_s=1", "env.backend='envpool'"], "env.backend = 'envpool' steps its envs in C++ threads"),
 ])
 def test_a_limit_that_cannot_work_is_one_line_at_load(overrides, mentions):

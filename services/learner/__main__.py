@@ -1,18 +1,20 @@
 """python -m services.learner --run-dir RUN --instance RANK"""
 
+import contextlib
 import logging
 
 import zmq
 
 from services.learner.learner import Learner, run_loop
 from services.learner.transport import PublishedParams, RemoteBatches, Unpublished
+from shared.runtime import heartbeat
 from shared.runtime import metrics as metrics_mod
 from shared.transport import ranks
 from shared.transport import shm
 from shared.agents.acting import write_acting_file
 from shared.agents.actor import acting_plan
 from shared.transport.auth import read_secret
-from shared.config.endpoints import endpoint
+from shared.config.endpoints import endpoint, socket_dir
 from services.build import batch_items, batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.transport.params import ParamWriter
 from shared.runtime.process import run_id_of, torch_device
@@ -65,8 +67,12 @@ def run(exp, run_dir, instance: int) -> None:
     log.info("learner%s: %s on %s, %d item(s) a batch, starting at version %d",
              "" if group is None else f" rank {instance} of {group.world}", exp.algo_name, device,
              batch_items(exp), learner.version)
+    # A rank > 0 waits in the group's collectives while rank 0 checkpoints: alive as long as rank 0 is.
+    beats = contextlib.nullcontext() if group is None or group.rank == 0 else \
+        heartbeat.following(socket_dir(run_dir) / heartbeat.DIR / "learner0")
     try:
-        result = run_loop(learner, slots, source, params)
+        with beats:
+            result = run_loop(learner, slots, source, params)
         log.info("run finished: %s", result)
     finally:
         learner.progress.close()  # also when stopped: the W&B run ends here, not in an exit hook

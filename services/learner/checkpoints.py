@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from shared.runtime import heartbeat
 from shared.runtime.files import fsync_dir
 
 log = logging.getLogger("services.learner.learner")
@@ -35,7 +36,7 @@ class Checkpoints:
         tmp = path.with_suffix(".tmp")
         try:
             with tmp.open("wb") as f:  # a file, not a path: a full disk is then an OSError, not torch's RuntimeError
-                torch.save(state, f)
+                torch.save(state, heartbeat.BeatingWriter(f))  # a large model's save is progress, not a hang
                 f.flush()
                 os.fsync(f.fileno())  # on the disk before a name points at it
         except (OSError, RuntimeError) as e:

@@ -234,11 +234,14 @@ class Learner:
             log.error("learner: not checkpointing version %d: %s not finite; the last checkpoint stays",
                       self.version, ", ".join(bad[:3]))
             return
+        heartbeat.phase("writing a checkpoint")
         try:
             self.checkpoints.save({**state, "version": self.version, **self.progress.state()})
         except OSError as e:  # a full disk: the checkpoints so far stay, the next interval tries again
             self.errors.failed("checkpoint", e)
             return
+        finally:
+            heartbeat.phase("training")
         self.errors.ok("checkpoint")
 
     def resume(self) -> bool:
@@ -328,6 +331,7 @@ def non_finite(state, prefix: str = "") -> list[str]:
 def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSink) -> dict:
     """Train until the run is finished; returns the result. ``params``: a sink that publishes
     nothing on ranks other than 0."""
+    heartbeat.phase("training")
     if learner.group is not None:
         learner.stopping.decide()
     params.publish(learner.version, learner.env_steps)

@@ -189,6 +189,7 @@ class ReplayService:
 
     def _make_table(self, spec):
         table = self.table_factory(spec)
+        heartbeat.phase("serving")  # after a restore from a snapshot, if there was one
         if table.recovered is not None:
             r = table.recovered
             log.warning("replay table re-attached after a restart: %s", json.dumps(r, sort_keys=True))
@@ -417,11 +418,14 @@ class ReplayService:
     def snapshot(self) -> None:
         """Copy the table to the snapshot directory (between operations: the loop calls it)."""
         t0 = time.monotonic()
+        heartbeat.phase("writing a table snapshot")
         try:
             self.table.arena.snapshot(self.snapshot_dir)
         except OSError as e:  # a full disk: the table and the previous snapshot stay, the next interval tries again
             self.errors.failed("table snapshot", e)
             return
+        finally:
+            heartbeat.phase("serving")
         self.errors.ok("table snapshot")
         log.info("table snapshot (%d items) written to %s in %.2f s", self.table.size, self.snapshot_dir,
                  time.monotonic() - t0)
@@ -429,6 +433,7 @@ class ReplayService:
     def run(self, should_stop=lambda: False) -> None:
         last_check = last_snapshot = time.monotonic()
         every = self.cfg.snapshot_interval_s
+        heartbeat.phase("serving")
         while not should_stop():
             heartbeat.beat()
             self.m.time.to("idle")

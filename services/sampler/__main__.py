@@ -8,6 +8,7 @@ import zmq
 
 from services.sampler.sampler import Sampler, run_loop
 from services.sampler.transport import RemoteActions, RemoteSink
+from shared.runtime import heartbeat
 from shared.runtime import metrics as metrics_mod
 from shared.transport import shm
 from shared.transport import wire
@@ -22,6 +23,7 @@ from services.topology import Topology, topology
 log = logging.getLogger("services.sampler")
 POLL_S = 0.02  # waiting for the learner's first publication at start-up
 NOTE_S = 10.0  # a note in the log this often while the learner is not there
+ACTING_WAIT_S = 300.0  # the longest wait for the learner's agent where run.watchdog_startup_s = 0
 
 
 def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, ctx: zmq.Context):
@@ -43,12 +45,13 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
                        on_bad=metrics_mod.bad_message_counter(sampler.metrics), subscribe=wire.topic("params_data"))
         return ParamStream(target, sub)
 
-    published = wait_for("the learner's acting.json", lambda: read_acting_file(run_dir))
+    limit_s = exp.run.watchdog_startup_s or ACTING_WAIT_S
+    published = wait_for("the learner's acting.json", lambda: read_acting_file(run_dir), limit_s)
     if published["plan"] is not None:
         state = StateArrays(published["spec"])
         act = numpy_actor(published["plan"], state.arrays, exp.agent, np.random.default_rng(seed))
         params = follow(state)
-        wait_for("the learner's first parameter version", params.poll)  # it follows acting.json at once
+        wait_for("the learner's first parameter version", params.poll, limit_s)  # it follows acting.json at once
     else:
         from shared.agents.actor import Actor, seed_torch
 
@@ -60,13 +63,21 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
     return LocalActions(act, sampler, params, topo.total_envs)
 
 
-def wait_for(what: str, ready):
-    """``ready()``'s first true value, polled; a note in the log every NOTE_S while waiting."""
-    t_note = time.monotonic()
+def wait_for(what: str, ready, limit_s: float):
+    """``ready()``'s first true value, polled, beating the heartbeat with its phase "waiting for
+    <what>"; a note in the log every NOTE_S while waiting; RuntimeError after ``limit_s``
+    (supervisord restarts the sampler, the note says where to look)."""
+    heartbeat.phase(f"waiting for {what}")
+    t0 = t_note = time.monotonic()
     while not (value := ready()):
-        if time.monotonic() - t_note > NOTE_S:
-            log.info("waiting for %s", what)
-            t_note = time.monotonic()
+        now = time.monotonic()
+        if now - t0 > limit_s:
+            raise RuntimeError(f"waited {limit_s:g} s (run.watchdog_startup_s) for {what}, in vain: is the "
+                               "learner building its agent? see logs/learner0.log")
+        if now - t_note > NOTE_S:
+            log.info("waiting for %s (%.0f s so far, at most %g s)", what, now - t0, limit_s)
+            t_note = now
+        heartbeat.beat()
         time.sleep(POLL_S)
     return value
 

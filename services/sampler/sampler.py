@@ -146,6 +146,7 @@ class Sampler:
         versions = []
         groups = list(enumerate(zip(self.groups, self.envs)))
         for t in range(self.cfg.horizon):
+            heartbeat.beat()  # a step, not a segment, is the grain of progress: a slow env's segment may take minutes
             sent = []
             for g, (cols, env) in groups:
                 version = first[g] if t == 0 else actions.wait(g)  # in the acting phase since its request
@@ -245,6 +246,7 @@ class Sampler:
 
 
 def run_loop(sampler: Sampler, actions: ActionSource, sink: SegmentSink, should_stop=lambda: False) -> None:
+    heartbeat.phase("sampling")
     sampler.start(actions)
     while not should_stop():
         heartbeat.beat()

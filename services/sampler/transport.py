@@ -27,6 +27,7 @@ HELLO_GIVE_UP_S = 300.0
 """Seconds a sampler says hello to its action-server without a welcome before it gives up
 with an error (an action-server's start-up, torch and CUDA included, is far shorter)."""
 RELEASE_GIVE_UP_S = 300.0
+BEAT_MS = 1000  # the longest piece of a wait for replay's releases between two heartbeats
 """Seconds a sampler waits for replay to release anything (reconnecting meanwhile) before it
 gives up with an error; generous: a learner restarting after a kill holds releases back too."""
 
@@ -235,10 +236,13 @@ class RemoteSink:
         deadline = time.monotonic() + timeout_ms / 1000.0
         got = False
         while True:
+            heartbeat.beat()  # waiting on a live replay (back-pressure) is not a hang: beat a second at least
             remaining = 0 if got else max(0.0, (deadline - time.monotonic()) * 1000.0)
-            reply = self.ep.recv(remaining)
+            reply = self.ep.recv(min(remaining, BEAT_MS))
             if reply is None:
-                return got
+                if got or remaining <= BEAT_MS:
+                    return got
+                continue
             msg = reply[1]
             if msg.type == "release":
                 self.in_flight.pop(msg.body["index"], None)

@@ -115,10 +115,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
         if not 0 <= port <= 65535 or (name == "network.base_port" and port == 0):
             raise ConfigError(f"{name} = {port}: must be in 1..65535" + (" (0 = off)" if "metrics" in name else ""))
     _check_placement(exp)
-    limit = exp.env.step_timeout_s
-    if limit and exp.run.watchdog_s and limit >= exp.run.watchdog_s:
-        raise ConfigError(f"env.step_timeout_s = {limit:g}: must be under run.watchdog_s = {exp.run.watchdog_s:g} "
-                          "(the watchdog would kill the sampler before its env is interrupted)")
+    _check_watchdog(exp)
     try:
         validate_env_config(exp.env)
     except ValueError as e:
@@ -143,6 +140,27 @@ def _check_agent_columns(exp: Experiment) -> None:
         what = f"2 groups of {n} agents" if groups == 2 else f"{n} agents"
         raise ConfigError(f"sampler.envs = {exp.sampler.envs}: {exp.env.id!r} has {n} agents, one column each; "
                           f"it must be a multiple of {n * groups} ({what}" + (", alternating)" if groups == 2 else ")"))
+
+
+def _check_watchdog(exp: Experiment) -> None:
+    """``run.watchdog_s`` must cover the longest turn of a service's loop without a heartbeat that
+    the config decides: one env step (cut at ``env.step_timeout_s``) and one wait for actions
+    (``sampler.timeout_ms``, where an action-server acts). A sampler beats every step and every
+    wait, so neither ``sampler.horizon`` nor the segments' back-pressure adds to it."""
+    watchdog = exp.run.watchdog_s
+    if not watchdog:
+        return
+    limit = exp.env.step_timeout_s
+    if limit and limit >= watchdog:
+        raise ConfigError(f"env.step_timeout_s = {limit:g}: must be under run.watchdog_s = {watchdog:g} "
+                          "(the watchdog would kill the sampler before its env is interrupted)")
+    wait_s = exp.sampler.timeout_ms / 1000.0
+    server = resolve_inference(exp)[0].sampler.inference == "server"  # a local sampler waits on no action-server
+    if server and wait_s + (limit or 0.0) >= watchdog:
+        raise ConfigError(f"run.watchdog_s = {watchdog:g}: must exceed sampler.timeout_ms = {exp.sampler.timeout_ms} "
+                          f"({wait_s:g} s, a sampler's longest wait for actions without a heartbeat)"
+                          + (f" plus env.step_timeout_s = {limit:g}" if limit else "")
+                          + "; raise run.watchdog_s or lower sampler.timeout_ms")
 
 
 def _check_sequences(exp: Experiment) -> None:

@@ -49,8 +49,10 @@ class RunConfig:
     watchdog_s: float = 60.0
     """A service whose loops have not turned (its heartbeat, ``shared.runtime.heartbeat``) for this
     many seconds is hung (an env stuck in ``step()``, a stopped process): the run's watchdog kills it
-    with SIGKILL and supervisord restarts it (``shared.launch.watchdog``, supervisord runs only). It
-    must exceed the longest turn of a service's loop (a learner's update, a replay snapshot). 0: off."""
+    with SIGKILL and supervisord restarts it; 3 kills in a row of one service stop the run
+    (``shared.launch.watchdog``, supervisord runs only). It must exceed the longest turn of a
+    service's loop without a beat: a learner's update, one env step, a wait for actions (the last
+    two checked at load; a sampler beats every step, a snapshot or restore every 16 MB). 0: off."""
     watchdog_startup_s: float = 300.0
     """Start-up grace: how long the watchdog lets a service run before its loops first turn
     (imports, building the agent, restoring a checkpoint or a replay table)."""

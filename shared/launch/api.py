@@ -85,6 +85,7 @@ def launch(exp: Experiment | str | Path | dict, backend: str = "supervisord", *,
     _check_backend(backend)
     exp, why = checks.resolve_inference(checks.resolve_max_count(experiment(exp, check_ports=True)))
     _check_space(exp, backend, Path(exp.run.runs_dir))
+    rundirs.service_env(exp)  # the launch directory's modules: ConfigError before anything is made
     return _start(Run(rundirs.make_run_dir(exp), exp, backend, why, fresh=True), wait)
 
 

@@ -269,6 +269,8 @@ def _start_and_follow(args) -> int:
     if result["reason"] == "failed":
         print(f"rlpipe: run {run.dir} failed after {result['env_steps']} env steps: {result['error']}", file=sys.stderr)
         return 1
+    if result.get("error"):  # a run that could not go on (the watchdog's line)
+        print(f"rlpipe: {result['error']}", file=sys.stderr)
     print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
           f"{result['env_steps']} env steps, {result['updates']} updates, in {result['wall_s']:.1f} s")
     print(f"run directory: {run.dir}")
@@ -306,9 +308,8 @@ def _status(args) -> int:
     runner = backend.for_run(run_dir)
     if not runner.running(run_dir):
         result = rundirs.read_result(run_dir)
-        print(f"{run_dir.name}: not running" + (f"; ended ({result['reason']})" if result else ""))
-        if result and result.get("error"):
-            print(f"failed: {result['error']}")
+        ended = f"; ended ({result['reason']})" + (f": {result['error']}" if result.get("error") else "") if result else ""
+        print(f"{run_dir.name}: not running{ended}")
         code = 0
     else:
         code = runner.status(run_dir)

@@ -123,7 +123,7 @@ def write_line(handler: logging.Handler, text: str) -> None:
 class ServiceActor:
     """One service instance: its process as this actor's child (module doc)."""
 
-    def __init__(self, service: str, instance: int, run_dir: str, restart_on_success: bool, pythonpath: str):
+    def __init__(self, service: str, instance: int, run_dir: str, restart_on_success: bool, environment: dict):
         os.umask(PRIVATE_UMASK)  # this worker process is the actor's alone: its log files are private
         self.name, self.restart_on_success, self.stopping = f"{service}{instance}", restart_on_success, False
         logs = Path(run_dir) / "logs"
@@ -132,7 +132,7 @@ class ServiceActor:
         if self.restarts:
             write_line(self.log, f"rlpipe: actor {self.name} restarted by Ray ({self.restarts} of {MAX_RESTARTS})\n")
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(Path(run_dir) / "metrics"), "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": pythonpath}  # the launcher's: the config's module:attribute references import
+               **environment}  # the launcher's import path (rundirs.service_env)
         env.pop(TOKEN_ENV, None)  # the cluster's token: the services never talk to Ray
         self.child = subprocess.Popen(
             [sys.executable, "-m", f"services.{service}", "--run-dir", run_dir, "--instance", str(instance)],
@@ -185,7 +185,7 @@ def start(exp, run_dir: Path, target: str = "ray") -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from shared.launch.rundirs import programs, python_path
+    from shared.launch.rundirs import programs, service_env
 
     namespace = f"rlpipe-{run_dir.name}"
     _connect(parse_target(target), namespace)
@@ -208,7 +208,7 @@ def start(exp, run_dir: Path, target: str = "ray") -> None:
             else {"resources": {label: 0.001}}
         actors.append(remote.options(name=f"{service}{i}", lifetime="detached", max_restarts=MAX_RESTARTS,
                                      num_cpus=0, num_gpus=gpu, **where)
-                      .remote(service, i, str(run_dir), autorestart == "true", python_path()))
+                      .remote(service, i, str(run_dir), autorestart == "true", service_env(exp)))
     try:
         ray.get([a.info.remote() for a in actors], timeout=START_TIMEOUT_S)  # every service started
     except ray.exceptions.GetTimeoutError:

@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import secrets
 from datetime import datetime
 from pathlib import Path
 from shared.config import endpoints, loading
 from shared.launch import provenance
 from shared.transport.auth import write_curve_keys, write_secret
-from shared.config.schema import Experiment
+from shared.config.schema import ConfigError, Experiment
 from shared.agents.acting import ACTING_FILE
 from shared.runtime.files import read_csv
+from shared.runtime.plugins import IMPORT_DIR
 from shared.runtime.process import PRIVATE_UMASK, RUN_CONFIG, check_own_dir
 
 
@@ -130,10 +133,43 @@ def read_result(run_dir: Path) -> dict | None:
         return None
 
 
-def python_path() -> str:
-    """The ``PYTHONPATH`` a run's services start with: this process's working directory, then
-    its own ``PYTHONPATH``. A config's ``module:attribute`` references (``algo.name``,
-    ``model.encoder``, ``env.id``) name modules importable where ``rlpipe launch`` runs; the
-    services run in the run directory and import them through this."""
+CODE_ROOT = Path(__file__).resolve().parents[2]
+"""Where rlpipe's own packages (``shared``, ``services``) are: a checkout, or site-packages."""
+
+_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")  # "module:attribute" (not a URL, not a path)
+
+
+def service_env(exp: Experiment) -> dict[str, str]:
+    """The import path of a run's services: ``PYTHONPATH`` holds rlpipe's own code (``CODE_ROOT``:
+    the services run the launcher's code, from a checkout too), then the user's own ``PYTHONPATH``;
+    site-packages comes next, before anything of the launch directory. The launch directory is
+    added (``plugins.IMPORT_DIR``, at the end of ``sys.path``) only where a ``module:attribute``
+    of the config names a module found there, and only if no other user can write to it
+    (``check_own_dir``): launched from /tmp or a group-writable directory, another user's
+    ``numpy.py`` there would otherwise run in every service. ConfigError naming the field and
+    the fix where the directory fails that check."""
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return os.pathsep.join(dict.fromkeys([os.getcwd(), *extra]))
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(CODE_ROOT), *extra]))}
+    here = Path.cwd()
+    for field, ref in _references(dataclasses.asdict(exp)):
+        top = ref.partition(":")[0].split(".")[0]
+        if here == CODE_ROOT or not ((here / f"{top}.py").is_file() or (here / top).is_dir()):
+            continue
+        try:
+            check_own_dir(here, "", shared_ok=True)
+        except PermissionError as e:
+            raise ConfigError(f"{field} = {ref!r}: module {top!r} would be imported from the launch directory, "
+                              f"{str(e).rstrip(': ')}; launch from a directory only you can write to (or `chmod "
+                              "go-w` it)") from None
+        env[IMPORT_DIR] = str(here)
+    return env
+
+
+def _references(tree, prefix: str = ""):
+    """(field, value) of each ``module:attribute`` string in a config's dict."""
+    for key, value in tree.items():
+        field = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _references(value, field + ".")
+        elif isinstance(value, str) and _REFERENCE.match(value):
+            yield field, value

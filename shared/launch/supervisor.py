@@ -29,7 +29,7 @@ from shared.config import endpoints, loading, schema
 from shared.transport import shm
 from shared.config.schema import Experiment
 from shared.runtime.process import PRIVATE_UMASK, RUN_CONFIG
-from shared.launch.rundirs import python_path, DEPLOY, programs
+from shared.launch.rundirs import service_env, DEPLOY, programs
 
 
 TEMPLATE = DEPLOY / "supervisord.conf.tmpl"
@@ -64,7 +64,7 @@ redirect_stderr=true
 stdout_logfile={run_dir}/logs/{process}.log
 stdout_logfile_maxbytes=20MB
 stdout_logfile_backups=1
-environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",PYTHONPATH="{pythonpath}"
+environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",{environment}
 """
 
 
@@ -80,7 +80,7 @@ stopwaitsecs=5
 stderr_logfile={run_dir}/logs/watchdog.log
 stderr_logfile_maxbytes=20MB
 stderr_logfile_backups=1
-environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",PYTHONPATH="{pythonpath}"
+environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",{environment}
 """
 """The run's watchdog (``shared.launch.watchdog``), where ``run.watchdog_s`` > 0: an event listener
 (its stdout is supervisord's protocol, its log is its stderr), woken every 5 s by TICK_5."""
@@ -93,9 +93,10 @@ instance, so that adding or removing one leaves the others running."""
 
 def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
     programs_ = []
+    environment = ",".join(f'{k}="{v}"' for k, v in service_env(exp).items()).replace("%", "%%")
     for service, count, priority, autorestart in programs(exp):
         common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable,
-                      pythonpath=python_path().replace("%", "%%"), stopwait=STOPWAIT_S)
+                      environment=environment, stopwait=STOPWAIT_S)
         if service in SCALABLE:
             programs_ += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
                           for i in range(count)]
@@ -103,8 +104,7 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
             programs_.append(PROGRAM.format(program=service, process=f"{service}%(process_num)d",
                                             instance="%(process_num)d", count=count, **common))
     if exp.run.watchdog_s:
-        programs_.append(WATCHDOG.format(run_dir=run_dir, python=sys.executable,
-                                         pythonpath=python_path().replace("%", "%%")))
+        programs_.append(WATCHDOG.format(run_dir=run_dir, python=sys.executable, environment=environment))
     return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=endpoints.socket_dir(run_dir)) + "".join(programs_)
 
 

@@ -9,7 +9,9 @@ each one in its own segment ``rlpipe-<run>-replay<i>-t.<name>`` next to a header
 - a magic number, the layout version and a fingerprint of the table's layout (config,
   segment spec, writers): a replay restarted with another layout does not re-attach;
 - ``complete``: set once the table is built, so a kill during construction is not mistaken
-  for a table;
+  for a table; a restore from a snapshot writes the header last and its ``complete`` cell
+  last of all, so a kill during a restore leaves no header (the next start restores again)
+  or one not complete (discarded, and the snapshot restored again);
 - the operation in progress (insert, sample, priorities, drop) and its writer and cursor,
   set before a mutation starts and cleared when it ends: a torn write at the moment of a
   ``kill -9`` shows up here at the next start (``Table.recover`` repairs what it touched).
@@ -36,6 +38,7 @@ from typing import Any, Callable, TypeVar
 
 import numpy as np
 
+from shared.runtime import faults, heartbeat
 from shared.runtime.files import fsync_dir
 from shared.transport import shm
 from shared.data.namedarraytuple import from_leaves, from_spec, leaf_specs, spec_nbytes
@@ -49,6 +52,8 @@ _MAGIC, _VERSION, _FINGERPRINT, _COMPLETE, _OP, _OP_WRITER, _OP_CURSOR, _RESTART
 HEADER_OP = _OP
 """The header cell holding the operation in progress (an outside reader, e.g. a test, checks it is OP_NONE)."""
 _HEADER_CELLS = 16
+COPY_CHUNK = 16 << 20
+"""Bytes a snapshot or a restore copies between two heartbeats (tens of milliseconds)."""
 
 OP_NONE, OP_INSERT, OP_SAMPLE, OP_PRIORITIES, OP_DROP = range(5)
 OP_NAMES = {OP_NONE: "none", OP_INSERT: "insert", OP_SAMPLE: "sample", OP_PRIORITIES: "priorities", OP_DROP: "drop"}
@@ -119,11 +124,13 @@ class ShmArena(Arena):
         self._segments: dict[str, shm.Segment] = {}
         self.restored = False
         name = self._name("table")
-        if snapshot is not None and shm.inode(name) is None:
+        if snapshot is not None and (in_memory := _problem_in_memory(name, fingerprint)) is not None:
             for copy in (snapshot, _previous(snapshot)):  # replay.old: a crash came between snapshot()'s renames
                 problem = _header_problem((copy / "table").read_bytes(), fingerprint) if (copy / "table").exists() \
                     else "none there"
                 if problem is None:
+                    if in_memory != "none there":
+                        log.warning("replay table in shared memory not used (%s): restoring the snapshot", in_memory)
                     self._restore_snapshot(copy)
                     break
                 if problem != "none there":
@@ -160,12 +167,17 @@ class ShmArena(Arena):
         self.restored = False
         self._start_empty()
 
+    def _remove_segments(self) -> None:
+        """Remove every segment of an earlier table of this replay, its header first."""
+        name = self._name("table")
+        for path in sorted(shm.run_segments(self.run_id), key=lambda path: path.name != name):
+            if path.name.startswith(self._name("t.")) or path.name == name:
+                path.unlink()
+
     def _start_empty(self) -> None:
         """A fresh header, once every segment of an earlier table of this replay is removed."""
         name = self._name("table")
-        for path in shm.run_segments(self.run_id):
-            if path.name.startswith(self._name("t.")) or path.name == name:
-                path.unlink()
+        self._remove_segments()
         seg = shm.Segment.create(name, _HEADER_CELLS * 8)
         self.header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
         self.header[:] = 0
@@ -177,14 +189,26 @@ class ShmArena(Arena):
 
     def _restore_snapshot(self, snapshot: Path) -> None:
         """Each file of the snapshot into the segment of its name and size (a truncated file
-        makes a segment of the wrong size, which the re-attach then finds)."""
-        for path in snapshot.iterdir():
-            if path.name != "table" and not path.name.startswith("t."):
-                continue  # not a file snapshot() writes
+        makes a segment of the wrong size, which the re-attach then finds), once what an
+        earlier table (or an interrupted restore) left is removed. The header comes last, and
+        its ``complete`` cell last of all: a kill at any point leaves no table taken for good."""
+        heartbeat.phase("restoring the replay snapshot")
+        self._remove_segments()
+        for path in sorted(snapshot.glob("t.*")):
             seg = shm.Segment.create(self._name(path.name), max(path.stat().st_size, 1))  # mmap takes no 0 bytes
             with path.open("rb") as f:
-                f.readinto(seg.mmap)
+                _copy(f.readinto, seg.mmap)
             seg.close()
+            faults.point("replay.restore")
+        cells = np.frombuffer((snapshot / "table").read_bytes(), np.int64)
+        seg = shm.Segment.create(self._name("table"), cells.nbytes)
+        header = np.ndarray(_HEADER_CELLS, np.int64, seg.mmap)
+        header[:] = cells
+        header[_COMPLETE] = 0
+        faults.point("replay.restore")
+        header[_COMPLETE] = cells[_COMPLETE]  # last: the restore is whole from here
+        del header
+        seg.close()
         log.info("replay table restored from the snapshot in %s", snapshot)
 
     def snapshot(self, directory: Path) -> None:
@@ -199,7 +223,7 @@ class ShmArena(Arena):
             tmp.mkdir(parents=True)
             for full, seg in self._segments.items():
                 with (tmp / full.removeprefix(prefix)).open("wb") as f:
-                    f.write(seg.mmap)
+                    _copy(f.write, seg.mmap)
                     f.flush()
                     os.fsync(f.fileno())
             fsync_dir(tmp)
@@ -290,6 +314,34 @@ class Footprint(Arena):
         self.sizes[f"t.{name}"] = max(spec_nbytes(spec), 1)
         return from_leaves(spec, [_zero_stride(tuple(leaf["shape"]), np.dtype(leaf["dtype"]))
                                   for leaf in leaf_specs(spec)])
+
+
+def _copy(move: Callable[[memoryview], Any], buffer) -> None:
+    """``move`` (a file's ``readinto`` or ``write``) over ``buffer`` in COPY_CHUNK pieces, beating
+    between them: a large table's snapshot or restore is progress, not a hang."""
+    with memoryview(buffer) as view:
+        for start in range(0, len(view), COPY_CHUNK):
+            heartbeat.beat()
+            chunk = view[start:start + COPY_CHUNK]
+            done = 0
+            while done < len(chunk):  # a file's write or readinto may move less than asked
+                moved = move(chunk[done:])
+                if not moved:
+                    raise OSError(f"short copy: {done} of {len(chunk)} bytes")
+                done += moved
+
+
+def _problem_in_memory(name: str, fingerprint: int) -> str | None:
+    """Why the table header segment ``name`` in shared memory holds no table of
+    ``fingerprint`` ("none there" when there is no such segment); None if it does."""
+    try:
+        seg = shm.Segment.attach(name)
+    except (FileNotFoundError, ValueError):
+        return "none there"
+    try:
+        return _header_problem(seg.mmap, fingerprint)
+    finally:
+        seg.close()
 
 
 def _zero_stride(shape: tuple, dtype: np.dtype) -> np.ndarray:

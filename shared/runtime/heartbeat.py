@@ -1,7 +1,8 @@
 """A service's heartbeat: when its loops last turned, where the watchdog can read it.
 
-Each service process publishes one small file (``start``): its pid, then the
-``time.monotonic()`` of its latest ``beat()`` (the system-wide monotonic clock: another
+Each service process publishes one small file (``start``): its pid, what it is doing (its
+``phase``: "sampling", "restoring the replay snapshot"...; the watchdog names it when it kills),
+then the ``time.monotonic()`` of its latest ``beat()`` (the system-wide monotonic clock: another
 process on the host compares it with its own). The file is mapped, so a beat is one clock
 read (vDSO, no system call) and one 8-byte store: cheap enough for every turn of a loop,
 even a per-step one. Every wait in a service is bounded (docs/architecture.md, "Every wait
@@ -12,19 +13,33 @@ Until ``start``, ``beat()`` does nothing (serial mode, tests in one process).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import struct
+import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 DIR = "heartbeats"
 """The folder of a run's heartbeat files, in its socket directory (a tmpfs where there is one)."""
 
-_RECORD = struct.Struct("<qd")  # pid, monotonic time of the latest beat (NaN: none yet)
+_RECORD = struct.Struct("<q64sd")  # pid, phase (UTF-8, NUL-padded), monotonic time of the latest beat (NaN: none yet)
+_PHASE = struct.Struct("<64s")
 _TIME = struct.Struct("<d")
 _map: mmap.mmap | None = None
+
+
+class Beat(NamedTuple):
+    """A heartbeat file's content."""
+
+    pid: int
+    time: float
+    """``time.monotonic()`` of the latest beat; NaN before the first."""
+    phase: str
+    """What the process said it was doing last ("starting" until it says)."""
 
 
 def start(path: Path) -> None:
@@ -33,7 +48,7 @@ def start(path: Path) -> None:
     global _map
     path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(_RECORD.pack(os.getpid(), math.nan))
+    tmp.write_bytes(_RECORD.pack(os.getpid(), b"starting", math.nan))
     with tmp.open("r+b") as f:
         _map = mmap.mmap(f.fileno(), _RECORD.size)
     tmp.replace(path)  # whole, never half-written: a reader sees the old incarnation's or ours
@@ -45,14 +60,65 @@ def beat() -> None:
         _TIME.pack_into(_map, _RECORD.size - _TIME.size, time.monotonic())
 
 
-def read(path: Path) -> tuple[int, float] | None:
-    """(pid, monotonic time of its latest beat, NaN before the first) of the heartbeat at
-    ``path``; None if there is none."""
+def phase(name: str) -> None:
+    """Say what this process does from now on (a long restore, a checkpoint, a wait), and beat.
+    A no-op before ``start``."""
+    if _map is not None:
+        _PHASE.pack_into(_map, 8, name.encode()[:_PHASE.size])
+        beat()
+
+
+def read(path: Path) -> Beat | None:
+    """The heartbeat at ``path``; None if there is none (or a file of another layout)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    return _RECORD.unpack(data) if len(data) == _RECORD.size else None
+    if len(data) != _RECORD.size:
+        return None
+    pid, name, t = _RECORD.unpack(data)
+    return Beat(pid, t, name.rstrip(b"\0").decode(errors="replace"))
+
+
+@contextlib.contextmanager
+def following(leader: Path, every_s: float = 1.0):
+    """In the block, this process's heartbeat is kept at least as recent as the one at ``leader``
+    (read every ``every_s`` by a thread): for a data-parallel learner rank, which waits in the
+    group's collectives while rank 0 writes a checkpoint. The ranks move in lock-step, so a rank
+    that hangs stops rank 0 at the next collective, and both fall silent."""
+    stop = threading.Event()
+
+    def follow() -> None:
+        while not stop.wait(every_s):
+            theirs = read(leader)
+            if _map is None or theirs is None or math.isnan(theirs.time):
+                continue
+            (mine,) = _TIME.unpack_from(_map, _RECORD.size - _TIME.size)
+            if math.isnan(mine) or theirs.time > mine:
+                _TIME.pack_into(_map, _RECORD.size - _TIME.size, theirs.time)
+
+    thread = threading.Thread(target=follow, name="heartbeat-follow", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+class BeatingWriter:
+    """A binary file that beats at each write: a long ``torch.save`` into it (a checkpoint of a
+    large model) is progress, not a hang."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data) -> int:
+        beat()
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def sleep(seconds: float) -> None:

@@ -2,14 +2,21 @@
 
 An algorithm (``algo.name``), an encoder (``model.encoder``) or an env (``env.id``) may be
 given as ``"package.module:attribute"``. Every process that needs the component imports the
-module itself (it is not pickled or sent): the launcher puts its working directory on the
-services' ``PYTHONPATH``, so a module importable where ``rlpipe launch`` ran is importable in
-every service of the run.
+module itself (it is not pickled or sent). A module found in the directory ``rlpipe launch``
+ran in is imported from there in every service of the run: the launcher names it in the
+services' ``IMPORT_DIR`` variable (``rundirs.service_env``: only where a reference needs it, and
+only a directory no other user can write to), and it goes at the end of ``sys.path``, after
+site-packages, so that nothing else there shadows an installed package.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+
+IMPORT_DIR = "RLPIPE_IMPORT_DIR"
+"""The environment variable naming the launch directory, where the config's references need it."""
 
 
 def is_reference(name: str) -> bool:
@@ -33,6 +40,9 @@ def load_attribute(ref: str, field: str):
     module_name, _, attr = ref.partition(":")
     if not module_name or not attr:
         raise ValueError(f"{field} = {ref!r}: a reference is 'module:attribute', e.g. 'mylab.nets:ResNetEncoder'")
+    where = os.environ.get(IMPORT_DIR)
+    if where and where not in sys.path:
+        sys.path.append(where)  # last: site-packages first
     try:
         obj = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - whatever the user's module raises, it is this field's error
