@@ -58,6 +58,18 @@ def rlpipe_here(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["rlpipe", *args], code, out.getvalue(), err.getvalue())
 
 
+
+def wait_for(predicate, timeout: float, what: str, details=lambda: "", poll: float = 0.25):
+    """The first truthy ``predicate()``, polled every ``poll`` s; AssertionError naming ``what``
+    (and ``details()``) after ``timeout`` s without one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{details()}".rstrip())
+
 class Run:
     """A run directory and what tests ask of it; ``close()`` cleans it up whatever happened."""
 
@@ -88,13 +100,8 @@ class Run:
         return rundirs.read_progress(self.dir)
 
     def wait_for(self, predicate, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.25)
-        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{self.logs(tail=3000)}")
+        """``wait_for`` with the run's log tails in the failure."""
+        return wait_for(predicate, timeout, what, lambda: self.logs(tail=3000))
 
     def wait_steps(self, steps: int, timeout: float = 120) -> None:
         self.wait_for(lambda: any(int(r["env_steps"]) >= steps for r in self.progress()), timeout,

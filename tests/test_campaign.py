@@ -15,7 +15,6 @@ import math
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -23,19 +22,9 @@ import pytest
 from shared.launch import gridfile, provenance, rundirs, runs, supervisor
 from shared.launch.grid import SUMMARY
 from shared.runtime import evaluation
-from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
+from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here, wait_for
 
 SHORT, LONG = 6_000, 60_000
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 def fingerprint(path: Path) -> tuple[int, str]:

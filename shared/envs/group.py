@@ -481,7 +481,29 @@ def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
 # ---------------------------------------------------------------- the group
 
 
-class EnvGroup:
+class SplitStep:
+    """``send`` and ``recv`` over a group's ``step``, for groups whose envs step in this process
+    (gymnasium's, PettingZoo's): the sampler's split-step protocol, as the EnvPool backend's,
+    where here ``recv`` does the whole step. A subclass sets ``self._sent = None``."""
+
+    _sent = None
+
+    def send(self, actions) -> None:
+        """The first half of a split step: keeps (a reference to) ``actions`` for ``recv``, which
+        steps the envs. Leave ``actions`` as they are until then."""
+        if self._sent is not None:
+            raise RuntimeError(f"{type(self).__name__}.send: the previous step was not received (call recv first)")
+        self._sent = actions
+
+    def recv(self, obs_out, reward_out, terminated_out, truncated_out, final_obs_out) -> list[tuple[int, float, int]]:
+        """``step`` with the actions ``send`` kept: its outputs, return value and failures."""
+        if self._sent is None:
+            raise RuntimeError(f"{type(self).__name__}.recv: no step was sent")
+        actions, self._sent = self._sent, None
+        return self.step(actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
+
+
+class EnvGroup(SplitStep):
     """B gymnasium envs stepped one after another, auto-reset, writing into [B, ...] arrays."""
 
     def __init__(self, cfg: EnvConfig, n_envs: int, base_seed: int,
@@ -660,20 +682,6 @@ class EnvGroup:
                 d[i] = x
         self._raise_failures(failures, finished, tuple(failed_steps))
         return finished
-
-    def send(self, actions) -> None:
-        """The first half of a split step, as the EnvPool backend's: keeps (a reference to)
-        ``actions`` for ``recv``, which steps the envs. Leave ``actions`` as they are until then."""
-        if self._sent is not None:
-            raise RuntimeError("EnvGroup.send: the previous step was not received (call recv first)")
-        self._sent = actions
-
-    def recv(self, obs_out, reward_out, terminated_out, truncated_out, final_obs_out) -> list[tuple[int, float, int]]:
-        """``step`` with the actions ``send`` kept: its outputs, return value and failures."""
-        if self._sent is None:
-            raise RuntimeError("EnvGroup.recv: no step was sent")
-        actions, self._sent = self._sent, None
-        return self.step(actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
 
     def recreate(self, i: int, obs_out) -> None:
         """Close env i, build it anew, reset it and write its observation into ``obs_out[i]``.

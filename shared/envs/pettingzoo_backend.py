@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from shared.envs.group import (EnvConfig, EnvError, _action_converter, _example, _first_line, _leaf_arrays,
-                               _obs_leaves, check_common, check_observation, reward_problem)
+from shared.envs.group import (EnvConfig, EnvError, SplitStep, _action_converter, _example, _first_line,
+                               _leaf_arrays, _obs_leaves, check_common, check_observation, reward_problem)
 
 PREFIX = "pettingzoo:"
 MASK_KEY = "action_mask"
@@ -137,7 +137,7 @@ def columns_per_env(cfg: EnvConfig) -> int:
         raw.close()
 
 
-class PettingZooGroup:
+class PettingZooGroup(SplitStep):
     """B columns = B / N PettingZoo envs of N agents each, stepped one after another, auto-reset,
     writing into [B, ...] arrays (``EnvGroup``'s contract; see the module docstring)."""
 
@@ -331,19 +331,6 @@ class PettingZooGroup:
                         f[i] = d[i]
         self._raise(failures, finished, failed_steps=True)
         return finished
-
-    def send(self, actions) -> None:
-        """The first half of a split step (``EnvGroup.send``)."""
-        if self._sent is not None:
-            raise RuntimeError("PettingZooGroup.send: the previous step was not received (call recv first)")
-        self._sent = actions
-
-    def recv(self, obs_out, reward_out, terminated_out, truncated_out, final_obs_out) -> list[tuple[int, float, int]]:
-        """``step`` with the actions ``send`` kept."""
-        if self._sent is None:
-            raise RuntimeError("PettingZooGroup.recv: no step was sent")
-        actions, self._sent = self._sent, None
-        return self.step(actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out)
 
     def recreate(self, i: int, obs_out) -> None:
         """Close the env of column i, build it anew, reset it (its k-th rebuild seeded
