@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 
-from services.build import agent_info, env_probe, make_agent, make_algo
-from services.sampler.local import LocalActions
-from services.sampler.sampler import Sampler
+from services.build import make_algo
 from services.topology import topology
-from shared.agents.actor import Actor
 from shared.algos.gae import pg_targets, real_steps
 from shared.config import loading
-from shared.data.namedarraytuple import from_spec, map_leaves, spec_of, torchify
+from shared.data.namedarraytuple import from_spec, map_leaves, spec_of
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
 from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
-from tests.test_memory import FixedParams, KeepAll
+from tests.test_memory import local_segments
 
 torch.set_num_threads(1)
 T, B, FAIL_ENV, FAIL_AT = 8, 3, 1, 3  # env 1's 3rd step raises: step t = 2 of the first segment
@@ -37,18 +33,8 @@ def collect(config: str, *overrides: str, segments: int = 2, mode: str = "raise"
         f"env.kwargs='{{\"fail_seed\": {seed}, \"fail_at\": {FAIL_AT}, \"mode\": \"{mode}\"}}'",
         "sampler.count=1", f"sampler.envs={B}", f"sampler.horizon={T}", f"sampler.ring={segments + 1}",
         "sampler.inference='local'", "learner.batch_segments=1", *overrides])
-    probe = env_probe(exp)
-    agent = make_agent(exp, probe)
-    probe.close()
-    topo = topology(exp)
-    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "failtest", shared_memory=False)
-    actions = LocalActions(Actor(agent, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs)
-    sampler.start(actions)
-    for _ in range(segments + 1):  # the last one brings the bootstraps of the ones before
-        sampler.collect_segment(actions, KeepAll())
-    out = [torchify(sampler.ring[k]) for k in range(segments)]  # heap arrays: they outlive close()
-    sampler.close()
-    return exp, agent, out
+    agent, out = local_segments(exp, segments + 1, "failtest")  # the last one brings the bootstraps of the others
+    return exp, agent, out[:segments]
 
 
 def failed_x(exp) -> torch.Tensor:

@@ -45,6 +45,23 @@ class KeepAll:
         pass
 
 
+def local_segments(exp, segments: int, name: str):
+    """(agent, the first ``segments`` segments as torch trees) of one local sampler of ``exp``
+    (``sampler.ring`` of at least ``segments``) acting with a fresh agent, in this process."""
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe)
+    probe.close()
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), name, shared_memory=False)
+    actions = LocalActions(Actor(agent, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs)
+    sampler.start(actions)
+    for _ in range(segments):
+        sampler.collect_segment(actions, KeepAll())
+    out = [torchify(sampler.ring[k]) for k in range(segments)]  # heap arrays: they outlive close()
+    sampler.close()
+    return agent, out
+
+
 def test_recurrent_info_carries_the_memory_of_a_step():
     assert isinstance(info_example("pg"), AgentInfo)
     info = info_example("pg", MODEL, np.int64(0))
@@ -109,16 +126,8 @@ def _recurrent_segment(*overrides: str):
     exp = loading.load("deploy/configs/cartpole_novel_ppo_lstm.toml", [
         "sampler.count=1", "sampler.envs=6", "sampler.horizon=40", "sampler.ring=3", "learner.batch_segments=1",
         "model.lstm_prev_reward=true", "algo.minibatches=2", *overrides])
-    agent = make_agent(exp, env_probe(exp))
-    topo = topology(exp)
-    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "memtest", shared_memory=False)
-    actions = LocalActions(Actor(agent, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs)
-    sampler.start(actions)
-    for _ in range(3):
-        sampler.collect_segment(actions, KeepAll())
-    seg = torchify(sampler.ring[1])  # the second segment: it starts from a state, and its bootstrap is in
-    sampler.close()
-    return exp, agent, seg
+    agent, segs = local_segments(exp, 3, "memtest")
+    return exp, agent, segs[1]  # the second segment: it starts from a state, and its bootstrap is in
 
 
 def test_the_learner_replays_stored_sequences_to_what_the_actor_computed():

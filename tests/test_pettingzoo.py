@@ -18,24 +18,19 @@ import torch
 pytest.importorskip("pettingzoo")
 mpe2 = pytest.importorskip("mpe2")
 
-from services.build import agent_info, env_probe, make_agent
 from services.evaluator.episodes import load_agent
-from services.sampler.local import LocalActions
-from services.sampler.sampler import Sampler
-from services.topology import topology
 from shared.agents import EVALUATE
-from shared.agents.actor import Actor
 from shared.algos.gae import pg_targets
 from shared.config import loading
 from shared.config.schema import ConfigError
-from shared.data.namedarraytuple import buffer_from_example, numpify, torchify
+from shared.data.namedarraytuple import numpify, torchify
 from shared.envs.backends import make_env_group
 from shared.envs.group import EnvConfig
 from shared.launch import api
 from tests.pipeline import CONFIGS
 from tests.pettingzoo_for_tests import LIFETIMES
 from tests.test_envs import Buffers
-from tests.test_memory import FixedParams, KeepAll
+from tests.test_memory import local_segments
 
 torch.set_num_threads(1)
 
@@ -164,17 +159,7 @@ def test_the_sampler_marks_padding_failed_and_no_ppo_batch_trains_on_it():
     exp = loading.load(CONFIGS / "cartpole_ppo.toml", [f"env.id='{LEAVING.id}'", "sampler.count=1",
                                                        f"sampler.envs={B}", f"sampler.horizon={T}", "sampler.ring=2",
                                                        "sampler.inference='local'"])
-    probe = env_probe(exp)
-    agent = make_agent(exp, probe)
-    probe.close()
-    topo = topology(exp)
-    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pztest", shared_memory=False)
-    actions = LocalActions(Actor(agent, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs)
-    sampler.start(actions)
-    for _ in range(2):
-        sampler.collect_segment(actions, KeepAll())
-    seg = torchify(sampler.ring[0])
-    sampler.close()
+    agent, (seg, _) = local_segments(exp, 2, "pztest")
     pad = torch.tensor([2 <= t % 5 < 5 for t in range(T)])  # agent 0 gone from its 3rd step to its env's reset
     assert torch.equal(seg.samples.failed[:, 0], pad) and torch.equal(seg.samples.failed[:, 2], pad)
     assert not seg.samples.failed[:, 1::2].any()
