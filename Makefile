@@ -15,7 +15,7 @@ run: install
 	$(PYTHON) -m shared.launch.cli launch $(CONFIG)
 
 test: install
-	$(PYTHON) -m pytest -q tests --ignore=tests/bench
+	$(PYTHON) -m pytest -q tests --ignore=tests/bench --durations=25
 
 # The unit tier for iterating: no learning checks, no test that starts runs or processes.
 test-fast:
