@@ -431,11 +431,13 @@ def _non_finite(x: np.ndarray) -> bool:
             if not -np.inf < v < np.inf:  # False for NaN too
                 return True
         return False
+    if x.dtype.itemsize < 4:  # float16: its squares overflow from |x| = 256 on, and BLAS has no half type
+        return not np.isfinite(x).all()
     # x.x is finite iff every element is (squares are >= 0, so infinities cannot cancel); one
-    # BLAS call costs a third of isfinite().all(). It also overflows for |x| beyond ~1e19 in
-    # float32 (1e154 in float64): values no network input survives, counted as non-finite.
+    # BLAS call costs a third of isfinite().all(). It also overflows for finite |x| beyond ~1e19
+    # in float32 (1e154 in float64): only then is x checked element by element.
     s = np.vdot(x, x)
-    return not -np.inf < s < np.inf
+    return not -np.inf < s < np.inf and not np.isfinite(x).all()
 
 
 def reward_problem(reward: float) -> str | None:
