@@ -1,6 +1,7 @@
 """``env.step_timeout_s``: an env call that runs past it is interrupted and is an env failure
-like one that raised; each env call has the whole limit; off, nothing is armed; what cannot be
-interrupted (EnvPool's C++ threads) is refused at load."""
+like one that raised (also one that swallows the interruption, which is interrupted again);
+each env call has the whole limit; a recreate's close and build have it too; off, nothing is
+armed; what cannot be interrupted (EnvPool's C++ threads) is refused at load."""
 
 from __future__ import annotations
 
