@@ -56,8 +56,8 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
         super().__init__(address, _Handler)
         self.socket.setblocking(False)  # accept() after a readiness that a client's reset withdrew: no wait
 
-    def serve_forever(self, poll_interval: float = 0.0) -> None:
-        """Serve until ``shutdown`` (``poll_interval``: socketserver's, unused: a stop wakes it)."""
+    def serve_forever(self) -> None:
+        """Serve until ``shutdown``, which wakes it: no polling."""
         self._stopped.clear()
         try:
             with selectors.DefaultSelector() as sel:
