@@ -206,24 +206,40 @@ def make_wrong_mask_env() -> gym.Env:
     return env
 
 
-class SleepyEnv(gym.Env):
-    """obs float32 [1] = steps so far; ``step`` sleeps ``step_s`` and ``reset`` ``reset_s``,
-    in a loop that swallows every ``Exception`` (as careless env code does)."""
+class SlowToSayError(RuntimeError):
+    """An error whose message takes ``s`` seconds to build (env code runs in ``str()``)."""
 
-    def __init__(self, step_s: float = 0.0, reset_s: float = 0.0):
-        self.step_s, self.reset_s = step_s, reset_s
+    def __init__(self, s: float):
+        super().__init__()
+        self.s = s
+
+    def __str__(self) -> str:
+        time.sleep(self.s)
+        return "slow to say"
+
+
+class SleepyEnv(gym.Env):
+    """obs float32 [1] = steps so far; ``step`` sleeps ``step_s``, ``reset`` ``reset_s`` and
+    ``close`` ``close_s``, in a loop that swallows every ``Exception`` (as careless env code does)
+    or, with ``swallow_all``, every ``BaseException`` (counted in ``swallowed``). With
+    ``fail_s``, a step raises an error whose message takes that long to build."""
+
+    def __init__(self, step_s: float = 0.0, reset_s: float = 0.0, close_s: float = 0.0, swallow_all: bool = False,
+                 fail_s: float = 0.0):
+        self.step_s, self.reset_s, self.close_s, self.fail_s = step_s, reset_s, close_s, fail_s
+        self.swallowed_types = BaseException if swallow_all else Exception
+        self.swallowed = 0
         self.observation_space = spaces.Box(0.0, np.inf, (1,), np.float32)
         self.action_space = spaces.Discrete(2)
         self.count = 0
 
-    @staticmethod
-    def _sleep(seconds: float) -> None:
+    def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             try:
                 time.sleep(end - time.monotonic())
-            except Exception:  # noqa: BLE001 - the point: an env that eats errors
-                pass
+            except self.swallowed_types:  # noqa: BLE001 - the point: an env that eats errors
+                self.swallowed += 1
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -232,10 +248,16 @@ class SleepyEnv(gym.Env):
         return np.zeros(1, np.float32), {}
 
     def step(self, action):
+        if self.fail_s:
+            raise SlowToSayError(self.fail_s)
         self._sleep(self.step_s)
         self.count += 1
         return np.array([self.count], np.float32), 1.0, False, False, {}
 
+    def close(self):
+        self._sleep(self.close_s)
 
-def make_sleepy_env(step_s: float = 0.0, reset_s: float = 0.0) -> gym.Env:
-    return SleepyEnv(step_s, reset_s)
+
+def make_sleepy_env(step_s: float = 0.0, reset_s: float = 0.0, close_s: float = 0.0, swallow_all: bool = False,
+                    fail_s: float = 0.0) -> gym.Env:
+    return SleepyEnv(step_s, reset_s, close_s, swallow_all, fail_s)

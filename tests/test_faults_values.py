@@ -58,6 +58,20 @@ def test_a_large_observation_with_an_infinity_is_caught():
     assert _non_finite(x)
 
 
+@pytest.mark.parametrize("dtype, big", [(np.float16, 300.0), (np.float16, 6e4), (np.float32, 1e30), (np.float64, 1e200)])
+def test_large_finite_observations_are_finite_in_every_float_dtype(dtype, big):
+    """Their squares overflow: the check does not take them for infinities."""
+    from shared.envs.group import _non_finite
+
+    for n in (4, 336):  # the Python loop over a few values and the whole-array path
+        x = np.full(n, big, dtype)
+        assert not _non_finite(x)
+        x[n // 2] = np.inf
+        assert _non_finite(x)
+        x[n // 2] = np.nan
+        assert _non_finite(x)
+
+
 # ---------------------------------------------------------------- updates
 
 

@@ -1,15 +1,20 @@
 """The learner's files: the previous checkpoint is kept and used when the latest cannot be
-loaded, and a lock in the run directory keeps a second learner of the run from starting."""
+loaded, a lock in the run directory keeps a second learner of the run from starting, and
+acting.json appears only once the parameters are published."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+import zmq
 
+from services.learner.__main__ import start_publishing
 from services.learner.learner import CHECKPOINT, PREVIOUS_CHECKPOINT, Learner
+from shared.agents.acting import ACTING_FILE, read_acting_file
 from shared.config import loading as config
 from shared.transport import shm
 from services.build import env_probe, make_agent, make_algo
@@ -84,3 +89,28 @@ def test_a_second_learner_of_the_run_stops_before_touching_the_live_segments(tmp
         seg.close()
         held.close()
     lock_service(run_dir, "learner").close()  # free again once the holder is gone
+
+
+def test_acting_json_appears_only_once_the_parameters_socket_is_bound(tmp_path, run_id):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    exp = config.load(CONFIGS / "cartpole_ppo.toml", ["network.transport='tcp'", f"network.base_port={port - 1}"])
+    run_dir = tmp_path / run_id
+    run_dir.mkdir()
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe)
+    probe.close()
+    ctx = zmq.Context()
+    try:
+        with pytest.raises(zmq.ZMQError):  # the params port (base_port + 1) is taken
+            start_publishing(ctx, exp, run_dir, agent, 3, 0)
+        assert not (run_dir / ACTING_FILE).exists()  # no sampler is sent to a learner that cannot publish
+        taken.close()
+        params, version = start_publishing(ctx, exp, run_dir, agent, 3, 0)
+        assert version == 3 and read_acting_file(run_dir) is not None
+        params.close()
+    finally:
+        taken.close()
+        ctx.destroy(linger=0)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
+from services.replay import service as replay_service
 from services.replay.service import ReplayService
 from services.replay.tables import make_table
 from shared.config import loading as config
@@ -255,6 +256,20 @@ def test_a_gap_in_serial_numbers_is_a_seam_for_n_step_returns(hub, serials, new_
         sampler.send("segment", segment(serial, index=i % RING))
         assert replies(sampler, 1)[0].type == "release"
     assert hub.service.table.size - size == new_items
+
+
+def test_episodes_waiting_for_the_learner_are_bounded_the_oldest_dropped_and_counted(hub, monkeypatch):
+    monkeypatch.setattr(replay_service, "MAX_UNREPORTED_EPISODES", 3)
+    sampler, learner = hub.client("sampler0"), hub.client("learner0")
+    hello_writer(hub, sampler)
+    for serial in (1, 2):  # four episodes end before the learner asks
+        sampler.send("segment", segment(serial, index=serial - 1, episodes=[[float(serial), 3], [serial + 0.5, 3]]))
+        assert replies(sampler, 1)[0].type == "release"
+    learner.send("hello_reader", {"slots": hub.batch_slots()[0], "incarnation": 1, "secret": SECRET})
+    learner.send("sample", {"slot": 0, "n": 4, "min_version": 0})
+    [reply] = replies(learner, 1)
+    assert reply.type == "sampled" and reply.body["episodes"] == [[1.5, 3], [2, 3], [2.5, 3]]
+    assert hub.service.episodes_dropped == 1
 
 
 def ranked_hub(config_file: str, overrides: list, run_id, tmp_path) -> Hub:

@@ -1,6 +1,7 @@
 """``env.step_timeout_s``: an env call that runs past it is interrupted and is an env failure
-like one that raised; each env call has the whole limit; off, nothing is armed; what cannot be
-interrupted (EnvPool's C++ threads) is refused at load."""
+like one that raised (also one that swallows the interruption, which is interrupted again);
+each env call has the whole limit; a recreate's close and build have it too; off, nothing is
+armed; what cannot be interrupted (EnvPool's C++ threads) is refused at load."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from shared.config import loading, schema
-from shared.envs.group import EnvConfig, EnvError, EnvGroup
+from shared.envs.group import EnvConfig, EnvError, EnvGroup, make_env
 from tests.pipeline import CONFIGS
 
 
@@ -88,3 +89,46 @@ def test_a_limit_that_cannot_work_is_one_line_at_load(overrides, mentions):
     with pytest.raises(schema.ConfigError) as e:
         loading.load(CONFIGS / "cartpole_ppo.toml", overrides)
     assert mentions in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_an_env_that_swallows_the_interruption_is_interrupted_again_and_its_late_return_is_a_timeout():
+    B = 2
+    group = EnvGroup(sleepy(0.1, step_s=0.35, swallow_all=True), B, 0)  # eats StepTimeout too
+    obs = np.zeros((B, 1), np.float32)
+    group.reset(obs)
+    with pytest.raises(EnvError) as e:
+        step(group, B, obs)
+    assert e.value.env_indices == (0, 1) and e.value.failed_steps == (0, 1)
+    assert str(e.value).count("step took longer than env.step_timeout_s = 0.1 s: interrupted") == 2, str(e.value)
+    assert all(env.unwrapped.swallowed >= 2 for env in group._envs)  # the limit stayed armed after the first
+    assert obs[:, 0].tolist() == [0.0, 0.0]  # the late returns are no transitions
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    group.close()
+
+
+def test_an_env_error_slow_to_describe_is_a_step_that_raised_not_an_escaping_timeout():
+    group = EnvGroup(sleepy(0.1, fail_s=0.3), 1, 0)  # str() of its error outlasts the limit
+    obs = np.zeros((1, 1), np.float32)
+    group.reset(obs)
+    with pytest.raises(EnvError, match="step raised SlowToSayError: slow to say"):
+        step(group, 1, obs)
+    group.close()
+
+
+def test_recreate_times_the_old_envs_close_and_the_new_envs_build():
+    builds = []
+
+    def make(cfg):
+        builds.append(cfg)
+        if len(builds) > 1:
+            time.sleep(60.0)  # the rebuild hangs
+        return make_env(cfg)
+
+    group = EnvGroup(sleepy(0.2, close_s=60.0), 1, 0, make=make)  # and so does the old env's close
+    obs = np.zeros((1, 1), np.float32)
+    group.reset(obs)
+    t0 = time.monotonic()
+    with pytest.raises(EnvError, match="after recreate: make took longer than env.step_timeout_s = 0.2 s") as e:
+        group.recreate(0, obs)
+    assert e.value.env_indices == (0,) and time.monotonic() - t0 < 1.5
+    assert len(builds) == 2 and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

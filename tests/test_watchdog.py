@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +49,28 @@ def test_beats_round_trip_through_the_heartbeat_file(tmp_path, monkeypatch):
 
 BEATING = ("import sys, time; from shared.runtime import heartbeat; from pathlib import Path; "
            "heartbeat.start(Path(sys.argv[1]))\nwhile True: heartbeat.beat(); time.sleep(0.1)")
+
+
+def test_a_heartbeat_folder_removed_under_a_service_is_made_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(heartbeat, "_map", None)  # this process publishes none after the test
+    monkeypatch.setattr(heartbeat, "_lost", False)
+    monkeypatch.setattr(heartbeat, "CHECK_S", 0.0)  # every beat looks
+    sockets = tmp_path / "sockets"
+    sockets.mkdir()
+    path = sockets / heartbeat.DIR / "sampler0"
+    heartbeat.start(path)
+    heartbeat.phase("sampling")
+    shutil.rmtree(path.parent)
+    heartbeat.beat()
+    again = heartbeat.read(path)
+    assert again.pid == os.getpid() and again.phase == "sampling" and not math.isnan(again.time)
+    heartbeat.beat()
+    assert heartbeat.read(path).time >= again.time  # the beats go to the new file
+    assert "was gone (its folder removed under the run?): published again" in caplog.text
+    shutil.rmtree(sockets)  # its parent too: nothing to publish into; said once, and the beats go on
+    for _ in range(3):
+        heartbeat.beat()
+    assert caplog.text.count("is gone and cannot be made again") == 1
 
 
 def test_the_watchdog_kills_the_silent_process_only(tmp_path):

@@ -3,6 +3,8 @@ frames, and every kind of bad input (also hostile values in a valid envelope) is
 WireError that names the fault; a ROUTER endpoint survives garbage and handler failures,
 and a DEALER reconnects under an unguessable routing id."""
 
+import time
+
 import msgpack
 import numpy as np
 import pytest
@@ -335,6 +337,24 @@ def test_router_drops_garbage_and_serves_the_next_valid_message(ctx, address, ca
     raw.send_multipart([b"junk"])
     assert server.recv(timeout_ms=50) is None and len(bad) == 5  # garbage alone: a bounded wait, no message
     raw.close(linger=0)
+    server.close()
+
+
+def test_drain_takes_at_most_its_bound_and_leaves_the_rest_queued_in_order(ctx, address):
+    server = Endpoint(ctx, zmq.ROUTER, address, bind=True, name="server")
+    client = Endpoint(ctx, zmq.DEALER, address, bind=False, name="sampler0")
+    for n in range(1, 26):
+        client.send("sample", {"slot": 0, "n": n, "min_version": 0})
+    got = [server.recv(timeout_ms=5000)]
+    turns = 0
+    deadline = time.monotonic() + 5
+    while len(got) < 25 and time.monotonic() < deadline:
+        batch = server.drain(most=10)
+        assert len(batch) <= 10
+        got += batch
+        turns += len(batch) > 0
+    assert [msg.body["n"] for _, msg in got] == list(range(1, 26)) and turns >= 3
+    client.close()
     server.close()
 
 

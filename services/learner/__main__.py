@@ -25,6 +25,24 @@ JOIN_TIMEOUT_S = 120.0
 """How long a rank waits for the rest of its group (their start-up, a restart of them all)."""
 
 
+def start_publishing(ctx: zmq.Context, exp, run_dir, agent, version: int, env_steps: int) -> tuple[PublishedParams, int]:
+    """Rank 0's parameters: its segment, its PUB socket bound, ``agent``'s first version published
+    (numbered on past the segment's previous one), then ``acting.json``, which the samplers
+    wait for; (the publisher, the version)."""
+    writer = ParamWriter(agent, shm.segment_name(run_id_of(run_dir), "learner", 0, "params"))
+    try:
+        version = max(version, writer.previous_version + 1)
+        consumer = "action_server" if exp.sampler.inference == "server" else "sampler"
+        params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer,
+                                 frames=exp.placement.crosses(consumer, "learner"))
+    except BaseException:
+        writer.close()
+        raise
+    params.publish(version, env_steps)
+    write_acting_file(run_dir, writer.descriptor["spec"], acting_plan(agent))  # for torch-free local samplers
+    return params, version
+
+
 def run(exp, run_dir, instance: int) -> None:
     m = metrics_mod.for_service("learner", instance, exp.placement.node("learner"))
     device = torch_device(exp.run.device, exp.learner.threads)
@@ -47,13 +65,8 @@ def run(exp, run_dir, instance: int) -> None:
         descriptors.append(desc)
     ctx = zmq.Context()
     if learner.leads:
-        writer = ParamWriter(agent, shm.segment_name(run_id, "learner", instance, "params"))
-        write_acting_file(run_dir, writer.descriptor["spec"], acting_plan(agent))  # for torch-free local samplers
-        learner.version = max(learner.version, writer.previous_version + 1)
-        consumer = "action_server" if exp.sampler.inference == "server" else "sampler"
-        params = PublishedParams(ctx, endpoint(exp, run_dir, "params"), writer,
-                                 frames=exp.placement.crosses(consumer, "learner"))
-        params.publish(learner.version, learner.env_steps)  # the samplers act while the algorithm is built
+        # the samplers act while the algorithm is built
+        params, learner.version = start_publishing(ctx, exp, run_dir, agent, learner.version, learner.env_steps)
     else:
         params = Unpublished()
     learner.attach(make_algo(exp, agent))

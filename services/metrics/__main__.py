@@ -44,9 +44,6 @@ def run(exp, run_dir, instance: int) -> None:
             reap_dead(directory)
             heartbeat.sleep(1.0)
     finally:
-        # Not server.shutdown(): it waits for the serving thread's next poll (every 0.5 s),
-        # which was most of `rlpipe stop`. The listening socket is closed here, and the
-        # daemon thread ends with the process.
         server.server_close()
 
 

@@ -49,11 +49,15 @@ from shared.data.batches import column_share
 from shared.transport.sockets import Endpoint, Rejected
 from shared.runtime import heartbeat
 from shared.runtime.files import WriteErrors
+from shared.transport.wire import MAX_EPISODES
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
 SNAPSHOT_DIR = "replay"
 """Where in the run directory the table's snapshots go (``replay.snapshot_interval_s``)."""
+MAX_UNREPORTED_EPISODES = MAX_EPISODES
+"""Finished episodes held for the learner's next batch reply: the most one message carries. More
+come only while the learner is away (or asks less often than episodes end); the oldest go, counted."""
 
 
 @dataclass
@@ -105,6 +109,7 @@ class ReplayService:
         self.steps_unreported = 0
         self.episodes_unreported: list = []
         self.dropped_unreported = 0
+        self.episodes_dropped = 0  # finished episodes never reported: more than MAX_UNREPORTED_EPISODES waited
         self.held: dict[int, tuple[int, int, int]] = {}  # table key -> (writer, incarnation, ring index)
         self.errors = WriteErrors(lambda what: metrics.snapshot_errors.inc())
 
@@ -374,13 +379,27 @@ class ReplayService:
         else:
             self.router.send("release", {"index": body["index"]}, to=w.peer)
         self.steps_unreported += body["steps"]
-        self.episodes_unreported.extend(body["episodes"])
+        self._hold_episodes(body["episodes"])
         if self.observation_moments:
             if self.moments is None:
                 self.moments = Moments(segment.samples.observation.shape[2:])
             self.moments.add(segment.samples.observation)
         self.m.inserts.inc()
         self.m.insert_steps.inc(body["steps"])
+
+    def _hold_episodes(self, episodes: list) -> None:
+        """Keep ``episodes`` ([return, length] each) for the next batch reply; past
+        MAX_UNREPORTED_EPISODES the oldest go, counted."""
+        self.episodes_unreported.extend(episodes)
+        excess = len(self.episodes_unreported) - MAX_UNREPORTED_EPISODES
+        if excess <= 0:
+            return
+        del self.episodes_unreported[:excess]
+        before, self.episodes_dropped = self.episodes_dropped, self.episodes_dropped + excess
+        self.m.episodes_dropped.inc(excess)
+        if before.bit_length() != self.episodes_dropped.bit_length():  # at each power of two: a log that cannot flood
+            log.warning("%d finished episodes not reported to the learner so far: more ended before its next batch "
+                        "than one reply carries (%d); the oldest went", self.episodes_dropped, MAX_UNREPORTED_EPISODES)
 
     def _reply_sampled(self, reader: Reader, slot: int, body: dict, info: dict, meta: dict) -> None:
         del reader.pending[slot]

@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import json
 import keyword
 import logging
 import math
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -431,11 +431,13 @@ def _non_finite(x: np.ndarray) -> bool:
             if not -np.inf < v < np.inf:  # False for NaN too
                 return True
         return False
+    if x.dtype.itemsize < 4:  # float16: its squares overflow from |x| = 256 on, and BLAS has no half type
+        return not np.isfinite(x).all()
     # x.x is finite iff every element is (squares are >= 0, so infinities cannot cancel); one
-    # BLAS call costs a third of isfinite().all(). It also overflows for |x| beyond ~1e19 in
-    # float32 (1e154 in float64): values no network input survives, counted as non-finite.
+    # BLAS call costs a third of isfinite().all(). It also overflows for finite |x| beyond ~1e19
+    # in float32 (1e154 in float64): only then is x checked element by element.
     s = np.vdot(x, x)
-    return not -np.inf < s < np.inf
+    return not -np.inf < s < np.inf and not np.isfinite(x).all()
 
 
 def reward_problem(reward: float) -> str | None:
@@ -565,16 +567,16 @@ class EnvGroup(SplitStep):
         """Called inside ``_limited()`` where a step limit is set."""
         limit = self._limit
         try:
-            if limit is not None:
-                limit.since = time.monotonic()
-            obs, _ = self._envs[i].reset(seed=seed)
-            if limit is not None:
-                limit.since = None
+            obs, _ = self._call(functools.partial(self._envs[i].reset, seed=seed))
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
             return f"reset raised {_first_line(e)}"
         except StepTimeout:
             return limit.problem("reset")
         return check_observation(self._obs_leaves, obs)
+
+    def _call(self, fn, *args):
+        """``fn(*args)``, an env call, timed where a step limit is set (inside ``_limited()``)."""
+        return fn(*args) if self._limit is None else self._limit.call(fn, *args)
 
     def _limited(self):
         """The window in which env calls are timed (``env.step_timeout_s``): a batch step, a reset."""
@@ -644,11 +646,10 @@ class EnvGroup(SplitStep):
         limit = self._limit
         for i, env in enumerate(self._envs):
             try:
-                if limit is not None:
-                    limit.since = time.monotonic()
-                obs, reward, terminated, truncated, _ = env.step(env_actions[i])
-                if limit is not None:
-                    limit.since = None
+                if limit is None:
+                    obs, reward, terminated, truncated, _ = env.step(env_actions[i])
+                else:
+                    obs, reward, terminated, truncated, _ = limit.call(env.step, env_actions[i])
                 reward = float(reward)
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
                 got = f"step raised {_first_line(e)}"
@@ -687,16 +688,23 @@ class EnvGroup(SplitStep):
         """Close env i, build it anew, reset it and write its observation into ``obs_out[i]``.
 
         The k-th rebuild of env i is seeded with ``base_seed + i + k * B``, so a failure
-        that its old seed led to is not replayed. Raises EnvError if the new env fails too.
+        that its old seed led to is not replayed. Raises EnvError if the new env fails too
+        (its build or reset raised or, with ``env.step_timeout_s``, ran past it; the old env's
+        ``close()`` has the limit too, and one that fails is given up).
         """
-        try:
-            self._envs[i].close()
-        except Exception:  # noqa: BLE001 - the old env is broken anyway; we only free it
-            pass
-        self._generation[i] += 1
-        env, tracker = self._make(self.cfg)
-        self._envs[i], self._trackers[i] = env, tracker
         with self._limited():
+            try:
+                self._call(self._envs[i].close)
+            except (Exception, StepTimeout):  # noqa: BLE001 - the old env is broken anyway; we only free it
+                pass
+            self._generation[i] += 1
+            try:
+                env, tracker = self._call(self._make, self.cfg)
+            except Exception as e:  # noqa: BLE001 - reported as the env's failure
+                raise EnvError(self._describe(i, f"after recreate: make raised {_first_line(e)}"), (i,), []) from None
+            except StepTimeout:
+                raise EnvError(self._describe(i, f"after recreate: {self._limit.problem('make')}"), (i,), []) from None
+            self._envs[i], self._trackers[i] = env, tracker
             got = self._reset_env(i, self.base_seed + i + self._generation[i] * self.n_envs)
         if isinstance(got, str):
             raise EnvError(self._describe(i, f"after recreate: {got}"), (i,), [])

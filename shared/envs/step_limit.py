@@ -1,12 +1,15 @@
 """A time limit on env calls (``env.step_timeout_s``): one that runs past it is interrupted.
 
 A group arms one ``ITIMER_REAL`` timer for a whole batch step (``with limit:``: one
-``setitimer`` to arm, one to disarm, whatever the number of envs) and marks each env call it
-makes (``limit.since = time.monotonic()`` before, ``None`` after). When the timer fires, the
-SIGALRM handler measures the env call in progress: past the limit it raises ``StepTimeout``
-in it (and re-arms for the rest of the batch); short of it (the batch's earlier envs used the
-time) it re-arms for what is left. So each env call has the whole limit, and a batch that
-ends in time costs two system calls and two stores an env.
+``setitimer`` to arm, one to disarm, whatever the number of envs) and makes each env call
+through ``limit.call(fn, *args)``, which marks its start (``limit.since``) and, however it
+ends, its end. When the timer fires, the SIGALRM handler measures the env call in progress:
+past the limit it raises ``StepTimeout`` in it and re-arms, so that a call that swallows the
+interruption (``except BaseException``) and hangs on is interrupted again; short of it (the
+batch's earlier envs used the time) it re-arms for what is left. A call that swallowed its
+interruption and then returned is a timeout all the same (``call`` raises it). So each env
+call has the whole limit, and a batch that ends in time costs two system calls and a
+function call an env.
 
 What it cannot interrupt: Python runs a signal handler between bytecodes of the main thread,
 so a C extension that holds the GIL and never returns (a deadlocked emulator) is not
@@ -28,8 +31,8 @@ MIN_REARM_S = 1e-3  # setitimer(0) would disarm: a re-arm is never shorter than 
 
 
 class StepTimeout(BaseException):
-    """Raised inside an env call that ran past its limit. A BaseException, so that an env's own
-    ``except Exception`` does not swallow it."""
+    """Raised inside an env call that ran past its limit (and by ``StepLimit.call`` for one that
+    swallowed it). A BaseException, so that an env's own ``except Exception`` does not swallow it."""
 
 
 _active: "StepLimit | None" = None  # the limit whose batch is in progress (one at a time: one main thread)
@@ -62,6 +65,7 @@ class StepLimit:
         self.limit_s = limit_s
         self.since: float | None = None
         """``time.monotonic()`` when the env call in progress began; None between calls."""
+        self._interrupted: float | None = None  # ``since`` of the latest call interrupted
 
     def __enter__(self) -> "StepLimit":
         global _active
@@ -78,14 +82,27 @@ class StepLimit:
             _active = None
         self.since = None
 
+    def call(self, fn, *args):
+        """``fn(*args)``, an env call made inside ``with limit:``, interrupted past the limit:
+        StepTimeout, also where ``fn`` swallowed the interruption and returned late."""
+        self.since = start = time.monotonic()
+        try:
+            out = fn(*args)
+        finally:  # also where fn raised: a later alarm must not take a finished call for a late one
+            self.since = None
+        if self._interrupted == start:
+            raise StepTimeout
+        return out
+
     def _expire(self) -> None:
         since = self.since
         left = self.limit_s if since is None else self.limit_s - (time.monotonic() - since)
         if left > 0:
             signal.setitimer(signal.ITIMER_REAL, max(left, MIN_REARM_S))
             return
-        self.since = None
-        signal.setitimer(signal.ITIMER_REAL, self.limit_s)  # the batch's other envs keep theirs
+        self._interrupted = since
+        # Armed again: the batch's other envs keep theirs, and a call that swallows this one is interrupted anew.
+        signal.setitimer(signal.ITIMER_REAL, self.limit_s)
         raise StepTimeout
 
     def problem(self, call: str) -> str:

@@ -8,12 +8,15 @@ read (vDSO, no system call) and one 8-byte store: cheap enough for every turn of
 even a per-step one. Every wait in a service is bounded (docs/architecture.md, "Every wait
 is bounded"), so a service whose loops stop turning for longer than its longest wait is
 hung (an env stuck in ``step()``, a deadlocked extension, a stopped process), not waiting.
-Until ``start``, ``beat()`` does nothing (serial mode, tests in one process).
+Until ``start``, ``beat()`` does nothing (serial mode, tests in one process). Every
+``CHECK_S`` a beat also looks that the file is still there: one removed under a running
+service (a temporary-file cleaner took the folder) is published again, not taken for a hang.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import mmap
 import os
@@ -29,7 +32,14 @@ DIR = "heartbeats"
 _RECORD = struct.Struct("<q64sd")  # pid, phase (UTF-8, NUL-padded), monotonic time of the latest beat (NaN: none yet)
 _PHASE = struct.Struct("<64s")
 _TIME = struct.Struct("<d")
+CHECK_S = 5.0
+"""How often a beat looks that its file is still there: the watchdog reads it every 5 s."""
+
+log = logging.getLogger(__name__)
 _map: mmap.mmap | None = None
+_path: Path | None = None
+_check_at = math.inf  # time.monotonic() of the next look at _path
+_lost = False  # the file is gone and could not be published again (said once)
 
 
 class Beat(NamedTuple):
@@ -45,19 +55,48 @@ class Beat(NamedTuple):
 def start(path: Path) -> None:
     """Publish this process's heartbeat at ``path`` (its folder is made, not its parent),
     replacing a previous incarnation's (no beat yet)."""
-    global _map
+    global _map, _path, _check_at
+    _map = _publish(path, _RECORD.pack(os.getpid(), b"starting", math.nan))
+    _path, _check_at = path, time.monotonic() + CHECK_S
+
+
+def _publish(path: Path, record: bytes) -> mmap.mmap:
+    """``record`` as the file at ``path`` (its folder made, not its parent), mapped."""
     path.parent.mkdir(mode=0o700, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(_RECORD.pack(os.getpid(), b"starting", math.nan))
+    tmp.write_bytes(record)
     with tmp.open("r+b") as f:
-        _map = mmap.mmap(f.fileno(), _RECORD.size)
+        mapped = mmap.mmap(f.fileno(), _RECORD.size)
     tmp.replace(path)  # whole, never half-written: a reader sees the old incarnation's or ours
+    return mapped
 
 
 def beat() -> None:
     """Say this process's loops are turning (a no-op before ``start``)."""
     if _map is not None:
-        _TIME.pack_into(_map, _RECORD.size - _TIME.size, time.monotonic())
+        now = time.monotonic()
+        _TIME.pack_into(_map, _RECORD.size - _TIME.size, now)
+        if now >= _check_at:
+            _look(now)
+
+
+def _look(now: float) -> None:
+    """Publish the heartbeat again (its latest content) if its file is gone."""
+    global _map, _check_at, _lost
+    _check_at = now + CHECK_S
+    if _path.exists():
+        return
+    try:
+        # The old map is dropped, not closed: a ``following`` thread may be writing into it.
+        _map = _publish(_path, bytes(_map))
+    except OSError as e:
+        if not _lost:
+            log.warning("heartbeat %s is gone and cannot be made again (%s); the watchdog will take this process "
+                        "for hung", _path, e)
+        _lost = True
+        return
+    log.warning("heartbeat %s was gone (its folder removed under the run?): published again", _path)
+    _lost = False
 
 
 def phase(name: str) -> None:

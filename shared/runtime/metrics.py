@@ -79,6 +79,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "restarts": ("gauge", "table_restarts", "Times the table was re-attached from shared memory after a kill", ()),
         "torn_items": ("counter", "torn_items_total", "Items dropped at a re-attach: a kill tore the write that held them", ()),
         "snapshot_errors": ("counter", "snapshot_errors_total", "Table snapshots not written (a full disk); tried again later", ()),
+        "episodes_dropped": ("counter", "episodes_dropped_total", "Finished episodes never reported to the learner: more ended before its next batch than one reply carries", ()),
         "phase": ("counter", "phase_seconds_total", "Wall seconds of the process, by what it was doing (PHASES)", ("phase",)),
     },
     "learner": {

@@ -33,6 +33,10 @@ LINGER_MS = 0  # nothing queued for a dead peer is worth blocking shutdown for
 # 30 s): idle or keyless connections hold a file descriptor of the binding service only so long.
 HANDSHAKE_IVL_MS = 5000
 ERROR_REPLY_CHARS = 400
+DRAIN_MOST = 1000
+"""The most messages one ``drain`` takes: ZeroMQ's default receive high-water mark, what one peer
+can have queued. Peers that send as fast as they are served cannot keep a service's loop (its
+heartbeat, its other work) from turning."""
 log = logging.getLogger(__name__)
 
 
@@ -231,14 +235,16 @@ class Endpoint:
                 body["seq"] = seq
             self.send("error", body, to=peer)
 
-    def drain(self) -> list[tuple[bytes | None, wire.Message]]:
-        """Every valid message already waiting, without blocking."""
+    def drain(self, most: int = DRAIN_MOST) -> list[tuple[bytes | None, wire.Message]]:
+        """The valid messages already waiting, at most ``most``, without blocking (the rest stay
+        queued for the next call)."""
         out = []
-        while True:
+        while len(out) < most:
             item = self.recv(0)
             if item is None:
-                return out
+                break
             out.append(item)
+        return out
 
     def reconnect(self) -> None:
         """Lazy Pirate: drop the socket and whatever it had queued; open a fresh one."""
