@@ -282,3 +282,14 @@ def test_a_table_that_dev_shm_cannot_hold_when_replay_makes_it_is_one_clear_erro
     print(out)
     assert "replay0-t." in out["error"] and "MiB free" in out["error"] and "/dev/shm" in out["error"], out["error"]
     assert not out["sigbus"] and out["took"] < 60
+
+
+def test_rows_appended_with_a_column_more_are_read_after_a_resume(tmp_path):
+    """A run resumed by code that writes a progress column more (e.g. skipped_updates): the
+    file gets the new header, old rows keep their values with the new column empty, and the
+    new rows are read (they were all left out when the header kept the old columns)."""
+    path = tmp_path / "progress.csv"
+    append_csv(path, ["a", "b"], {"a": 1, "b": 2})
+    append_csv(path, ["a", "b", "c"], {"a": 3, "b": 4, "c": 5})
+    assert read_csv(path) == [{"a": "1", "b": "2", "c": ""}, {"a": "3", "b": "4", "c": "5"}]
+    assert path.read_text().splitlines()[0] == "a,b,c" and not list(tmp_path.glob("*.tmp"))

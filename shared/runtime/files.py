@@ -27,6 +27,7 @@ def append_csv(path: Path, fields: list[str], row: dict) -> None:
     new or empty: one ``write``, and a short one (the disk filled up within the row) is
     truncated away before the OSError is raised. One process appends to each of a run's CSV
     files (progress.csv: the learner; eval.csv: the evaluator), so rows never interleave."""
+    _match_header(path, fields)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -44,6 +45,29 @@ def append_csv(path: Path, fields: list[str], row: dict) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def _match_header(path: Path, fields: list[str]) -> None:
+    """Give an existing CSV file ``fields`` as its header where it has other columns (a run
+    resumed by code that writes a column more): its rows are rewritten under the new header,
+    a new column empty in them, in a file that replaces the old one whole. Without this the
+    rows appended after the resume would have more fields than the header, and ``read_csv``
+    would leave every one of them out."""
+    try:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), None)
+    except FileNotFoundError:
+        return
+    if header is None or header == list(fields):
+        return
+    rows = read_csv(path)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(text.getvalue())
+    os.replace(tmp, path)
 
 
 def read_csv(path: Path) -> list[dict]:
