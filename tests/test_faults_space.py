@@ -293,3 +293,7 @@ def test_rows_appended_with_a_column_more_are_read_after_a_resume(tmp_path):
     append_csv(path, ["a", "b", "c"], {"a": 3, "b": 4, "c": 5})
     assert read_csv(path) == [{"a": "1", "b": "2", "c": ""}, {"a": "3", "b": "4", "c": "5"}]
     assert path.read_text().splitlines()[0] == "a,b,c" and not list(tmp_path.glob("*.tmp"))
+    # A file a resumed writer appended to before its header was matched: every row is kept.
+    path.write_text("a,b\n1,2\n3,4,5\n")
+    append_csv(path, ["a", "b", "c"], {"a": 6, "b": 7, "c": 8})
+    assert [r["a"] for r in read_csv(path)] == ["1", "3", "6"] and read_csv(path)[1]["c"] == "5"

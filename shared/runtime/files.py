@@ -54,13 +54,15 @@ def _match_header(path: Path, fields: list[str]) -> None:
     rows appended after the resume would have more fields than the header, and ``read_csv``
     would leave every one of them out."""
     try:
-        with open(path, newline="") as f:
-            header = next(csv.reader(f), None)
+        text = Path(path).read_text(errors="replace")
     except FileNotFoundError:
         return
-    if header is None or header == list(fields):
+    lines = list(csv.reader(io.StringIO(text[:text.rfind("\n") + 1])))
+    if not lines or lines[0] == list(fields):
         return
-    rows = read_csv(path)
+    # Rows a writer with the new columns already appended under the old header are read by them.
+    rows = [dict(zip(fields if len(line) == len(fields) else lines[0], line)) for line in lines[1:]
+            if len(line) in (len(lines[0]), len(fields))]
     text = io.StringIO()
     writer = csv.DictWriter(text, fields, extrasaction="ignore")
     writer.writeheader()
