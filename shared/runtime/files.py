@@ -54,12 +54,14 @@ def _match_header(path: Path, fields: list[str]) -> None:
     rows appended after the resume would have more fields than the header, and ``read_csv``
     would leave every one of them out."""
     try:
-        text = Path(path).read_text(errors="replace")
+        with open(path, errors="replace") as f:
+            first = f.readline()  # the header alone on every append: the whole file only to rewrite it
+            if not first.endswith("\n") or next(csv.reader([first])) == list(fields):
+                return
+            text = first + f.read()
     except FileNotFoundError:
         return
     lines = list(csv.reader(io.StringIO(text[:text.rfind("\n") + 1])))
-    if not lines or lines[0] == list(fields):
-        return
     # Rows a writer with the new columns already appended under the old header are read by them.
     rows = [dict(zip(fields if len(line) == len(fields) else lines[0], line)) for line in lines[1:]
             if len(line) in (len(lines[0]), len(fields))]
