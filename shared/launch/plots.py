@@ -22,7 +22,14 @@ GRID_POINTS = 200
 BAND_ALPHA = 0.25
 FIGSIZE_IN, DPI = (8.0, 5.0), 100  # 800 x 500 pixels
 SEED_FIELDS = {"run.seed", "run.name", "run.runs_dir", "network.base_port", "network.metrics_port"}
-"""Config fields that tell runs of one config apart without changing what is learned."""
+"""Config fields that tell runs of one config apart without changing what is learned; so does
+the whole ``[logging]`` section (where rows go: TensorBoard, W&B), whose defaults also changed
+between runs of one config."""
+
+
+def learned_from(field: str) -> bool:
+    """Whether config ``field`` ("section.key") can change what a run learns (group_runs)."""
+    return field not in SEED_FIELDS and not field.startswith("logging.")
 
 
 def flat_config(run_dir: Path) -> dict[str, object]:
@@ -47,7 +54,7 @@ def group_runs(configs: dict[Path, dict], group_by: str | None = None) -> dict[s
     """Runs grouped by config: label -> run dirs, from ``{run dir: flat_config(run dir)}``.
 
     With ``group_by`` ("section.key") runs are grouped by that field's value, labelled
-    ``key=value``; otherwise by their whole config but the fields in SEED_FIELDS, labelled by
+    ``key=value``; otherwise by their whole config but the fields ``learned_from`` leaves out, labelled by
     the fields in which the groups differ; one group is labelled by its runs' ``run.name``
     (a grid names its runs by their variant), or by algorithm and env where the names differ.
     """
@@ -61,7 +68,7 @@ def group_runs(configs: dict[Path, dict], group_by: str | None = None) -> dict[s
         return groups
     keyed: dict[tuple, list[Path]] = {}
     for d, c in configs.items():
-        keyed.setdefault(tuple(sorted((k, repr(v)) for k, v in c.items() if k not in SEED_FIELDS)), []).append(d)
+        keyed.setdefault(tuple(sorted((k, repr(v)) for k, v in c.items() if learned_from(k))), []).append(d)
     if len(keyed) == 1:
         (dirs,) = keyed.values()
         names = {configs[d]["run.name"] for d in dirs}

@@ -39,6 +39,7 @@ REFERENCES = {
     ("ddpg", "Pendulum-v1"): "−152 ± 94 at 20k (rl-baselines3-zoo)",
     ("sac", "HalfCheetah-v5"): "9,535 ± 100 at 1M, HalfCheetah-v3 (rl-baselines3-zoo); none at 100k",
     ("sac", "Hopper-v5"): "2,326 ± 1,130 at 1M, Hopper-v3 (rl-baselines3-zoo); none at 100k",
+    ("sac", "Walker2d-v5"): "3,863 ± 254 at 1M, Walker2d-v3 (rl-baselines3-zoo); none at 100k",
     ("ppo", "MinAtar/Breakout-v1"): "at 5M frames, Young & Tian 2019 (read from its curves): ~17.5 (AC(λ)); DQN ~10",
     ("ppo", "MinAtar/SpaceInvaders-v1"): "at 5M frames, Young & Tian 2019 (read from its curves): ~185 (AC(λ)); "
                                          "DQN ~43",
