@@ -46,6 +46,11 @@ STOPWAIT_S = 5
 ``stopwaitsecs``, and ``stop``'s for services without a supervisord."""
 
 
+WATCHDOG_STOPWAIT_S = STOPWAIT_S + 10
+"""The watchdog's ``stopwaitsecs``: when it stops a run it outlives the others' SIGKILL (it
+unlinks the segments they leave), though its own stop of them sends it SIGTERM too."""
+
+
 PROGRAM = """
 [program:{program}]
 command={python} -m services.{service} --run-dir {run_dir} --instance {instance}
@@ -76,7 +81,7 @@ priority=1
 autorestart=true
 startsecs=1
 stopsignal=TERM
-stopwaitsecs=5
+stopwaitsecs={stopwait}
 stderr_logfile={run_dir}/logs/watchdog.log
 stderr_logfile_maxbytes=20MB
 stderr_logfile_backups=1
@@ -104,7 +109,8 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
             programs_.append(PROGRAM.format(program=service, process=f"{service}%(process_num)d",
                                             instance="%(process_num)d", count=count, **common))
     if exp.run.watchdog_s:
-        programs_.append(WATCHDOG.format(run_dir=run_dir, python=sys.executable, environment=environment))
+        programs_.append(WATCHDOG.format(run_dir=run_dir, python=sys.executable, environment=environment,
+                                         stopwait=WATCHDOG_STOPWAIT_S))
     return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=endpoints.socket_dir(run_dir)) + "".join(programs_)
 
 

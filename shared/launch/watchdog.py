@@ -138,8 +138,9 @@ def kill_group(pid: int) -> bool:
 
 def stop_run(run_dir: Path, server, hung: HungService) -> None:
     """End the run for ``hung``: result.json first (reason "watchdog", ``error``: its line; the
-    counts of the last progress row), then every process of the run, supervisord last, and the
-    segments the hung process's last incarnation left (the others unlink theirs as they exit)."""
+    counts of the last progress row), then every process of the run, then every segment the run
+    still has (what the hung process's last incarnation left, and any of a process that missed
+    its SIGTERM), supervisord last."""
     why = str(hung)
     rows = read_progress(run_dir)
     last = rows[-1] if rows else {}
@@ -151,12 +152,28 @@ def stop_run(run_dir: Path, server, hung: HungService) -> None:
     publish(tmp, run_dir / RESULT)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # supervisord's SIGTERM to this listener comes
         signal.signal(sig, signal.SIG_IGN)  # with stopAllProcesses: it must not cut off the shutdown that follows
-    server.stopAllProcesses(False)
+    stop_all(server)
+    shm.clean(run_id_of(run_dir))
     server.shutdown()
-    prefix = f"{shm.PREFIX}{run_id_of(run_dir)}-{hung.process}-"
-    for path in shm.run_segments(run_id_of(run_dir)):
-        if path.name.startswith(prefix):
-            path.unlink(missing_ok=True)
+
+
+STOPPED = ("STOPPED", "EXITED", "FATAL")
+
+
+def stop_all(server) -> None:
+    """Stop every process but this listener and return once none is left (SIGKILL comes after
+    ``supervisor.STOPWAIT_S``), within ``WATCHDOG_STOPWAIT_S``. The hung process's restart may be
+    spawned as the stop comes: one that exited just before it is respawned after it (stopped
+    again here), and a SIGTERM between supervisord's fork and exec is lost (that one lives until
+    its SIGKILL), so a state is final only when it holds over two looks a restart's delay apart."""
+    deadline = time.monotonic() + supervisor.WATCHDOG_STOPWAIT_S - 2
+    quiet = 0
+    while time.monotonic() < deadline and quiet < 2:
+        others = [p for p in server.getAllProcessInfo() if p["pid"] != os.getpid()]
+        if any(p["statename"] in ("STARTING", "RUNNING", "BACKOFF") for p in others):
+            server.stopAllProcesses(False)
+        quiet = quiet + 1 if all(p["statename"] in STOPPED for p in others) else 0
+        time.sleep(1.2)  # supervisord respawns an exited service within a second (its loop's tick)
 
 
 def main(argv=None) -> None:
