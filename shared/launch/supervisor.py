@@ -340,8 +340,9 @@ def stop(run_dir: Path, timeout_s: float = 60.0) -> bool:
     if supervisord_pid(run_dir) is None:
         _stop_orphans(run_dir)
     stopped = supervisord_pid(run_dir) is None and not service_pids(run_dir)
-    if stopped:
+    if stopped:  # what a process that lived to its SIGKILL left (a SIGTERM lost to a restart: watchdog.stop_all)
         shutil.rmtree(endpoints.socket_dir(run_dir), ignore_errors=True)
+        shm.clean(run_dir.name)
     return stopped
 
 
