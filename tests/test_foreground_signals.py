@@ -42,20 +42,39 @@ def assert_nothing_left(run_dir: Path) -> None:
     assert not killed and not removed, f"{run_dir.name} left processes {killed} or segments {removed}"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signal_to_a_foreground_launch_stops_its_run(tmp_path, sig):
+def wait_for_run_dir(root: Path, pattern: str, timeout: float = 60) -> Path:
+    """The run directory matching ``pattern`` under ``root`` the moment it exists (its launch
+    is then making it or starting its supervisord)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for run_dir in root.glob(pattern):
+            return run_dir
+        time.sleep(0.002)
+    raise AssertionError(f"no run {pattern} under {root} within {timeout:.0f} s")
+
+
+@pytest.mark.parametrize("sig,when", [(signal.SIGTERM, "running"), (signal.SIGHUP, "running"),
+                                      (signal.SIGTERM, "starting")])
+def test_a_signal_to_a_foreground_launch_stops_its_run(tmp_path, sig, when):
+    """``starting``: the signal comes as the run directory appears, inside the launch's start of
+    supervisord and its services, before the run is announced."""
     proc = subprocess.Popen(**rlpipe_command("launch", CONFIG, "--set", f"run.runs_dir='{tmp_path}'",
                                              "--set", "network.metrics_port=0", "--set", "run.log_interval_s=0.2",
                                              "--set", "run.max_env_steps=10000000"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        run_dir = wait_for_progress(tmp_path, "cartpole_ppo_*")
+        wait = wait_for_progress if when == "running" else wait_for_run_dir
+        run_dir = wait(tmp_path, "cartpole_ppo_*")
         proc.send_signal(sig)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 1, stdout + stderr
-    assert "interrupted: stopping the run" in stdout and f"run {run_dir} stopped" in stdout
+    assert "Traceback" not in stderr, stderr
+    if when == "running":
+        assert "interrupted: stopping the run" in stdout and f"run {run_dir} stopped" in stdout
+    else:  # where it landed decides the line; either way the run is stopped
+        assert "interrupted while starting: the run is stopped" in stdout or f"run {run_dir} stopped" in stdout, stdout
     assert_nothing_left(run_dir)
 
 

@@ -263,21 +263,22 @@ def _check_space(exp: Experiment, backend: str, runs_dir: Path, run_id: str | No
 
 def _start(run: Run, wait: bool) -> Run:
     """Start ``run``'s services on its backend (LaunchError after cleaning up); with ``wait``,
-    wait until its agent is built (an interrupt meanwhile stops the run)."""
+    wait until its agent is built. An interrupt meanwhile (Ctrl-C, or SIGTERM to a foreground
+    launch: ``terminate_as_interrupt``) leaves nothing of the run running, then goes on up."""
     try:
-        if run.backend == "supervisord":
-            supervisor.start(run.exp, run.dir)
-        else:
-            ray_backend.start(run.exp, run.dir, run.backend)
-    except (ValueError, ConnectionError, RuntimeError) as e:  # no such cluster, a placement it cannot satisfy
-        run.clean()
-        raise LaunchError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    if wait:
         try:
+            if run.backend == "supervisord":
+                supervisor.start(run.exp, run.dir)
+            else:
+                ray_backend.start(run.exp, run.dir, run.backend)
+        except (ValueError, ConnectionError, RuntimeError) as e:  # no such cluster, a placement it cannot satisfy
+            run.clean()
+            raise LaunchError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        if wait:
             run.wait_until_built()
-        except KeyboardInterrupt:
-            run.stop()
-            raise
+    except KeyboardInterrupt:  # a supervisord half started included: clean stops what runs and removes segments
+        run.clean()
+        raise
     return run
 
 

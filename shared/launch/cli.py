@@ -247,6 +247,9 @@ def _start_and_follow(args) -> int:
     except api.LaunchError as e:  # no such cluster, a placement it cannot satisfy
         print(f"rlpipe: cannot start the run: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # while its services started: _start stopped what had started
+        print("\ninterrupted while starting: the run is stopped")
+        return 1
     try:
         run.wait_until_built()  # a model that cannot exist: nothing is left but the error line
         _announce(run, args.detach)
