@@ -16,7 +16,8 @@ run: install
 
 # Two passes, both run whatever the first's outcome (make fails if either does): the unit tier on
 # both cores (pytest-xdist: its tests share no port, directory or segment name), then the live
-# and learning checks one at a time, as they are sized for the 2-core machine.
+# and learning checks one at a time, as they are sized for the 2-core machine (docs/benchmarks.md,
+# "The unit tier on two workers").
 UNIT = -m "not learning and not live"
 LIVE = -m "learning or live"
 
