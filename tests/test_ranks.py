@@ -81,48 +81,79 @@ def impala_rank(rank: int | None, run_dir: str, out) -> None:
     group.close()
 
 
-def run_ranks(config_file: str, run_dir: Path, averaged: bool = True) -> list[list[int]]:
-    got = spawn_ranks(train_rank, str(run_dir), config_file, averaged)
+def rank_worker(rank: int, tasks, out) -> None:
+    """Rank ``rank`` of the module's pair: runs ``target(rank, *args, out)`` for each ``(target, args)``
+    from ``tasks`` until None; a task that raises puts ``(rank, FAILED, traceback)`` and ends it."""
+    import traceback
+
+    while (task := tasks.get()) is not None:
+        target, args = task
+        try:
+            target(rank, *args, out)
+        except BaseException:
+            out.put((rank, FAILED, traceback.format_exc()))
+            raise
+
+
+FAILED = "failed"
+
+
+@pytest.fixture(scope="module")
+def rank_pair():
+    """Two spawned rank processes for the whole module (each start imports torch and the agents:
+    seconds on 2 cores): ``rank_pair(target, *args)`` runs ``target(rank, *args, out)`` on ranks 0
+    and 1 and returns what each put in ``out``, by rank. Every task joins (and closes) a group of
+    its own, in its own run directory."""
+    ctx = mp.get_context("spawn")
+    out, tasks = ctx.Queue(), [ctx.Queue(), ctx.Queue()]
+    procs = [ctx.Process(target=rank_worker, args=(rank, tasks[rank], out)) for rank in (0, 1)]
+    for p in procs:
+        p.start()
+
+    def run(target, *args) -> dict:
+        assert all(p.is_alive() for p in procs), "a rank process of the module ended after a failed task"
+        for q in tasks:
+            q.put((target, args))
+        try:
+            got = [out.get(timeout=120) for _ in procs]
+        except queue.Empty:
+            pytest.fail("the two ranks did not finish their updates within 120 s")
+        failed = [g[2] for g in got if len(g) == 3 and g[1] == FAILED]
+        assert not failed, "\n".join(failed)
+        return dict(got)
+
+    yield run
+    for q in tasks:
+        q.put(None)
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+def run_ranks(rank_pair, config_file: str, run_dir: Path, averaged: bool = True) -> list[list[int]]:
+    got = rank_pair(train_rank, str(run_dir), config_file, averaged)
     return [got[0], got[1]]
 
 
-def spawn_ranks(target, *args) -> dict:
-    """``target(rank, *args, out)`` in two spawned processes, ranks 0 and 1: what each put in ``out``, by rank."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(rank, *args, out)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(out.get(timeout=120) for _ in procs)
-    except queue.Empty:
-        pytest.fail("the two ranks did not finish their updates within 120 s")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return got
-
-
 @pytest.mark.parametrize("config_file", ["cartpole_ppo.toml", "cartpole_dqn.toml", "pendulum_sac.toml"])
-def test_two_ranks_hold_bit_identical_parameters_after_every_update(config_file, tmp_path):
-    rank0, rank1 = run_ranks(config_file, tmp_path)
+def test_two_ranks_hold_bit_identical_parameters_after_every_update(rank_pair, config_file, tmp_path):
+    rank0, rank1 = run_ranks(rank_pair, config_file, tmp_path)
     assert rank0 == rank1, "the ranks' parameters differ after an update"
     assert len(set(rank0)) == UPDATES  # the parameters did change at every update
 
 
-def test_without_the_group_the_same_ranks_drift_apart(tmp_path):
+def test_without_the_group_the_same_ranks_drift_apart(rank_pair, tmp_path):
     """The check above can fail: on their different batches, unaveraged ranks diverge at once."""
-    rank0, rank1 = run_ranks("cartpole_ppo.toml", tmp_path, averaged=False)
+    rank0, rank1 = run_ranks(rank_pair, "cartpole_ppo.toml", tmp_path, averaged=False)
     assert all(a != b for a, b in zip(rank0, rank1))
 
 
-def test_impalas_summed_loss_is_the_whole_batchs_over_two_ranks(tmp_path):
+def test_impalas_summed_loss_is_the_whole_batchs_over_two_ranks(rank_pair, tmp_path):
     """Each rank sums its half and the group averages the gradients: the ranks' step must be the
     whole batch's sum, as one learner takes it (twice the average of the halves' sums)."""
     whole = queue.Queue()
     impala_rank(None, str(tmp_path), whole)
-    got = spawn_ranks(impala_rank, str(tmp_path))
+    got = rank_pair(impala_rank, str(tmp_path))
     assert got[0] == got[1] == pytest.approx(whole.get()[1], rel=1e-5)

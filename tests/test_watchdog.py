@@ -171,13 +171,16 @@ def test_the_watchdog_is_in_supervisord_conf_unless_off(tmp_path):
 
 def test_a_slow_env_is_not_killed_a_stopped_sampler_is_and_a_module_that_prints_does_not_blind_the_watchdog(runs):
     """An env taking 40 ms a step, 2 envs, 128 steps a segment: 10 s a segment, past
-    run.watchdog_s = 4 (the sampler beats every step, not every segment). Its module prints at
-    import, in the watchdog too (which reads the run's config). Then sampler0 is SIGSTOPped: the
-    watchdog kills it (its process group) and supervisord restarts it."""
+    run.watchdog_s = 4 (the sampler beats every step, not every segment). One segment shows it:
+    the sampler beats as it starts to sample (and at each segment's start), so a sampler that beat
+    only per segment would be 10 s silent in its first, and a TICK_5 check falls in that silence
+    past its 4 s deadline. Its module prints at import, in the watchdog too (which reads the run's
+    config). Then sampler0 is SIGSTOPped: the watchdog kills it (its process group) and
+    supervisord restarts it."""
     run = runs("cartpole_ppo.toml", "env.id='tests.noisy_envs_for_tests:make_slow_cartpole'", "sampler.envs=2",
                "sampler.horizon=128", "sampler.inference='local'", "run.watchdog_s=4", "run.target_return=1e9")
     pid = run.pid("sampler0")
-    run.wait_steps(2 * 2 * 128, timeout=90)  # two segments: 20 s of a sampler busy in its env
+    run.wait_steps(2 * 128, timeout=90)  # one segment: 10 s of a sampler busy in its env
     assert run.status()["sampler0"] == ("RUNNING", pid), run.logs("watchdog")
     assert "killed (SIGKILL" not in run.logs("watchdog")
     os.kill(pid, signal.SIGSTOP)
