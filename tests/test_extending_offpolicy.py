@@ -27,7 +27,7 @@ def documented_fields(name: str) -> list[str]:
     return [re.match(r"\| `(\w+)` \|", row).group(1) for row in table.splitlines()]
 
 
-@pytest.mark.parametrize("name", ["Transition", "SequenceBatch", "OnPolicyBatch", "Samples"])
+@pytest.mark.parametrize("name", ["Transition", "WindowSteps", "SequenceBatch", "OnPolicyBatch", "Samples"])
 def test_the_documented_batch_fields_are_the_codes(name):
     assert documented_fields(name) == list(getattr(batches, name)._fields)
 
