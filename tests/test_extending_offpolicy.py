@@ -33,13 +33,14 @@ def test_the_documented_batch_fields_are_the_codes(name):
 
 
 def project(tmp_path):
-    """tmp_path/proj/mylab/{__init__,mdqn}.py and cartpole_mdqn.toml, copied from the page."""
+    """tmp_path/proj/mylab/: __init__.py and every file the page writes out (mdqn.py,
+    mdqn_nstep.py, cartpole_mdqn.toml)."""
     root = tmp_path / "proj"
     (root / "mylab").mkdir(parents=True)
     (root / "mylab" / "__init__.py").write_text("")
-    for path, lang in (("mylab/mdqn.py", "python"), ("mylab/cartpole_mdqn.toml", "toml")):
-        block = re.search(rf"```{lang}\n# {re.escape(path)}\n(.*?)```", DOC, re.S).group(1)
+    for path, block in re.findall(r"```(?:python|toml)\n# (mylab/\S+)\n(.*?)```", DOC, re.S):
         (root / path).write_text(block)
+    assert {"mdqn.py", "mdqn_nstep.py", "cartpole_mdqn.toml"} <= {p.name for p in (root / "mylab").iterdir()}
     return root
 
 
@@ -49,9 +50,16 @@ def rlpipe_in(cwd, *args: str, timeout: float = 300) -> subprocess.CompletedProc
 
 
 @pytest.mark.learning
-def test_the_documented_munchausen_dqn_learns_in_serial_mode_from_its_projects_directory(tmp_path):
+@pytest.mark.parametrize("overrides", [
+    [],
+    # the page's exact n-step M-DQN, on the same budget
+    ["algo.name='mylab.mdqn_nstep:SPEC'", "replay.n_step=3", "replay.store_steps=true"],
+], ids=["mdqn", "exact-n-step-mdqn"])
+def test_the_documented_munchausen_dqn_learns_in_serial_mode_from_its_projects_directory(tmp_path, overrides):
     root = project(tmp_path)
-    out = rlpipe_in(root, "train", "mylab/cartpole_mdqn.toml", "--serial", "--set", f"run.runs_dir='{tmp_path}/runs'")
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    out = rlpipe_in(root, "train", "mylab/cartpole_mdqn.toml", "--serial", "--set", f"run.runs_dir='{tmp_path}/runs'",
+                    *sets)
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = next((tmp_path / "runs").iterdir())
     result = json.loads((run_dir / "result.json").read_text())
