@@ -95,4 +95,5 @@ def batch_spec(exp: Experiment, example):
         return sequence_batch_spec(spec_of(example), exp.replay.sequence_length, exp.algo.batch_size)
     from shared.replay.tables import transition_batch_spec
 
-    return transition_batch_spec(spec_of(example), exp.algo.batch_size)
+    window = exp.replay.n_step if exp.replay.store_steps else 0
+    return transition_batch_spec(spec_of(example), exp.algo.batch_size, window)

@@ -178,7 +178,7 @@ def _transitions(n: int, only: int, seed: int = 0) -> Transition:
                       return_=torch.as_tensor(rng.random(n), dtype=torch.float32),
                       bootstrap_observation=map_leaves(torch.as_tensor, _obs(mask, seed + 1)),
                       bootstrap_discount=torch.full((n,), 0.9), is_weight=torch.ones(n),
-                      policy_version=torch.zeros(n, dtype=torch.long))
+                      policy_version=torch.zeros(n, dtype=torch.long), steps=None)
 
 
 @pytest.mark.parametrize("name", ["dqn", "qr_dqn"])

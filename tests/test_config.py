@@ -27,6 +27,7 @@ DEFAULT = CONFIGS / "cartpole_ppo.toml"
     ("network.transport=\"udp\"", "network.transport"),
     ("bogus.key=1", "bogus"),
     ("learner.batch_segments=3", "learner.batch_segments"),
+    ("replay.store_steps=true", "replay.store_steps"),  # PPO learns from segments, not n-step windows
 ])
 def test_bad_value_is_one_line_naming_the_field(override, names):
     with pytest.raises(schema.ConfigError) as err:

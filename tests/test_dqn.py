@@ -43,6 +43,7 @@ def transitions(obs, action, ret, boot, discount, weight=None) -> Transition:
         bootstrap_discount=torch.tensor(discount, dtype=torch.float32),
         is_weight=torch.ones(n) if weight is None else torch.tensor(weight, dtype=torch.float32),
         policy_version=torch.zeros(n, dtype=torch.int64),
+        steps=None,
     )
 
 

@@ -27,19 +27,20 @@ def documented_fields(name: str) -> list[str]:
     return [re.match(r"\| `(\w+)` \|", row).group(1) for row in table.splitlines()]
 
 
-@pytest.mark.parametrize("name", ["Transition", "SequenceBatch", "OnPolicyBatch", "Samples"])
+@pytest.mark.parametrize("name", ["Transition", "WindowSteps", "SequenceBatch", "OnPolicyBatch", "Samples"])
 def test_the_documented_batch_fields_are_the_codes(name):
     assert documented_fields(name) == list(getattr(batches, name)._fields)
 
 
 def project(tmp_path):
-    """tmp_path/proj/mylab/{__init__,mdqn}.py and cartpole_mdqn.toml, copied from the page."""
+    """tmp_path/proj/mylab/: __init__.py and every file the page writes out (mdqn.py,
+    mdqn_nstep.py, cartpole_mdqn.toml)."""
     root = tmp_path / "proj"
     (root / "mylab").mkdir(parents=True)
     (root / "mylab" / "__init__.py").write_text("")
-    for path, lang in (("mylab/mdqn.py", "python"), ("mylab/cartpole_mdqn.toml", "toml")):
-        block = re.search(rf"```{lang}\n# {re.escape(path)}\n(.*?)```", DOC, re.S).group(1)
+    for path, block in re.findall(r"```(?:python|toml)\n# (mylab/\S+)\n(.*?)```", DOC, re.S):
         (root / path).write_text(block)
+    assert {"mdqn.py", "mdqn_nstep.py", "cartpole_mdqn.toml"} <= {p.name for p in (root / "mylab").iterdir()}
     return root
 
 
@@ -49,12 +50,18 @@ def rlpipe_in(cwd, *args: str, timeout: float = 300) -> subprocess.CompletedProc
 
 
 @pytest.mark.learning
-def test_the_documented_munchausen_dqn_learns_in_serial_mode_from_its_projects_directory(tmp_path):
+@pytest.mark.parametrize("overrides", [
+    [],
+    # the page's exact n-step M-DQN, on the same budget
+    ["algo.name='mylab.mdqn_nstep:SPEC'", "replay.n_step=3", "replay.store_steps=true"],
+], ids=["mdqn", "exact-n-step-mdqn"])
+def test_the_documented_munchausen_dqn_learns_in_serial_mode_from_its_projects_directory(tmp_path, overrides):
     """The page's config and budget; the run ends at the bar (150) instead of spending the rest of
     its 100k steps on the page's 475, which it does not reach."""
     root = project(tmp_path)
+    sets = [arg for override in [*overrides, "run.target_return=150"] for arg in ("--set", override)]
     out = rlpipe_in(root, "train", "mylab/cartpole_mdqn.toml", "--serial", "--set", f"run.runs_dir='{tmp_path}/runs'",
-                    "--set", "run.target_return=150")
+                    *sets)
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = next((tmp_path / "runs").iterdir())
     result = json.loads((run_dir / "result.json").read_text())

@@ -3,6 +3,7 @@ ends, writer seams, lost segments and ring wrap-around; real Pong; bad configura
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import deque
 
@@ -18,7 +19,7 @@ from shared.agents.config import QAgentInfo
 from shared.envs.backends import make_env_group
 from shared.envs.group import EnvConfig
 from shared.data.layout import segment_spec, step_example
-from shared.data.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
+from shared.data.namedarraytuple import buffer_from_example, from_spec, leaves, spec_of, with_leading_dims
 from shared.replay.arena import ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
@@ -72,32 +73,32 @@ class FakeEnvs:
 
 
 def _all_items(table: Table) -> dict[int, tuple]:
-    """{action: (observation, bootstrap observation, return, discount)} of every live item."""
+    """{action: (observation, bootstrap observation, return, discount, window steps or None)} of every live item."""
     n = table.size
     if n == 0:
         return {}
     dest = from_spec(table.storage.batch_spec(n))
     table.sample_into(dest, n)
     return {int(dest.action[i]): (dest.observation[i], dest.bootstrap_observation[i], float(dest.return_[i]),
-                                  float(dest.bootstrap_discount[i])) for i in range(n)}
+                                  float(dest.bootstrap_discount[i]), None if dest.steps is None else dest.steps[i]) for i in range(n)}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(K=st.sampled_from([1, 2, 4]), T=st.integers(1, 4), n=st.integers(1, 3),
        widths=st.lists(st.integers(1, 3), min_size=1, max_size=3), extra_rows=st.integers(0, 6),
        p_done=st.sampled_from([0.0, 0.1, 0.4]), ops=st.lists(st.integers(0, 99), min_size=1, max_size=40),
-       seed=st.integers(0, 2**16))
-def test_frame_store_returns_the_stacks_a_naive_store_returns(K, T, n, widths, extra_rows, p_done, ops, seed):
+       seed=st.integers(0, 2**16), store_steps=st.booleans())
+def test_frame_store_returns_the_stacks_a_naive_store_returns(K, T, n, widths, extra_rows, p_done, ops, seed,
+                                                              store_steps):
     rng = np.random.default_rng(seed)
     counter = iter(range(1, 1 << 24))
     widths = dict(enumerate(widths))
     envs = {w: FakeEnvs(b, K, rng, lambda: next(counter)) for w, b in widths.items()}
     spec = spec_of(FakeEnvs(1, K, rng, lambda: 0).segment(T, 0.0))
     capacity = (T + n + extra_rows) * sum(widths.values())
-    naive = Table(TransitionStorage(spec, widths, TransitionStorageConfig(capacity=capacity, n_step=n, gamma=0.9)),
-                  Fifo(), RateLimiter())
-    store = TransitionStorage(spec, widths, TransitionStorageConfig(capacity=capacity, n_step=n, gamma=0.9,
-                                                                    frame_store=True, final_frames=1))
+    cfg = TransitionStorageConfig(capacity=capacity, n_step=n, gamma=0.9, store_steps=store_steps)
+    naive = Table(TransitionStorage(spec, widths, cfg), Fifo(), RateLimiter())
+    store = TransitionStorage(spec, widths, dataclasses.replace(cfg, frame_store=True, final_frames=1))
     frames = Table(store, Fifo(), RateLimiter())
     F = store.ring.frames.F
     seen = {(w, b): set() for w in widths for b in range(widths[w])}  # frame ids replay got since the seam
@@ -129,7 +130,7 @@ def test_frame_store_returns_the_stacks_a_naive_store_returns(K, T, n, widths, e
     kept_finals, all_finals = set(dones[-F:]), set(dones)
     want, got = _all_items(naive), _all_items(frames)
     expected = set()
-    for action, (obs, boot, _, _) in want.items():
+    for action, (obs, boot, *_) in want.items():
         column = trajectory[_fid(obs[-1])]
         ids = {_fid(f) for f in obs} | {_fid(f) for f in boot}
         from_final = _fid(boot[-1]) in all_finals  # a final frame never shows in an observation
@@ -137,10 +138,13 @@ def test_frame_store_returns_the_stacks_a_naive_store_returns(K, T, n, widths, e
             expected.add(action)
     assert set(got) == expected
     for action in got:
-        obs, boot, ret, disc = got[action]
+        obs, boot, ret, disc, steps = got[action]
         np.testing.assert_array_equal(obs, want[action][0])
         np.testing.assert_array_equal(boot, want[action][1])
-        assert (ret, disc) == want[action][2:]
+        assert (ret, disc) == want[action][2:4]
+        assert (steps is None) == (not store_steps)
+        for (_, leaf), (_, naive_leaf) in zip(leaves(steps), leaves(want[action][4])):  # each step's stack too
+            np.testing.assert_array_equal(leaf, naive_leaf)
 
 
 def _pong_segments(T: int, B: int, n_segments: int, backend: str):
@@ -196,10 +200,10 @@ def test_pong_stacks_come_back_exactly_also_from_a_table_reattached_in_shared_me
         assert again.metrics()["frames_unrebuilt_items"] == 0 and again.metrics()["final_frame_evictions"] == 0
         got = _all_items(again)  # a queue: this takes them all (from the one table in shared memory)
         assert set(got) == set(want)
-        for action, (obs, boot, ret, disc) in got.items():
+        for action, (obs, boot, ret, disc, _) in got.items():
             np.testing.assert_array_equal(obs, want[action][0])
             np.testing.assert_array_equal(boot, want[action][1])
-            assert (ret, disc) == want[action][2:]
+            assert (ret, disc) == want[action][2:4]
         assert table.storage.nbytes < naive.storage.nbytes / 4
     finally:
         table.arena.unlink()

@@ -97,7 +97,7 @@ def test_a_linear_q_agent_learns_frozenlake_from_one_hot_states():
         batch = Transition(observation=torch.as_tensor(o[i]), action=torch.as_tensor(a[i]),
                            return_=torch.as_tensor(r[i], dtype=torch.float32), bootstrap_observation=torch.as_tensor(n[i]),
                            bootstrap_discount=torch.as_tensor(d[i], dtype=torch.float32), is_weight=torch.ones(256),
-                           policy_version=torch.zeros(256, dtype=torch.int64))
+                           policy_version=torch.zeros(256, dtype=torch.int64), steps=None)
         algo.update(batch, step / 600)
     obs, _ = env.reset(seed=0)
     for t in range(20):

@@ -35,6 +35,7 @@ def batch(n=64, obs_dim=3, action_dim=1, low=-2.0, high=2.0, seed=0):
         bootstrap_discount=torch.full((n,), 0.99),
         is_weight=torch.ones(n),
         policy_version=torch.zeros(n, dtype=torch.int64),
+        steps=None,
     )
 
 

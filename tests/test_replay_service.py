@@ -272,6 +272,36 @@ def test_episodes_waiting_for_the_learner_are_bounded_the_oldest_dropped_and_cou
     assert hub.service.episodes_dropped == 1
 
 
+def test_store_steps_fills_the_learners_slot_with_each_step_of_every_window(exp_and_example, run_id, tmp_path):
+    exp, example = exp_and_example
+    exp = dataclasses.replace(exp, replay=dataclasses.replace(exp.replay, store_steps=True))
+    hub = Hub(exp, example, run_id, tmp_path)
+    try:
+        sampler, learner = hub.client("sampler0"), hub.client("learner0")
+        hello_writer(hub, sampler)
+        ring = hub.rings[(0, "ring")].samples  # [RING, T, B]: no done, so each window is N_STEP steps
+        ring.reward[:] = np.arange(RING * T * B, dtype=np.float32).reshape(RING, T, B)
+        ring.action[:] = np.arange(RING * T * B).reshape(RING, T, B) % 3 % 2
+        for serial in range(1, RING + 1):
+            sampler.send("segment", segment(serial, index=serial - 1))
+            assert replies(sampler, 1)[0].type == "release"
+        descs, [slot] = hub.batch_slots()
+        learner.send("hello_reader", {"slots": descs, "incarnation": 1, "secret": SECRET})
+        learner.send("sample", {"slot": 0, "n": 4, "min_version": 0})
+        [reply] = replies(learner, 1)
+        assert reply.type == "sampled"
+        reward, action = ring.reward.reshape(RING * T, B), ring.action.reshape(RING * T, B)  # [step, column]
+        for i in range(4):
+            [[t], [b]] = np.nonzero(reward == slot.steps.reward[i, 0])
+            assert slot.steps.reward[i].tolist() == reward[t:t + N_STEP, b].tolist()
+            assert slot.steps.action[i].tolist() == action[t:t + N_STEP, b].tolist()
+            assert slot.steps.discount[i].tolist() == pytest.approx(exp.replay.gamma ** np.arange(N_STEP))
+            assert slot.return_[i] == pytest.approx(float((slot.steps.discount[i] * slot.steps.reward[i]).sum()))
+        assert np.all(slot.steps.observation == 0.5) and hub.bad == []
+    finally:
+        hub.close()
+
+
 def ranked_hub(config_file: str, overrides: list, run_id, tmp_path) -> Hub:
     """A hub for a run of two learner ranks and two samplers of ``B`` envs."""
     exp = config.load(CONFIGS / config_file, ["learner.count=2", "sampler.count=2", f"sampler.envs={B}",

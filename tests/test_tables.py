@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from shared.data.namedarraytuple import from_spec, namedarraytuple, spec_of
+from shared.data.namedarraytuple import from_spec, leaves, namedarraytuple, spec_of
 from shared.data.batches import OnPolicyBatch, Transition
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
@@ -145,6 +145,41 @@ def test_three_writers_interleaved_are_retrievable_and_correct():
             steps = [t for (v, col, t) in ids if (v, col) == (w, c)]
             assert steps == sorted(steps)
     assert fifo.size == 0 and uniform.counts.evicted > 0
+
+
+def test_window_steps_are_the_steps_the_env_produced_up_to_a_done_and_sum_to_the_return():
+    rng = np.random.default_rng(2)
+    widths, n, gamma, rows = {0: 3, 1: 2}, 4, 0.9, 40
+    spec = spec_of(_segment(0, np.arange(6), 3, rng))
+    cfg = TransitionStorageConfig(capacity=rows * 5, n_step=n, gamma=gamma, store_steps=True)
+    table = Table(TransitionStorage(spec, widths, cfg), Uniform(), RateLimiter())
+    ref = Reference(widths, rows, n, gamma)
+    dest = from_spec(table.storage.batch_spec(64))
+    assert dest.steps.reward.shape == (64, n) and dest.steps.observation.img.shape == (64, n, 2)
+    # Off (the default), a batch is what it was: the same fields, steps None, not a byte more.
+    off = dict(TransitionStorage(spec, widths, TransitionStorageConfig(cfg.capacity, n, gamma)).batch_spec(64)["fields"])
+    assert off == {**dict(table.storage.batch_spec(64)["fields"]), "steps": None}
+    ends = {"termination": 0, "truncation": 0, "window": 0}
+    for t0 in range(0, 120, 6):
+        for w, width in widths.items():
+            seg = _segment(w, np.arange(t0, t0 + 6), width, rng, p_term=0.1, p_trunc=0.1)
+            ref.add(w, seg)
+            table.insert(w, seg)
+        live = ref.live()
+        table.sample_into(dest, 64)
+        for i, (w, c, t) in enumerate(_check_batch(dest, live)):
+            boot = live[(w, c, t)][2][2]
+            m = -boot - t if boot < 0 else boot - t  # a done at t + m - 1 bootstraps from its final observation
+            ends["window" if boot >= 0 else "termination" if ref.term[w][t + m - 1, c] else "truncation"] += 1
+            s = dest.steps[i]
+            assert s.observation.vec[:m].astype(int).tolist() == [[w, c, t + k] for k in range(m)]
+            assert s.observation.img[:m].tolist() == [[(t + k) % 251, c] for k in range(m)]
+            assert s.action[:m].tolist() == [(t + k) * 100 + c for k in range(m)]
+            assert s.reward[:m].tolist() == ref.reward[w][t:t + m, c].tolist()  # the float32 bytes sent
+            np.testing.assert_allclose(s.discount[:m], gamma ** np.arange(m), rtol=1e-6)
+            assert not any(leaf[m:].any() for _, leaf in leaves(s))  # past the window: zeros
+            assert dest.return_[i] == pytest.approx((s.discount * s.reward).sum(), rel=1e-5, abs=1e-5)
+    assert min(ends.values()) > 50, ends
 
 
 def test_priority_updates_ignore_items_overwritten_since_sampled():

@@ -45,7 +45,8 @@ def _compose(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec
     else:
         storage = TransitionStorage(samples_spec, columns_per_writer,
                                     TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma,
-                                                            frame_store=cfg.frame_store), arena)
+                                                            frame_store=cfg.frame_store, store_steps=cfg.store_steps),
+                                    arena)
     if cfg.table in PRIORITIZED:
         selector = Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
                                                  beta_steps=cfg.beta_steps, weight_norm=cfg.weight_norm))

@@ -75,6 +75,9 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if exp.replay.frame_store and on_policy:
         raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")
+    if exp.replay.store_steps and spec.batch != "transitions":
+        raise ConfigError(f"replay.store_steps = true: only n-step transitions carry their steps; {spec.name} learns from "
+                          f"{spec.batch}, set it to false")
     if exp.replay.weight_norm not in WEIGHT_NORMS:
         raise ConfigError(f"replay.weight_norm = {exp.replay.weight_norm!r}: allowed: {', '.join(WEIGHT_NORMS)}")
     if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:

@@ -123,6 +123,10 @@ class ReplayConfig:
     """Off-policy: rewards summed per transition before bootstrapping."""
     gamma: float = 0.99
     """Off-policy: discount per step used for n-step returns."""
+    store_steps: bool = False
+    """Transitions (uniform, prioritized): a batch also carries each step of its n-step window
+    (Transition.steps: observation, action, reward and discount of every step, docs/extending.md),
+    for corrections at every step rather than the first; n_step times the observation bytes a batch."""
     frame_store: bool = False
     """Off-policy: store each frame of [K, H, W] uint8 frame-stack observations once and rebuild
     the stacks at sample time (Atari: ~8 KB a transition instead of ~56 KB)."""

@@ -51,9 +51,23 @@ Transition = namedarraytuple(
         "bootstrap_discount",  # [n] f32: gamma^m, 0 after a termination
         "is_weight",  # [n] f32: importance-sampling weight in (0, 1]
         "policy_version",  # [n]: version of the policy that chose action t
+        "steps",  # WindowSteps [n, n_step] with replay.store_steps, else None
     ],
 )
 """One n-step transition per row: target = return_ + bootstrap_discount * V(bootstrap_observation)."""
+
+WindowSteps = namedarraytuple(
+    "WindowSteps",
+    [
+        "observation",  # [n, n_step, ...] observation at t + k
+        "action",  # [n, n_step, ...] action at t + k
+        "reward",  # [n, n_step] f32: r_{t+k}
+        "discount",  # [n, n_step] f32: gamma^k for k < m, 0 past the window's m steps
+    ],
+)
+"""Each step k of an n-step window (``replay.store_steps``), so that corrections for every step
+(not only the first) can be written: for k < m (the steps ``return_`` sums) the step as the env
+produced it; for k >= m everything is 0, so that return_ = sum_k discount[k] * reward[k]."""
 
 OnPolicyBatch = namedarraytuple("OnPolicyBatch", ["samples", "bootstrap_value", "bootstrap_observation"])
 """n whole segments side by side: samples [T, n * B] (the Samples structure); the observation

@@ -20,7 +20,7 @@ import numpy as np
 
 from shared.data.namedarraytuple import leading_len, leaves, map_leaves, spec_nbytes, spec_of, with_leading_dims
 from shared.runtime import faults
-from shared.data.batches import Transition
+from shared.data.batches import Transition, WindowSteps
 from shared.replay.arena import HEAP, OP_DROP, OP_INSERT, OP_NAMES, OP_PRIORITIES, OP_SAMPLE, Arena, Cells
 from shared.replay.frames import FrameStacks, frame_stack_shape
 from shared.replay.nstep import nstep_targets
@@ -302,12 +302,22 @@ class TransitionStorageConfig:
     final_frames: int = 0
     """frame_store: final-observation frames kept for done steps; 0 = capacity // 32 (at least
     one segment's steps). When they wrap, items bootstrapping from a dropped one leave early."""
+    store_steps: bool = False
+    """Batches carry each step of the n-step window (Transition.steps: WindowSteps [n, n_step]);
+    nothing more is stored, the steps are gathered from the ring at sample time."""
 
 
-def transition_batch_spec(step_spec, n: int) -> Any:
-    """Spec of a Transition batch of ``n`` items for steps laid out as ``step_spec`` (Samples)."""
+def transition_batch_spec(step_spec, n: int, window: int = 0) -> Any:
+    """Spec of a Transition batch of ``n`` items for steps laid out as ``step_spec`` (Samples),
+    with ``steps`` WindowSteps [n, window] if ``window`` (the n-step length), else None."""
     obs = with_leading_dims(_field(step_spec, "observation"), [n])
     scalar = {"dtype": _F32, "shape": [n]}
+    steps = None
+    if window:
+        per_step = {"observation": _field(step_spec, "observation"), "action": _field(step_spec, "action"),
+                    "reward": {"dtype": _F32, "shape": []}, "discount": {"dtype": _F32, "shape": []}}
+        steps = with_leading_dims({"type": "WindowSteps", "fields": [[f, per_step[f]] for f in WindowSteps._fields]},
+                                  [n, window])
     by_field = {
         "observation": obs,
         "action": with_leading_dims(_field(step_spec, "action"), [n]),
@@ -316,6 +326,7 @@ def transition_batch_spec(step_spec, n: int) -> Any:
         "bootstrap_discount": scalar,
         "is_weight": scalar,
         "policy_version": with_leading_dims(_field(step_spec, "policy_version"), [n]),
+        "steps": steps,
     }
     return {"type": "Transition", "fields": [[f, by_field[f]] for f in Transition._fields]}
 
@@ -393,7 +404,8 @@ class TransitionStorage:
     def batch_spec(self, n: int) -> Any:
         spec = self._batch_specs.get(n)
         if spec is None:
-            spec = self._batch_specs[n] = transition_batch_spec(self.step_spec, n)
+            window = self.config.n_step if self.config.store_steps else 0
+            spec = self._batch_specs[n] = transition_batch_spec(self.step_spec, n, window)
         return spec
 
     def items_per_write(self, writer_id: int) -> int:
@@ -486,6 +498,31 @@ class TransitionStorage:
             patch = map_leaves(lambda d: np.empty((final.size, *d.shape[1:]), d.dtype), dest.bootstrap_observation)
             ring.gather_final_observation(boot[final], patch)
             dest.bootstrap_observation[final] = patch
+        if dest.steps is not None:
+            self._gather_steps(keys, dest.steps)
+
+    def _gather_steps(self, keys: np.ndarray, dest) -> None:
+        """dest (WindowSteps [len(keys), n_step]) = the steps of each item's window: its m steps
+        (the rewards its return sums; m follows from where it bootstraps), zeros after them."""
+        ring, rows, B, n = self.ring, self.ring.rows, self.ring.B_total, self.config.n_step
+        offset = (self.bootstrap_key[keys] - keys) // B % rows  # same column: a whole number of rows
+        m = offset + self.bootstrap_final[keys]  # a done at step m - 1 bootstraps from its final observation
+        inside = np.arange(n)[None, :] < m[:, None]  # [N, n]
+        i, k = np.nonzero(inside)
+        step_keys = (keys[i] + k * B) % self.num_slots
+        for _, leaf in leaves(dest):
+            leaf[~inside] = 0
+        dest.discount[i, k] = self.config.gamma ** k  # float64, as nstep_targets sums
+        dest.reward[i, k] = ring.flat.reward[step_keys]
+
+        def empty(d):
+            return np.empty((step_keys.size, *d.shape[2:]), d.dtype)
+
+        observation, action = map_leaves(empty, dest.observation), map_leaves(empty, dest.action)
+        ring.gather_observation(step_keys, observation)
+        _take_into(action, ring.flat.action, step_keys)
+        dest.observation[i, k] = observation
+        dest.action[i, k] = action
 
     def release(self, keys: np.ndarray) -> None:
         """No-op: the steps stay, since other items may bootstrap from them; the ring
