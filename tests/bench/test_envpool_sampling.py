@@ -32,8 +32,8 @@ import numpy as np
 import pytest
 
 from shared.config import loading
-from tests.bench.test_pipeline_throughput import _sampler_steps
-from tests.pipeline import CONFIGS, Run, rate_medians
+from tests.bench.test_pipeline_throughput import sampling_rate
+from tests.pipeline import CONFIGS, rate_medians
 
 pytestmark = pytest.mark.bench
 envpool = pytest.importorskip("envpool")
@@ -83,15 +83,7 @@ def raw_steps_per_s(seconds: float = WINDOW_S, config: str = CONFIG) -> float:
 
 
 def pipeline_steps_per_s(tmp_path, overrides: list[str], config: str = CONFIG) -> float:
-    run = Run.launch(tmp_path, config, *CHEAP, *LARGER.get(config, []), *overrides)
-    try:
-        # The learner never trains, so its progress rows count no steps: the samplers' counter does.
-        run.wait_for(lambda: _sampler_steps(run) >= 4_000, 120, "4000 sampled env steps")
-        s0, t0 = _sampler_steps(run), time.monotonic()
-        time.sleep(WINDOW_S)
-        return (_sampler_steps(run) - s0) / (time.monotonic() - t0)
-    finally:
-        run.close()
+    return sampling_rate(tmp_path, config, [*CHEAP, *LARGER.get(config, []), *overrides], WINDOW_S)
 
 
 def test_pong_sampling_envpool_pipeline_vs_raw_envpool(tmp_path):

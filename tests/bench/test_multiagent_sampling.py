@@ -14,12 +14,11 @@ Run with `make bench`.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
-from tests.bench.test_pipeline_throughput import _sampler_steps
-from tests.pipeline import Run, rate_medians
+from tests.bench.test_pipeline_throughput import sampling_rate
+from tests.pipeline import rate_medians
 
 pytestmark = pytest.mark.bench
 pytest.importorskip("pettingzoo")
@@ -38,14 +37,7 @@ def setups(cost_us: float) -> dict[str, list[str]]:
 
 
 def steps_per_s(tmp_path, overrides: list[str]) -> float:
-    run = Run.launch(tmp_path, "cartpole_dqn.toml", *CHEAP, *overrides)
-    try:
-        run.wait_for(lambda: _sampler_steps(run) >= 4_000, 120, "4000 sampled env steps")
-        s0, t0 = _sampler_steps(run), time.monotonic()
-        time.sleep(WINDOW_S)
-        return (_sampler_steps(run) - s0) / (time.monotonic() - t0)
-    finally:
-        run.close()
+    return sampling_rate(tmp_path, "cartpole_dqn.toml", [*CHEAP, *overrides], WINDOW_S)
 
 
 @pytest.mark.parametrize("cost_us", [20.0, 100.0])

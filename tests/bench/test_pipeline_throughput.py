@@ -83,6 +83,20 @@ def pipeline_rates(tmp_path, config: str, overrides: list[str], warm_steps: int,
         run.close()
 
 
+def sampling_rate(tmp_path, config: str, overrides: list[str], window_s: float, warm_steps: int = 4_000) -> float:
+    """Env steps/s of a run of ``config`` over ``window_s`` once its samplers have made
+    ``warm_steps``, both from the samplers' counter (a run whose learner never trains counts no
+    steps in progress rows)."""
+    run = Run.launch(tmp_path, config, *overrides)
+    try:
+        run.wait_for(lambda: _sampler_steps(run) >= warm_steps, 120, f"{warm_steps} sampled env steps")
+        s0, t0 = _sampler_steps(run), time.monotonic()
+        time.sleep(window_s)
+        return (_sampler_steps(run) - s0) / (time.monotonic() - t0)
+    finally:
+        run.close()
+
+
 def pipeline_steps_per_s(tmp_path, inference: str, *overrides: str) -> float:
     # A2C with long segments: one cheap update per 2048 steps, so sampling is what is measured.
     # A ring of 2 segments lets a sampler fill the next one while replay copies the last
