@@ -1,0 +1,108 @@
+"""Two-player turn-based games against fixed opponents: the scripted players
+(shared/envs/players.py) on tic-tac-toe and connect four."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+pettingzoo = pytest.importorskip("pettingzoo")
+
+from pettingzoo.classic import connect_four_v3, tictactoe_v3
+from pettingzoo.utils import BaseWrapper
+
+from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
+
+
+def position(module, moves: list[int]):
+    """``module``'s game after ``moves`` (first player's, second's, ...)."""
+    env = module.env()
+    env.reset(seed=0)
+    for a in moves:
+        env.step(a)
+    return env
+
+
+# ------------------------------------------------------------------ the scripted players
+
+
+@pytest.mark.parametrize("module, moves, expected", [
+    # X holds squares 0 and 1 of the line 0-1-2 (O threatens 3-4-5 too): it wins at 2.
+    (tictactoe_v3, [0, 3, 1, 4], 2),
+    # X holds 0 and 8 (no line left to finish); O threatens 3-4-5: X blocks at 5.
+    (tictactoe_v3, [0, 3, 8, 4], 5),
+    # Connect four: the first player has columns 0-2 of the bottom row; it wins in column 3.
+    (connect_four_v3, [0, 6, 1, 6, 2, 5], 3),
+    # The second player has columns 0-2 of the bottom row; the first blocks in column 3.
+    (connect_four_v3, [6, 0, 6, 1, 5, 2], 3),
+])
+def test_the_heuristic_wins_if_it_can_and_blocks_if_it_must(module, moves, expected):
+    env = position(module, moves)
+    before = {a: env.observe(a)["observation"].copy() for a in env.agents}
+    assert {heuristic_move(env, np.random.default_rng(seed)) for seed in range(8)} == {expected}
+    for a in env.agents:  # it looked ahead on copies only
+        np.testing.assert_array_equal(env.observe(a)["observation"], before[a])
+    env.close()
+
+
+@pytest.mark.parametrize("module", [tictactoe_v3, connect_four_v3])
+def test_without_a_win_or_a_threat_the_heuristic_moves_at_random(module):
+    env = position(module, [])
+    moves = {heuristic_move(env, np.random.default_rng(seed)) for seed in range(30)}
+    assert len(moves) > 3 and moves <= set(legal_moves(env).tolist())
+    env.close()
+
+
+def games(module, players, n: int, seed: int) -> np.ndarray:
+    """The first player's returns in ``n`` games of ``players`` (first, second)."""
+    rng = np.random.default_rng(seed)
+    env = module.env()
+    returns = []
+    for i in range(n):
+        env.reset(seed=seed + i)
+        while not all(env.terminations.values()):
+            env.step(players[env.possible_agents.index(env.agent_selection)](env, rng))
+        returns.append(env._cumulative_rewards[env.possible_agents[0]])
+    env.close()
+    return np.array(returns, np.float64)
+
+
+@pytest.mark.parametrize("module, n", [(tictactoe_v3, 200), (connect_four_v3, 100)])
+def test_the_heuristic_beats_a_random_player_in_either_seat(module, n):
+    """Its win rate is 3 standard errors (of the difference) or more above a random player's in the
+    same seat against the same random opponent (chance, measured over 2000 games)."""
+    chance = games(module, (random_move, random_move), 2000, 1)
+    first = games(module, (heuristic_move, random_move), n, 2) > 0
+    second = games(module, (random_move, heuristic_move), n, 3) < 0
+    for won, chance_won in ((first, chance > 0), (second, chance < 0)):
+        p, p0 = won.mean(), chance_won.mean()
+        se = np.sqrt(p * (1 - p) / len(won) + p0 * (1 - p0) / len(chance_won))
+        assert p - p0 >= 3 * se, (p, p0, se)
+
+
+def test_a_copy_of_a_game_is_independent_of_it():
+    env = position(connect_four_v3, [3, 3])
+    clone = copy_game(env)
+    clone.step(4)
+    assert env.agent_selection == "player_0" and clone.agent_selection == "player_1"
+    assert env.observe("player_0")["observation"].sum() == 2 and clone.observe("player_0")["observation"].sum() == 3
+    env.close()
+
+
+class Locked(BaseWrapper):
+    """A game holding a lock, which cannot be copied."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.lock = threading.Lock()
+
+
+def test_a_game_that_cannot_be_copied_is_a_one_line_error_naming_it():
+    env = Locked(tictactoe_v3.env())
+    env.reset(seed=0)
+    with pytest.raises(NotCopyable) as e:
+        heuristic_move(env, np.random.default_rng(0))
+    assert str(e.value).startswith("game 'tictactoe_v3': the heuristic player cannot copy its state") and \
+        "\n" not in str(e.value), e.value
