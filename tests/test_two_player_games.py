@@ -1,20 +1,31 @@
 """Two-player turn-based games against fixed opponents: the scripted players
-(shared/envs/players.py) on tic-tac-toe and connect four."""
+(shared/envs/players.py) on tic-tac-toe and connect four, and `rlpipe evaluate RUN --opponent`
+(services/evaluator/matches.py) on a short serial PPO self-play run of tic-tac-toe."""
 
 from __future__ import annotations
 
+import io
+import re
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pettingzoo = pytest.importorskip("pettingzoo")
 
 from pettingzoo.classic import connect_four_v3, tictactoe_v3
 from pettingzoo.utils import BaseWrapper
 
+from shared.config import loading
 from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
+from shared.launch import api
+from shared.runtime import evaluation
+from tests.pipeline import CONFIGS, rlpipe_here
+from tests.test_evaluator_service import checkpointed_run
 
+torch.set_num_threads(1)
 
 def position(module, moves: list[int]):
     """``module``'s game after ``moves`` (first player's, second's, ...)."""
@@ -106,3 +117,56 @@ def test_a_game_that_cannot_be_copied_is_a_one_line_error_naming_it():
         heuristic_move(env, np.random.default_rng(0))
     assert str(e.value).startswith("game 'tictactoe_v3': the heuristic player cannot copy its state") and \
         "\n" not in str(e.value), e.value
+
+
+# ------------------------------------------------------------------ evaluate --opponent
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A short serial PPO self-play run of tic-tac-toe (deploy/configs/tictactoe_ppo.toml, a fifth
+    of its budget): ~5 s."""
+    runs_dir = tmp_path_factory.mktemp("runs")
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", [f"run.runs_dir='{runs_dir}'", "run.max_env_steps=20000"])
+    return Path(api.train_serial(exp, out=io.StringIO())["run_dir"])
+
+
+@pytest.mark.parametrize("opponent", ["random", "heuristic", "latest"])
+def test_evaluate_against_an_opponent_reports_and_records_rates_per_seat(trained, opponent):
+    out = rlpipe_here("evaluate", str(trained), "--opponent", opponent, "--episodes", "61")
+    assert out.returncode == 0, out.stderr
+    recorded = evaluation.latest(trained)
+    assert recorded["opponent"] == opponent and recorded["episodes"] == 62
+    assert re.search(r"62 greedy games \(31 a seat\) of policy version \d+", out.stdout), out.stdout
+    for seat in ("first", "second"):
+        rates = [recorded[f"{outcome}_{seat}"] for outcome in ("win", "draw", "loss")]
+        assert sum(rates) == pytest.approx(1) and all(r * 31 == pytest.approx(round(r * 31)) for r in rates)
+        for outcome, p in zip(("win", "draw", "loss"), rates):
+            assert recorded[f"{outcome}_{seat}_se"] == pytest.approx(np.sqrt(p * (1 - p) / 31))
+    assert recorded["mean_return"] == pytest.approx(
+        (recorded["win_first"] - recorded["loss_first"] + recorded["win_second"] - recorded["loss_second"]) / 2)
+    p, se = recorded["win_first"], recorded["win_first_se"]
+    assert f"against {opponent}: as first player wins {100 * p:.1f}% +- {100 * se:.1f}" in out.stdout
+    row = evaluation.read_rows(trained)[-1]
+    assert row["opponent"] == opponent and float(row["loss_second"]) == recorded["loss_second"]
+
+
+def test_evaluate_plays_the_same_games_on_the_held_out_seeds(trained):
+    """Seeded: the random opponent's games repeat exactly."""
+    rows = []
+    for _ in range(2):
+        assert rlpipe_here("evaluate", str(trained), "--opponent", "random", "--episodes", "40").returncode == 0
+        rows.append({k: v for k, v in evaluation.latest(trained).items() if k not in ("wall_time", "eval_s")})
+    assert rows[0] == rows[1]
+
+
+def test_a_wrong_opponent_is_one_error_line(tmp_path, trained):
+    single = checkpointed_run(tmp_path, "CartPole-v1")
+    for run, opponent, message in [
+        (single, "random", "rlpipe: --opponent random: needs a two-player turn-based PettingZoo game; "
+                           "env.id = 'CartPole-v1' is a single-agent env"),
+        (trained, "champion", "rlpipe: --opponent 'champion': unknown; give one of random, heuristic, latest"),
+    ]:
+        out = rlpipe_here("evaluate", str(run), "--opponent", opponent)
+        assert (out.returncode, out.stderr.strip(), out.stdout) == (2, message, ""), out
+    assert not (single / evaluation.LATEST).exists() and not (single / evaluation.EVAL_CSV).exists()
