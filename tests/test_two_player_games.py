@@ -1,12 +1,18 @@
 """Two-player turn-based games against fixed opponents: the scripted players
-(shared/envs/players.py) on tic-tac-toe and connect four, and `rlpipe evaluate RUN --opponent`
-(services/evaluator/matches.py) on a short serial PPO self-play run of tic-tac-toe."""
+(shared/envs/players.py) on tic-tac-toe and connect four, `rlpipe evaluate RUN --opponent`
+(services/evaluator/matches.py) and `rlpipe play RUN` through a pseudo-terminal
+(shared/launch/terminal_game.py), on a short serial PPO self-play run of tic-tac-toe."""
 
 from __future__ import annotations
 
 import io
+import os
+import pty
 import re
+import select
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +27,9 @@ from pettingzoo.utils import BaseWrapper
 from shared.config import loading
 from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
 from shared.launch import api
+from shared.launch.terminal_game import board_text
 from shared.runtime import evaluation
-from tests.pipeline import CONFIGS, rlpipe_here
+from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
 from tests.test_evaluator_service import checkpointed_run
 
 torch.set_num_threads(1)
@@ -119,7 +126,15 @@ def test_a_game_that_cannot_be_copied_is_a_one_line_error_naming_it():
         "\n" not in str(e.value), e.value
 
 
-# ------------------------------------------------------------------ evaluate --opponent
+def test_the_board_shows_pieces_by_seat_and_move_numbers():
+    ttt = position(tictactoe_v3, [4, 0])
+    assert board_text(ttt.observe("player_2")["observation"], 1, 9) == "O 1 2\n3 X 5\n6 7 8"
+    c4 = position(connect_four_v3, [3, 3, 0])
+    lines = board_text(c4.observe("player_0")["observation"], 0, 7).splitlines()
+    assert lines[-3:] == [". . . O . . .", "X . . X . . .", "0 1 2 3 4 5 6"] and len(lines) == 7
+
+
+# ------------------------------------------------------------------ evaluate --opponent, play
 
 
 @pytest.fixture(scope="module")
@@ -169,4 +184,77 @@ def test_a_wrong_opponent_is_one_error_line(tmp_path, trained):
     ]:
         out = rlpipe_here("evaluate", str(run), "--opponent", opponent)
         assert (out.returncode, out.stderr.strip(), out.stdout) == (2, message, ""), out
+    out = rlpipe_here("play", str(single))
+    assert (out.returncode, out.stderr.strip()) == (2, "rlpipe: play: needs a two-player turn-based PettingZoo game; "
+                                                       "env.id = 'CartPole-v1' is a single-agent env")
     assert not (single / evaluation.LATEST).exists() and not (single / evaluation.EVAL_CSV).exists()
+
+
+class Terminal:
+    """``rlpipe ARGS`` on a pseudo-terminal: what it prints is read as a person would see it."""
+
+    def __init__(self, *args: str):
+        master, slave = pty.openpty()
+        self.fd, self.text = master, ""
+        self.proc = subprocess.Popen(**rlpipe_command(*args), stdin=slave, stdout=slave, stderr=slave)
+        os.close(slave)
+
+    def read_until(self, pattern: str, timeout: float = 60) -> re.Match:
+        """The first match of ``pattern`` in what was printed since the last match."""
+        deadline = time.monotonic() + timeout
+        while not (found := re.search(pattern, self.text)):
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no {pattern!r} within {timeout} s; the terminal shows:\n{self.text}"
+            try:
+                chunk = os.read(self.fd, 4096).decode()
+            except OSError:  # the process ended and closed the terminal
+                chunk = ""
+            assert chunk, f"the terminal closed before {pattern!r}; it shows:\n{self.text}"
+            self.text += chunk.replace("\r\n", "\n")
+        self.text = self.text[found.end():]
+        return found
+
+    def type(self, line: str) -> None:
+        os.write(self.fd, (line + "\n").encode())
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            os.close(self.fd)
+
+
+BOARD_THEN_PROMPT = r"((?:[XO0-9] [XO0-9] [XO0-9]\n){3})Your move: "
+END = r"(You won|The policy won|A draw)\.\n"
+
+
+@pytest.mark.parametrize("seat", ["--first", "--second"])
+def test_a_person_plays_tic_tac_toe_against_the_policy_in_a_terminal(trained, seat):
+    """Scripted moves: the lowest free square each turn, after an illegal one (an occupied
+    square or none) that is refused with a line and asked again."""
+    term = Terminal("play", str(trained), seat)
+    try:
+        piece = "X" if seat == "--first" else "O"
+        term.read_until(rf"You play {piece} \({seat[2:]} player\) against policy version \d+")
+        if seat == "--second":
+            term.read_until(r"The policy plays [0-8]\.")
+        moves = 0
+        while True:
+            board = term.read_until(rf"{BOARD_THEN_PROMPT}|{END}")
+            if board.group(2):
+                break
+            cells = board.group(1).split()
+            free = [int(c) for c in cells if c.isdigit()]
+            taken = next((i for i, c in enumerate(cells) if not c.isdigit()), 9)
+            term.type(str(taken))
+            term.read_until(rf"'{taken}' is not a legal move; legal moves: {' '.join(map(str, free))}\.\nYour move: ")
+            term.type(str(free[0]))
+            moves += 1
+        assert term.close() == 0
+        assert 2 <= moves <= 5
+    finally:
+        if term.proc.poll() is None:
+            term.close()
