@@ -82,7 +82,7 @@ def games(module, players, n: int, seed: int) -> np.ndarray:
         env.reset(seed=seed + i)
         while not all(env.terminations.values()):
             env.step(players[env.possible_agents.index(env.agent_selection)](env, rng))
-        returns.append(env._cumulative_rewards[env.possible_agents[0]])
+        returns.append(env.rewards[env.possible_agents[0]])  # the classic games score the end only
     env.close()
     return np.array(returns, np.float64)
 
