@@ -27,10 +27,12 @@ from pettingzoo.utils import BaseWrapper
 from shared.config import loading
 from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
 from shared.launch import api
+from shared.launch import terminal_game
 from shared.launch.terminal_game import board_text
 from shared.runtime import evaluation
+from shared.runtime.process import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
-from tests.test_evaluator_service import checkpointed_run
+from tests.test_evaluator_service import checkpointed_run, untrained_agent
 
 torch.set_num_threads(1)
 
@@ -258,3 +260,23 @@ def test_a_person_plays_tic_tac_toe_against_the_policy_in_a_terminal(trained, se
     finally:
         if term.proc.poll() is None:
             term.close()
+
+
+def test_connect_four_is_played_by_columns(tmp_path):
+    """An untrained policy's checkpoint: moves are columns, numbered under the board; a full
+    column is refused and the game goes on to its end."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    exp = loading.from_dict({"env": {"id": "pettingzoo:pettingzoo.classic.connect_four_v3"},
+                             "model": {"action_mask": "auto"}})
+    (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+    torch.save({"agent": untrained_agent(exp).state_dict(), "version": 0, "env_steps": 0},
+               run_dir / "checkpoints" / "latest.pt")
+    moves = "".join(f"{c}\n" * 7 for c in range(7))  # each column until it is full, then the next
+    out = io.StringIO()
+    assert terminal_game.play(exp, run_dir, 0, io.StringIO(moves), out) == 0
+    text = out.getvalue()
+    assert "0 1 2 3 4 5 6\nYour move: " in text and re.search(END + r"$", text), text
+    refused = re.findall(r"'(\d)' is not a legal move; legal moves: ([\d ]+)\.", text)
+    assert all(column not in legal.split() for column, legal in refused)
+    assert refused or "You won." in text  # the moves fill a column unless four in one win first
