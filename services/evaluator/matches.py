@@ -49,7 +49,9 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: in
                ) -> tuple[np.ndarray, np.ndarray]:
     """(returns as first player, returns as second player), float64 [games] each: greedy games of
     ``agent`` against ``opponent`` (OPPONENTS) on ``exp.eval.envs`` boards (at least 2) side by
-    side. ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration."""
+    side. ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration.
+    Each board plays a fixed share of its seat's games: taking the first ``games`` to end would
+    favour short games."""
     check_opponent(exp, opponent)
     boards = 2 * max(1, min(exp.eval.envs, games) // 2)
     n = 2 * boards
@@ -58,13 +60,15 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: in
     group = make_env_group(exp.env, n, seed)
     ours = np.arange(boards) % 2  # the policy's seat on each board
     theirs_col = 2 * np.arange(boards) + 1 - ours
+    quota = games // (boards // 2) + (np.arange(boards) // 2 < games % (boards // 2))
+    played = np.zeros(boards, np.int64)
     player = PLAYERS.get(opponent)
     sampling = StepContext(env_steps=env_steps)
     results: tuple[list[float], list[float]] = ([], [])
     try:
         slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, group, n)
         group.reset(slot.observation)
-        while min(len(r) for r in results) < games:
+        while (played < quota).any():
             heartbeat.beat()
             obs = torchify(slot.observation)
             with torch.inference_mode():
@@ -81,11 +85,13 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: in
             ended = group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
             np.logical_or(terminated, truncated, out=first)
             for i, ret, _ in ended:
-                if i % 2 == ours[i // 2]:
-                    results[i % 2].append(ret)
+                k = i // 2
+                if i % 2 == ours[k] and played[k] < quota[k]:
+                    results[ours[k]].append(ret)
+                    played[k] += 1
     finally:
         group.close()
-    return tuple(np.array(r[:games], np.float64) for r in results)
+    return tuple(np.array(r, np.float64) for r in results)
 
 
 def rates(first: np.ndarray, second: np.ndarray) -> dict:
