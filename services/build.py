@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from shared.agents.config import info_example
 from shared.config.schema import ConfigError, Experiment
 from shared.runtime.plugins import first_line
 from shared.envs.backends import AnyEnvGroup, columns_per_env, make_env_group
-from shared.data.layout import segment_spec, step_example
+from shared.data.layout import segment_spec, slot_spec, step_example
+from shared.data.namedarraytuple import from_spec
 
 
 def family(exp: Experiment) -> str:
@@ -69,6 +72,16 @@ def example_step(exp: Experiment, probe: AnyEnvGroup):
     """One step of samples of the experiment (the layout of every buffer that holds steps)."""
     action = probe.example_action()
     return step_example(probe.example_observation(), action, agent_info(exp)(action))
+
+
+def step_buffers(exp: Experiment, group: AnyEnvGroup, n: int) -> tuple:
+    """Buffers to step ``group``'s ``n`` = B columns with the run's agent: (slot: observation and action
+    [B, ...], final observations [B, ...], reward [B], terminated [B], truncated [B], first [B]).
+    first starts all True: per-env state (recurrent agents) resets at each episode start."""
+    example = example_step(exp, group)
+    slot = from_spec(slot_spec(example, n))
+    final_obs = from_spec(slot_spec(example, n)).observation  # written on episode ends
+    return slot, final_obs, np.zeros(n, np.float32), np.zeros(n, bool), np.zeros(n, bool), np.ones(n, bool)
 
 
 def batch_items(exp: Experiment) -> int:

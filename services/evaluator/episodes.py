@@ -25,10 +25,10 @@ from shared.agents import EVALUATE
 from shared.config.schema import Experiment
 from shared.envs.backends import columns_per_env, make_env_group
 from shared.envs.group import EnvGroup, EpisodeTracker, make_env
-from services.build import env_probe, example_step, make_agent
-from shared.data.layout import slot_spec
-from shared.data.namedarraytuple import from_spec, numpify, torchify
+from services.build import env_probe, make_agent, step_buffers
+from shared.data.namedarraytuple import numpify, torchify
 from shared.runtime import heartbeat
+from services.evaluator import matches
 
 MakeEnv = Callable[..., tuple[gym.Env, EpisodeTracker]]
 
@@ -46,13 +46,9 @@ def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make
     seed = exp.run.seed + exp.eval.seed_offset
     group = make_env_group(exp.env, n, seed) if make is None else EnvGroup(exp.env, n, seed, make=make)
     try:
-        example = example_step(exp, group)
-        slot = from_spec(slot_spec(example, n))
-        final_obs = from_spec(slot_spec(example, n)).observation  # written on episode ends, not read
-        reward, terminated, truncated = np.zeros(n, np.float32), np.zeros(n, bool), np.zeros(n, bool)
+        slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, group, n)
         returns: list[float] = []
         group.reset(slot.observation)
-        first = np.ones(n, bool)  # per-env state (recurrent agents) resets at each episode start
         while len(returns) < episodes:
             heartbeat.beat()
             with torch.inference_mode():
@@ -131,11 +127,19 @@ def load_agent(exp: Experiment, run_dir: Path) -> tuple[torch.nn.Module, dict]:
     return agent.eval(), loaded[-1]
 
 
-def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None = None) -> dict:
+def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None = None,
+             opponent: str | None = None) -> dict:
     """``summary`` of ``episodes`` greedy episodes of the run's latest checkpoint; with
-    ``video`` they are played in one env and the first one is recorded there."""
+    ``video`` they are played in one env and the first one is recorded there. With an
+    ``opponent`` (``matches.OPPONENTS``, a two-player turn-based game) they are games against
+    it, half of them (rounded up) in each seat: the summary of the policy seat's returns, the
+    ``opponent`` and its ``matches.rates`` per seat. ValueError (one line) for a wrong opponent."""
     torch.set_num_threads(1)
     agent, state = load_agent(exp, run_dir)
+    if opponent is not None:
+        first, second = matches.play_games(exp, agent, opponent, -(-episodes // 2), state["env_steps"])
+        return {**summary(np.concatenate([first, second]), state["version"], state["env_steps"]),
+                "opponent": opponent, **matches.rates(first, second)}
     if video is None:
         returns = play(exp, agent, episodes, exp.eval.envs)
     else:

@@ -126,6 +126,22 @@ def validate_pettingzoo(cfg: EnvConfig) -> None:
         raw.close()
 
 
+def check_two_player_game(cfg: EnvConfig, what: str) -> None:
+    """Raise ValueError (one line naming ``what`` and the env) unless ``cfg`` is a two-player
+    turn-based PettingZoo game (the AEC API with an action mask: the classic board games)."""
+    if not is_pettingzoo(cfg):
+        raise ValueError(f"{what}: needs a two-player turn-based PettingZoo game; env.id = {cfg.id!r} is a "
+                         "single-agent env")
+    raw, parallel = _make_raw(cfg, check_common(cfg)[0])
+    try:
+        agents = len(raw.possible_agents)
+    finally:
+        raw.close()
+    if parallel or agents != 2:
+        raise ValueError(f"{what}: needs a two-player turn-based PettingZoo game; env.id = {cfg.id!r} has "
+                         f"{agents} agents{' acting together (the Parallel API)' if parallel else ''}")
+
+
 def columns_per_env(cfg: EnvConfig) -> int:
     """The batch columns one env of ``cfg`` takes: its N agents (1 for a single-agent env)."""
     if not is_pettingzoo(cfg):
@@ -179,6 +195,12 @@ class PettingZooGroup(SplitStep):
     def example_action(self):
         """One column's action (no leading dims) in the form ``step`` takes."""
         return self._example_act
+
+    def game(self, k: int):
+        """Env k's PettingZoo env (columns ``k * N ..``), in a live state between steps: an env
+        whose episode ended is reset within the step that ended it. For reading it, or for a
+        scripted player to choose a move on (``shared.envs.players``); the group steps it."""
+        return self._raws[k]
 
     def close(self) -> None:
         for raw in self._raws:

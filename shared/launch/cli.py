@@ -1,5 +1,5 @@
 """The `rlpipe` command line: launch, train, grid, tune, status, top, ls, results, scale, stop, logs, clean, evaluate,
-export, package, plot, tensorboard."""
+play, export, package, plot, tensorboard."""
 
 from __future__ import annotations
 
@@ -62,6 +62,16 @@ def main(argv=None) -> int:
     c.add_argument("run")
     c.add_argument("--episodes", type=int, default=None, help="default: the run's eval.episodes (10)")
     c.add_argument("--video", metavar="DIR", help="play the episodes in one env and record the first to an mp4 in DIR")
+    c.add_argument("--opponent", metavar="random|heuristic|latest",
+                   help="two-player turn-based games: play the episodes as games against a uniformly random player, "
+                        "a scripted one (win if it can, block if it must, else random) or the policy itself, half "
+                        "as first player and half as second, and report win / draw / loss rates per seat")
+    c = sub.add_parser("play", help="play a two-player turn-based game (tic-tac-toe, connect four) against the greedy "
+                                    "policy of a run's latest checkpoint in the terminal")
+    c.add_argument("run")
+    seat = c.add_mutually_exclusive_group()
+    seat.add_argument("--first", dest="seat", action="store_const", const=0, help="you move first (default)")
+    seat.add_argument("--second", dest="seat", action="store_const", const=1, help="the policy moves first")
     c = sub.add_parser("export", help="the greedy policy of a run's latest checkpoint as a standalone file "
                                       "(observation normaliser inside, value head and recurrent state as outputs)")
     c.add_argument("run")
@@ -138,7 +148,7 @@ def main(argv=None) -> int:
     c.add_argument("-n", type=int, default=40, help="lines per log")
 
     args = p.parse_args(argv)
-    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "export": _export,
+    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "play": _play, "export": _export,
             "package": _package, "status": _status, "top": _top, "stop": _stop, "logs": _logs, "scale": _scale,
             "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "results": _results, "plot": _plot,
             "tensorboard": _tensorboard}[args.cmd](args)
@@ -395,6 +405,7 @@ def _evaluate(args) -> int:
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
+    from services.evaluator import matches
     from services.evaluator.episodes import CannotRender, Unloadable, evaluate
     from shared.config import loading
     from shared.launch import runs
@@ -406,15 +417,26 @@ def _evaluate(args) -> int:
     if episodes < 1:
         print(f"rlpipe: --episodes {episodes}: must be >= 1", file=sys.stderr)
         return 2
+    if args.opponent is not None:
+        try:
+            if args.video:
+                raise ValueError("--video with --opponent: no video is recorded of games against an opponent")
+            matches.check_opponent(exp, args.opponent)
+        except ValueError as e:
+            print(f"rlpipe: {e}", file=sys.stderr)
+            return 2
     t0 = time.monotonic()
     try:
-        result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None)
+        result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None, args.opponent)
     except (FileNotFoundError, Unloadable, CannotRender) as e:
         print(f"rlpipe: {e}", file=sys.stderr)
         return 1
-    print(f"{run_dir.name}: {result['episodes']} greedy episodes of policy version {result['policy_version']} "
+    what = f"games ({result['episodes'] // 2} a seat)" if args.opponent else "episodes"
+    print(f"{run_dir.name}: {result['episodes']} greedy {what} of policy version {result['policy_version']} "
           f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "
           f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
+    if args.opponent:
+        print(matches.describe(result))
     if runs.status(run_dir) != "running":  # a live run's evaluator owns its evaluation files
         evaluation.record(run_dir, {**result, "wall_time": round(time.time(), 3),
                                     "eval_s": round(time.monotonic() - t0, 3), "video": ""})
@@ -422,6 +444,29 @@ def _evaluate(args) -> int:
     if args.video:
         print(f"video of the first episode: {', '.join(str(p) for p in sorted(Path(args.video).glob('*.mp4')))}")
     return 0
+
+
+def _play(args) -> int:
+    run_dir = _run_dir(args)
+    if run_dir is None:
+        return 2
+    from services.evaluator.episodes import Unloadable
+    from shared.config import loading
+    from shared.envs.pettingzoo_backend import check_two_player_game
+    from shared.launch import terminal_game
+    from shared.runtime.process import RUN_CONFIG
+
+    exp = loading.load(run_dir / RUN_CONFIG)
+    try:
+        check_two_player_game(exp.env, "play")
+    except ValueError as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 2
+    try:
+        return terminal_game.play(exp, run_dir, args.seat or 0, sys.stdin, sys.stdout)
+    except (FileNotFoundError, Unloadable, ValueError) as e:
+        print(f"rlpipe: {e}", file=sys.stderr)
+        return 1
 
 
 def _export(args) -> int:

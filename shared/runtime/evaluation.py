@@ -16,11 +16,15 @@ from shared.runtime.files import append_csv, publish, read_csv
 
 EVAL_CSV = "eval.csv"
 LATEST = "eval.json"
+MATCH_FIELDS = [f"{outcome}_{seat}" for seat in ("first", "second") for outcome in ("win", "draw", "loss")]
+"""A two-player game's evaluation against an opponent: the policy's rate of each outcome in each
+seat (eval.json also holds each one's standard error, ``<field>_se``)."""
 FIELDS = ["wall_time", "policy_version", "env_steps", "episodes", "mean_return", "std_return", "min_return",
-          "max_return", "eval_s", "video"]
+          "max_return", "eval_s", "video", "opponent", *MATCH_FIELDS]
 """Columns of eval.csv: Unix time the evaluation ended, the version and run env steps it
-measured, its episodes, their return statistics, the seconds it took and its video (a path
-relative to the run directory, ``eval.video``; empty without one)."""
+measured, its episodes, their return statistics, the seconds it took, its video (a path
+relative to the run directory, ``eval.video``; empty without one) and, for games against an
+opponent (`rlpipe evaluate --opponent`), the opponent and MATCH_FIELDS (empty otherwise)."""
 VIDEOS = "videos"
 """The run directory's folder of the evaluator's videos."""
 
@@ -34,8 +38,8 @@ PROGRESS_COLUMNS = {"eval_return": "mean_return", "eval_return_std": "std_return
 
 
 def record(run_dir: Path, row: dict) -> None:
-    """Append ``row`` (FIELDS) to eval.csv and make it the latest result."""
-    append_csv(Path(run_dir) / EVAL_CSV, FIELDS, row)
+    """Append ``row``'s FIELDS to eval.csv and make the whole ``row`` the latest result."""
+    append_csv(Path(run_dir) / EVAL_CSV, FIELDS, {field: row.get(field, "") for field in FIELDS})
     tmp = Path(run_dir) / (LATEST + ".tmp")
     tmp.write_text(json.dumps(row))
     publish(tmp, Path(run_dir) / LATEST)

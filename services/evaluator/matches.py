@@ -1,0 +1,116 @@
+"""Greedy games of a run's policy against an opponent in a two-player turn-based PettingZoo game
+(`rlpipe evaluate RUN --opponent random|heuristic|latest`), as first and as second player.
+
+The games are played on the run's env columns (``PettingZooGroup``, the held-out seeds of
+``episodes.play``), so the policy sees what it was trained on; on board k the policy holds seat
+``k % 2`` and the opponent's moves replace the other column's actions. The opponents:
+
+- ``random``, ``heuristic``: the scripted players of ``shared.envs.players``, seeded with the
+  held-out seed.
+- ``latest``: the same checkpoint acting as the run's samplers did at its last checkpoint (a
+  sample of its policy; a Q agent's exploration at the checkpoint's env steps). A greedy copy of
+  a deterministic policy would play one game over and over.
+
+An outcome is the sign of the policy seat's return (win > 0, draw 0, loss < 0), as the classic
+games score +1 / 0 / -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from services.build import step_buffers
+from shared.agents import EVALUATE, StepContext
+from shared.config.schema import Experiment
+from shared.data.namedarraytuple import numpify, torchify
+from shared.envs.backends import make_env_group
+from shared.envs.pettingzoo_backend import check_two_player_game
+from shared.envs.players import PLAYERS
+from shared.runtime import heartbeat
+
+OPPONENTS = ("random", "heuristic", "latest")
+SEATS = ("first", "second")
+OUTCOMES = ("win", "draw", "loss")
+_PLURALS = {"win": "wins", "draw": "draws", "loss": "losses"}
+
+
+def check_opponent(exp: Experiment, opponent: str) -> None:
+    """ValueError (one line naming ``--opponent``) for an unknown opponent, or a run whose env is no
+    two-player turn-based PettingZoo game."""
+    if opponent not in OPPONENTS:
+        raise ValueError(f"--opponent {opponent!r}: unknown; give one of {', '.join(OPPONENTS)}")
+    check_two_player_game(exp.env, f"--opponent {opponent}")
+
+
+def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: int, env_steps: int = 0
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(returns as first player, returns as second player), float64 [games] each: greedy games of
+    ``agent`` against ``opponent`` (OPPONENTS) on ``exp.eval.envs`` boards (at least 2) side by
+    side. ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration.
+    Each board plays a fixed share of its seat's games: taking the first ``games`` to end would
+    favour short games."""
+    check_opponent(exp, opponent)
+    boards = 2 * max(1, min(exp.eval.envs, games) // 2)
+    n = 2 * boards
+    seed = exp.run.seed + exp.eval.seed_offset
+    rng = np.random.default_rng(seed)
+    group = make_env_group(exp.env, n, seed)
+    ours = np.arange(boards) % 2  # the policy's seat on each board
+    theirs_col = 2 * np.arange(boards) + 1 - ours
+    quota = games // (boards // 2) + (np.arange(boards) // 2 < games % (boards // 2))
+    played = np.zeros(boards, np.int64)
+    player = PLAYERS.get(opponent)
+    sampling = StepContext(env_steps=env_steps)
+    results: tuple[list[float], list[float]] = ([], [])
+    try:
+        slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, group, n)
+        group.reset(slot.observation)
+        while (played < quota).any():
+            heartbeat.beat()
+            obs = torchify(slot.observation)
+            with torch.inference_mode():
+                action, _ = agent.step(obs, replace(EVALUATE, first=first, reward=reward))
+                slot.action[:] = numpify(action)
+                if player is None:
+                    other, _ = agent.step(obs, replace(sampling, first=first, reward=reward))
+                    slot.action[theirs_col] = numpify(other)[theirs_col]
+            if player is not None:
+                for k in range(boards):
+                    game = group.game(k)
+                    if game.agent_selection == game.possible_agents[1 - ours[k]]:
+                        slot.action[theirs_col[k]] = player(game, rng)
+            ended = group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
+            np.logical_or(terminated, truncated, out=first)
+            for i, ret, _ in ended:
+                k = i // 2
+                if i % 2 == ours[k] and played[k] < quota[k]:
+                    results[ours[k]].append(ret)
+                    played[k] += 1
+    finally:
+        group.close()
+    return tuple(np.array(r, np.float64) for r in results)
+
+
+def rates(first: np.ndarray, second: np.ndarray) -> dict:
+    """``{outcome}_{seat}`` (win, draw, loss x first, second) rates of the policy seat's returns
+    and ``{outcome}_{seat}_se``, their standard errors sqrt(p (1 - p) / games)."""
+    row = {}
+    for seat, returns in zip(SEATS, (first, second)):
+        for outcome, hit in zip(OUTCOMES, (returns > 0, returns == 0, returns < 0)):
+            p = float(hit.mean())
+            row[f"{outcome}_{seat}"] = p
+            row[f"{outcome}_{seat}_se"] = float(np.sqrt(p * (1 - p) / len(returns)))
+    return row
+
+
+def describe(row: dict) -> str:
+    """One line of a match's rates per seat, in percent with their standard errors."""
+    seats = []
+    for seat in SEATS:
+        parts = [f"{_PLURALS[outcome]} {100 * row[f'{outcome}_{seat}']:.1f}% +- {100 * row[f'{outcome}_{seat}_se']:.1f}"
+                 for outcome in OUTCOMES]
+        seats.append(f"as {seat} player {', '.join(parts)}")
+    return f"against {row['opponent']}: " + "; ".join(seats)

@@ -1,0 +1,118 @@
+"""Scripted players for two-player turn-based PettingZoo games (the AEC API with an
+``action_mask``, e.g. the classic board games): a uniformly random player and a heuristic one
+(win if you can, block if you must, else random), the fixed opponents a self-play policy is
+measured against (``rlpipe evaluate RUN --opponent random|heuristic``).
+
+A player is ``move(env, rng) -> action`` for the agent whose turn it is (``env.agent_selection``)
+in a game that is not over. The heuristic knows no game's rules: it tries each legal move on a
+copy of the env (``copy_game``), so it plays any such game whose state can be copied.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import numpy as np
+from gymnasium.spaces import Space
+from pettingzoo import AECEnv
+
+Player = Callable[[AECEnv, np.random.Generator], int]
+
+
+class NotCopyable(ValueError):
+    """The game's state cannot be copied, so the heuristic player cannot look ahead in it."""
+
+
+def legal_moves(env: AECEnv) -> np.ndarray:
+    """The actions the agent to move may take (int64 [k]), from its observation's ``action_mask``."""
+    return np.flatnonzero(env.observe(env.agent_selection)["action_mask"])
+
+
+def random_move(env: AECEnv, rng: np.random.Generator) -> int:
+    """A uniformly random legal move."""
+    return int(rng.choice(legal_moves(env)))
+
+
+def _game_name(env: AECEnv) -> str:
+    return env.metadata.get("name", type(env.unwrapped).__name__)
+
+
+def copy_game(env: AECEnv, check: bool = True) -> AECEnv:
+    """An independent copy of ``env`` in its current state: the same agent to move and the same
+    observations for every agent (``check`` compares them); stepping it leaves ``env`` as it is.
+
+    ``copy.deepcopy`` alone does not do: PettingZoo's classic envs are ``EzPickle``s, whose copy
+    is a new env built from the constructor's arguments, before its first reset. So each level of
+    the wrapper chain is copied as its attributes, the levels pointing at each other's copies.
+    Observation and action spaces are shared, not copied: they describe the game, not its state,
+    and copying them is most of a copy's cost. NotCopyable (one line naming the game) where the
+    copy fails or, checked, gives another state."""
+    chain = [env]
+    while isinstance(getattr(chain[-1], "env", None), AECEnv):
+        chain.append(chain[-1].env)
+    try:
+        memo = {id(level): object.__new__(type(level)) for level in chain}
+        for level in chain:
+            for value in vars(level).values():
+                for x in value.values() if isinstance(value, dict) else (value,):
+                    if isinstance(x, Space):
+                        memo[id(x)] = x
+        for level in chain:
+            memo[id(level)].__dict__.update(copy.deepcopy(vars(level), memo))
+        clone = memo[id(env)]
+        same = not check or clone.agent_selection == env.agent_selection and all(
+            _same_observation(clone.observe(a), env.observe(a)) for a in env.agents)
+    except Exception as e:  # noqa: BLE001 - whatever stops the copy, it is this game's limit
+        raise NotCopyable(f"game {_game_name(env)!r}: the heuristic player cannot copy its state to try moves "
+                          f"({type(e).__name__}: {e})") from None
+    if not same:
+        raise NotCopyable(f"game {_game_name(env)!r}: a copy of its state observes another position, so the "
+                          "heuristic player cannot try moves on it")
+    return clone
+
+
+def _same_observation(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    return bool(np.array_equal(a, b))
+
+
+def _after(env: AECEnv, action: int, check: bool = False) -> AECEnv:
+    game = copy_game(env, check)
+    game.step(action)
+    return game
+
+
+def _won(game: AECEnv, agent: str) -> bool:
+    return game.rewards.get(agent, 0) > 0
+
+
+def _over(game: AECEnv) -> bool:
+    return not game.agents or game.terminations.get(game.agent_selection, True) or \
+        game.truncations.get(game.agent_selection, False)
+
+
+def heuristic_move(env: AECEnv, rng: np.random.Generator) -> int:
+    """A move that wins at once if one does; else a random one of those after which the opponent
+    has no winning reply (the block), if any; else a random legal move. Looks two moves ahead on
+    copies of ``env`` (``copy_game``; NotCopyable for a game it cannot copy)."""
+    me = env.agent_selection
+    moves = legal_moves(env)
+    after = {int(a): _after(env, int(a), check=i == 0) for i, a in enumerate(moves)}
+    winning = [a for a, game in after.items() if _won(game, me)]
+    if winning:
+        return int(rng.choice(winning))
+    safe = []
+    for a, game in after.items():
+        if _over(game):
+            safe.append(a)  # a draw: nothing to block
+            continue
+        them = game.agent_selection
+        if not any(_won(_after(game, int(b)), them) for b in legal_moves(game)):
+            safe.append(a)
+    return int(rng.choice(safe if safe else moves))
+
+
+PLAYERS: dict[str, Player] = {"random": random_move, "heuristic": heuristic_move}
+"""The scripted opponents by the name ``rlpipe evaluate --opponent`` gives them."""

@@ -1,0 +1,282 @@
+"""Two-player turn-based games against fixed opponents: the scripted players
+(shared/envs/players.py) on tic-tac-toe and connect four, `rlpipe evaluate RUN --opponent`
+(services/evaluator/matches.py) and `rlpipe play RUN` through a pseudo-terminal
+(shared/launch/terminal_game.py), on a short serial PPO self-play run of tic-tac-toe."""
+
+from __future__ import annotations
+
+import io
+import os
+import pty
+import re
+import select
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pettingzoo = pytest.importorskip("pettingzoo")
+
+from pettingzoo.classic import connect_four_v3, tictactoe_v3
+from pettingzoo.utils import BaseWrapper
+
+from shared.config import loading
+from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
+from shared.launch import api
+from shared.launch import terminal_game
+from shared.launch.terminal_game import board_text
+from shared.runtime import evaluation
+from shared.runtime.process import RUN_CONFIG
+from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
+from tests.test_evaluator_service import checkpointed_run, untrained_agent
+
+torch.set_num_threads(1)
+
+def position(module, moves: list[int]):
+    """``module``'s game after ``moves`` (first player's, second's, ...)."""
+    env = module.env()
+    env.reset(seed=0)
+    for a in moves:
+        env.step(a)
+    return env
+
+
+# ------------------------------------------------------------------ the scripted players
+
+
+@pytest.mark.parametrize("module, moves, expected", [
+    # X holds squares 0 and 1 of the line 0-1-2 (O threatens 3-4-5 too): it wins at 2.
+    (tictactoe_v3, [0, 3, 1, 4], 2),
+    # X holds 0 and 8 (no line left to finish); O threatens 3-4-5: X blocks at 5.
+    (tictactoe_v3, [0, 3, 8, 4], 5),
+    # Connect four: the first player has columns 0-2 of the bottom row; it wins in column 3.
+    (connect_four_v3, [0, 6, 1, 6, 2, 5], 3),
+    # The second player has columns 0-2 of the bottom row; the first blocks in column 3.
+    (connect_four_v3, [6, 0, 6, 1, 5, 2], 3),
+])
+def test_the_heuristic_wins_if_it_can_and_blocks_if_it_must(module, moves, expected):
+    env = position(module, moves)
+    before = {a: env.observe(a)["observation"].copy() for a in env.agents}
+    assert {heuristic_move(env, np.random.default_rng(seed)) for seed in range(8)} == {expected}
+    for a in env.agents:  # it looked ahead on copies only
+        np.testing.assert_array_equal(env.observe(a)["observation"], before[a])
+    env.close()
+
+
+@pytest.mark.parametrize("module", [tictactoe_v3, connect_four_v3])
+def test_without_a_win_or_a_threat_the_heuristic_moves_at_random(module):
+    env = position(module, [])
+    moves = {heuristic_move(env, np.random.default_rng(seed)) for seed in range(30)}
+    assert len(moves) > 3 and moves <= set(legal_moves(env).tolist())
+    env.close()
+
+
+def games(module, players, n: int, seed: int) -> np.ndarray:
+    """The first player's returns in ``n`` games of ``players`` (first, second)."""
+    rng = np.random.default_rng(seed)
+    env = module.env()
+    returns = []
+    for i in range(n):
+        env.reset(seed=seed + i)
+        while not all(env.terminations.values()):
+            env.step(players[env.possible_agents.index(env.agent_selection)](env, rng))
+        returns.append(env.rewards[env.possible_agents[0]])  # the classic games score the end only
+    env.close()
+    return np.array(returns, np.float64)
+
+
+@pytest.mark.parametrize("module, n", [(tictactoe_v3, 200), (connect_four_v3, 100)])
+def test_the_heuristic_beats_a_random_player_in_either_seat(module, n):
+    """Its win rate is 3 standard errors (of the difference) or more above a random player's in the
+    same seat against the same random opponent (chance, measured over 2000 games)."""
+    chance = games(module, (random_move, random_move), 2000, 1)
+    first = games(module, (heuristic_move, random_move), n, 2) > 0
+    second = games(module, (random_move, heuristic_move), n, 3) < 0
+    for won, chance_won in ((first, chance > 0), (second, chance < 0)):
+        p, p0 = won.mean(), chance_won.mean()
+        se = np.sqrt(p * (1 - p) / len(won) + p0 * (1 - p0) / len(chance_won))
+        assert p - p0 >= 3 * se, (p, p0, se)
+
+
+def test_a_copy_of_a_game_is_independent_of_it():
+    env = position(connect_four_v3, [3, 3])
+    clone = copy_game(env)
+    clone.step(4)
+    assert env.agent_selection == "player_0" and clone.agent_selection == "player_1"
+    assert env.observe("player_0")["observation"].sum() == 2 and clone.observe("player_0")["observation"].sum() == 3
+    env.close()
+
+
+class Locked(BaseWrapper):
+    """A game holding a lock, which cannot be copied."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.lock = threading.Lock()
+
+
+def test_a_game_that_cannot_be_copied_is_a_one_line_error_naming_it():
+    env = Locked(tictactoe_v3.env())
+    env.reset(seed=0)
+    with pytest.raises(NotCopyable) as e:
+        heuristic_move(env, np.random.default_rng(0))
+    assert str(e.value).startswith("game 'tictactoe_v3': the heuristic player cannot copy its state") and \
+        "\n" not in str(e.value), e.value
+
+
+def test_the_board_shows_pieces_by_seat_and_move_numbers():
+    ttt = position(tictactoe_v3, [4, 0])
+    assert board_text(ttt.observe("player_2")["observation"], 1, 9) == "O 1 2\n3 X 5\n6 7 8"
+    c4 = position(connect_four_v3, [3, 3, 0])
+    lines = board_text(c4.observe("player_0")["observation"], 0, 7).splitlines()
+    assert lines[-3:] == [". . . O . . .", "X . . X . . .", "0 1 2 3 4 5 6"] and len(lines) == 7
+
+
+# ------------------------------------------------------------------ evaluate --opponent, play
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A short serial PPO self-play run of tic-tac-toe (deploy/configs/tictactoe_ppo.toml, a fifth
+    of its budget): ~5 s."""
+    runs_dir = tmp_path_factory.mktemp("runs")
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", [f"run.runs_dir='{runs_dir}'", "run.max_env_steps=20000"])
+    return Path(api.train_serial(exp, out=io.StringIO())["run_dir"])
+
+
+@pytest.mark.parametrize("opponent", ["random", "heuristic", "latest"])
+def test_evaluate_against_an_opponent_reports_and_records_rates_per_seat(trained, opponent):
+    out = rlpipe_here("evaluate", str(trained), "--opponent", opponent, "--episodes", "61")
+    assert out.returncode == 0, out.stderr
+    recorded = evaluation.latest(trained)
+    assert recorded["opponent"] == opponent and recorded["episodes"] == 62
+    assert re.search(r"62 greedy games \(31 a seat\) of policy version \d+", out.stdout), out.stdout
+    for seat in ("first", "second"):
+        rates = [recorded[f"{outcome}_{seat}"] for outcome in ("win", "draw", "loss")]
+        assert sum(rates) == pytest.approx(1) and all(r * 31 == pytest.approx(round(r * 31)) for r in rates)
+        for outcome, p in zip(("win", "draw", "loss"), rates):
+            assert recorded[f"{outcome}_{seat}_se"] == pytest.approx(np.sqrt(p * (1 - p) / 31))
+    assert recorded["mean_return"] == pytest.approx(
+        (recorded["win_first"] - recorded["loss_first"] + recorded["win_second"] - recorded["loss_second"]) / 2)
+    p, se = recorded["win_first"], recorded["win_first_se"]
+    assert f"against {opponent}: as first player wins {100 * p:.1f}% +- {100 * se:.1f}" in out.stdout
+    row = evaluation.read_rows(trained)[-1]
+    assert row["opponent"] == opponent and float(row["loss_second"]) == recorded["loss_second"]
+
+
+def test_evaluate_plays_the_same_games_on_the_held_out_seeds(trained):
+    """Seeded: the random opponent's games repeat exactly."""
+    rows = []
+    for _ in range(2):
+        assert rlpipe_here("evaluate", str(trained), "--opponent", "random", "--episodes", "40").returncode == 0
+        rows.append({k: v for k, v in evaluation.latest(trained).items() if k not in ("wall_time", "eval_s")})
+    assert rows[0] == rows[1]
+
+
+def test_a_wrong_opponent_is_one_error_line(tmp_path, trained):
+    single = checkpointed_run(tmp_path, "CartPole-v1")
+    for run, opponent, message in [
+        (single, "random", "rlpipe: --opponent random: needs a two-player turn-based PettingZoo game; "
+                           "env.id = 'CartPole-v1' is a single-agent env"),
+        (trained, "champion", "rlpipe: --opponent 'champion': unknown; give one of random, heuristic, latest"),
+    ]:
+        out = rlpipe_here("evaluate", str(run), "--opponent", opponent)
+        assert (out.returncode, out.stderr.strip(), out.stdout) == (2, message, ""), out
+    out = rlpipe_here("play", str(single))
+    assert (out.returncode, out.stderr.strip()) == (2, "rlpipe: play: needs a two-player turn-based PettingZoo game; "
+                                                       "env.id = 'CartPole-v1' is a single-agent env")
+    assert not (single / evaluation.LATEST).exists() and not (single / evaluation.EVAL_CSV).exists()
+
+
+class Terminal:
+    """``rlpipe ARGS`` on a pseudo-terminal: what it prints is read as a person would see it."""
+
+    def __init__(self, *args: str):
+        master, slave = pty.openpty()
+        self.fd, self.text = master, ""
+        self.proc = subprocess.Popen(**rlpipe_command(*args), stdin=slave, stdout=slave, stderr=slave)
+        os.close(slave)
+
+    def read_until(self, pattern: str, timeout: float = 60) -> re.Match:
+        """The first match of ``pattern`` in what was printed since the last match."""
+        deadline = time.monotonic() + timeout
+        while not (found := re.search(pattern, self.text)):
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no {pattern!r} within {timeout} s; the terminal shows:\n{self.text}"
+            try:
+                chunk = os.read(self.fd, 4096).decode()
+            except OSError:  # the process ended and closed the terminal
+                chunk = ""
+            assert chunk, f"the terminal closed before {pattern!r}; it shows:\n{self.text}"
+            self.text += chunk.replace("\r\n", "\n")
+        self.text = self.text[found.end():]
+        return found
+
+    def type(self, line: str) -> None:
+        os.write(self.fd, (line + "\n").encode())
+
+    def close(self) -> int:
+        try:
+            return self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            os.close(self.fd)
+
+
+BOARD_THEN_PROMPT = r"((?:[XO0-9] [XO0-9] [XO0-9]\n){3})Your move: "
+END = r"(You won|The policy won|A draw)\.\n"
+
+
+@pytest.mark.parametrize("seat", ["--first", "--second"])
+def test_a_person_plays_tic_tac_toe_against_the_policy_in_a_terminal(trained, seat):
+    """Scripted moves: the lowest free square each turn, after an illegal one (an occupied
+    square or none) that is refused with a line and asked again."""
+    term = Terminal("play", str(trained), seat)
+    try:
+        piece = "X" if seat == "--first" else "O"
+        term.read_until(rf"You play {piece} \({seat[2:]} player\) against policy version \d+")
+        if seat == "--second":
+            term.read_until(r"The policy plays [0-8]\.")
+        moves = 0
+        while True:
+            board = term.read_until(rf"{BOARD_THEN_PROMPT}|{END}")
+            if board.group(2):
+                break
+            cells = board.group(1).split()
+            free = [int(c) for c in cells if c.isdigit()]
+            taken = next((i for i, c in enumerate(cells) if not c.isdigit()), 9)
+            term.type(str(taken))
+            term.read_until(rf"'{taken}' is not a legal move; legal moves: {' '.join(map(str, free))}\.\nYour move: ")
+            term.type(str(free[0]))
+            moves += 1
+        assert term.close() == 0
+        assert 2 <= moves <= 5
+    finally:
+        if term.proc.poll() is None:
+            term.close()
+
+
+def test_connect_four_is_played_by_columns(tmp_path):
+    """An untrained policy's checkpoint: moves are columns, numbered under the board; a full
+    column is refused and the game goes on to its end."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    exp = loading.from_dict({"env": {"id": "pettingzoo:pettingzoo.classic.connect_four_v3"},
+                             "model": {"action_mask": "auto"}})
+    (run_dir / RUN_CONFIG).write_text(loading.dumps(exp))
+    torch.save({"agent": untrained_agent(exp).state_dict(), "version": 0, "env_steps": 0},
+               run_dir / "checkpoints" / "latest.pt")
+    moves = "".join(f"{c}\n" * 7 for c in range(7))  # each column until it is full, then the next
+    out = io.StringIO()
+    assert terminal_game.play(exp, run_dir, 0, io.StringIO(moves), out) == 0
+    text = out.getvalue()
+    assert "0 1 2 3 4 5 6\nYour move: " in text and re.search(END + r"$", text), text
+    refused = re.findall(r"'(\d)' is not a legal move; legal moves: ([\d ]+)\.", text)
+    assert all(column not in legal.split() for column, legal in refused)
+    assert refused or "You won." in text  # the moves fill a column unless four in one win first
