@@ -70,6 +70,16 @@ def summary(returns: np.ndarray, policy_version: int, env_steps: int) -> dict:
             "policy_version": int(policy_version), "env_steps": int(env_steps)}
 
 
+def match(exp: Experiment, agent: torch.nn.Module, opponent: str, episodes: int, policy_version: int,
+          env_steps: int) -> dict:
+    """``episodes`` greedy games of ``agent`` against ``opponent`` (``matches.OPPONENTS``, a
+    two-player turn-based game), half of them (rounded up) in each seat: the ``summary`` of the
+    policy seat's returns, the ``opponent`` and its ``matches.rates`` per seat."""
+    first, second = matches.play_games(exp, agent, opponent, -(-episodes // 2), env_steps)
+    return {**summary(np.concatenate([first, second]), policy_version, env_steps), "opponent": opponent,
+            **matches.rates(first, second)}
+
+
 def recording(directory: Path) -> MakeEnv:
     """A ``make`` for ``play`` that records the first episode of its env as an mp4 in ``directory``.
 
@@ -131,15 +141,11 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None =
              opponent: str | None = None) -> dict:
     """``summary`` of ``episodes`` greedy episodes of the run's latest checkpoint; with
     ``video`` they are played in one env and the first one is recorded there. With an
-    ``opponent`` (``matches.OPPONENTS``, a two-player turn-based game) they are games against
-    it, half of them (rounded up) in each seat: the summary of the policy seat's returns, the
-    ``opponent`` and its ``matches.rates`` per seat. ValueError (one line) for a wrong opponent."""
+    ``opponent`` they are games against it (``match``). ValueError (one line) for a wrong opponent."""
     torch.set_num_threads(1)
     agent, state = load_agent(exp, run_dir)
     if opponent is not None:
-        first, second = matches.play_games(exp, agent, opponent, -(-episodes // 2), state["env_steps"])
-        return {**summary(np.concatenate([first, second]), state["version"], state["env_steps"]),
-                "opponent": opponent, **matches.rates(first, second)}
+        return match(exp, agent, opponent, episodes, state["version"], state["env_steps"])
     if video is None:
         returns = play(exp, agent, episodes, exp.eval.envs)
     else:
