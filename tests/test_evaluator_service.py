@@ -33,6 +33,7 @@ from tests.pipeline import cpu_seconds, metric_value, rlpipe, rlpipe_here
     ("episodes", 0, "eval.episodes = 0: must be >= 1"),
     ("envs", 0, "eval.envs = 0: must be >= 1"),
     ("seed_offset", 10, "eval.seed_offset = 10: must be >= 20014"),
+    ("opponents", ["random", "champion"], "eval.opponents: 'champion' is unknown; give some of random, heuristic, latest"),
     ("every", 5.0, "unknown key eval.every (did you mean 'every_s'?)"),
 ])
 def test_bad_eval_values_are_one_line_config_errors(key, value, message):

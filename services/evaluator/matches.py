@@ -24,14 +24,13 @@ import torch
 
 from services.build import step_buffers
 from shared.agents import EVALUATE, StepContext
-from shared.config.schema import Experiment
+from shared.config.schema import OPPONENTS, Experiment
 from shared.data.namedarraytuple import numpify, torchify
 from shared.envs.backends import make_env_group
 from shared.envs.pettingzoo_backend import check_two_player_game
 from shared.envs.players import PLAYERS
 from shared.runtime import heartbeat
 
-OPPONENTS = ("random", "heuristic", "latest")
 SEATS = ("first", "second")
 OUTCOMES = ("win", "draw", "loss")
 _PLURALS = {"win": "wins", "draw": "draws", "loss": "losses"}

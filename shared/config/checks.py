@@ -15,7 +15,7 @@ from shared.algos import registry
 from shared.algos.hparams import PQNConfig
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
-from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, SAMPLER_SEED_STRIDE, WANDB_MODES, most_count
+from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, SAMPLER_SEED_STRIDE, WANDB_MODES, most_count
 
 
 def check(exp: Experiment, check_ports: bool) -> None:
@@ -204,6 +204,9 @@ def _check_eval(exp: Experiment) -> None:
     for name, value in (("eval.episodes", e.episodes), ("eval.envs", e.envs)):
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
+    for opponent in e.opponents:
+        if opponent not in OPPONENTS:
+            raise ConfigError(f"eval.opponents: {opponent!r} is unknown; give some of {', '.join(OPPONENTS)}")
     training = SAMPLER_SEED_STRIDE * most_count(exp.sampler)
     if e.seed_offset < training:
         raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "

@@ -248,6 +248,11 @@ class EvalConfig:
     seed_offset: int = 1_000_003
     """The evaluation envs are seeded from run.seed + seed_offset (env i: + i), apart from every
     sampler's seeds (run.seed + 10007 * instance + env); each evaluation replays the same seeds."""
+    opponents: tuple[str, ...] = ("random", "heuristic")
+    """In a two-player turn-based PettingZoo game, each evaluation also plays ``episodes`` greedy
+    games against each of these opponents (OPPONENTS; half the games in each seat, rounded up) and
+    reports the win / draw / loss rate per seat (eval.csv, TensorBoard, Prometheus); empty: none.
+    Other envs play no games."""
     video: bool = False
     """The evaluator also plays one more greedy episode of each version it evaluates and records
     it to <run>/videos/eval_v<version>.mp4 (a gymnasium env that renders RGB frames), which
@@ -284,6 +289,9 @@ class LoggingConfig:
         return self.wandb and self.mode != "disabled"
 
 
+OPPONENTS = ("random", "heuristic", "latest")
+"""The opponents a policy plays two-player games against (services/evaluator/matches.py):
+``eval.opponents``, ``rlpipe evaluate --opponent``."""
 WANDB_MODES = ("online", "offline", "disabled")
 """``logging.mode``'s values besides empty (W&B's settings decide)."""
 INFERENCE = ("auto", "local", "server")
