@@ -1,7 +1,8 @@
 """Two-player turn-based games against fixed opponents: the scripted players
 (shared/envs/players.py) on tic-tac-toe and connect four, `rlpipe evaluate RUN --opponent`
 (services/evaluator/matches.py) and `rlpipe play RUN` through a pseudo-terminal
-(shared/launch/terminal_game.py), on a short serial PPO self-play run of tic-tac-toe."""
+(shared/launch/terminal_game.py), on a short serial PPO self-play run of tic-tac-toe; and the
+evaluator service's rates against the opponents during a pipeline run (``eval.opponents``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ pettingzoo = pytest.importorskip("pettingzoo")
 from pettingzoo.classic import connect_four_v3, tictactoe_v3
 from pettingzoo.utils import BaseWrapper
 
+from services.evaluator import matches
 from shared.config import loading
 from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
 from shared.launch import api
@@ -31,8 +33,8 @@ from shared.launch import terminal_game
 from shared.launch.terminal_game import board_text
 from shared.runtime import evaluation
 from shared.runtime.process import RUN_CONFIG
-from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
-from tests.test_evaluator_service import checkpointed_run, untrained_agent
+from tests.pipeline import CONFIGS, metric_value, rlpipe_command, rlpipe_here
+from tests.test_evaluator_service import checkpointed_run, tensorboard_scalars, untrained_agent
 
 torch.set_num_threads(1)
 
@@ -175,6 +177,52 @@ def test_evaluate_plays_the_same_games_on_the_held_out_seeds(trained):
         assert rlpipe_here("evaluate", str(trained), "--opponent", "random", "--episodes", "40").returncode == 0
         rows.append({k: v for k, v in evaluation.latest(trained).items() if k not in ("wall_time", "eval_s")})
     assert rows[0] == rows[1]
+
+
+def test_the_evaluator_plays_the_opponents_only_in_two_player_games():
+    tictactoe = {"id": "pettingzoo:pettingzoo.classic.tictactoe_v3"}
+    assert matches.service_opponents(loading.from_dict({"env": tictactoe})) == ("random", "heuristic")
+    assert matches.service_opponents(loading.from_dict({"env": tictactoe, "eval": {"opponents": []}})) == ()
+    assert matches.service_opponents(loading.from_dict({"env": {"id": "CartPole-v1"}})) == ()
+
+
+def test_the_evaluator_reports_rates_against_the_opponents_during_training(runs):
+    """A tic-tac-toe pipeline run with the evaluator on: every evaluation's games against the random
+    player and the heuristic (``eval.opponents``' default) reach eval.csv, TensorBoard and the metrics
+    endpoint, while eval.json keeps the evaluation's own row (the learner's progress rows read it)."""
+    run = runs("tictactoe_ppo.toml", "eval.every_s=1.0", "eval.episodes=8", "eval.envs=4")
+
+    def evaluated_on_the_endpoint():
+        """The eval.csv rows of the version the endpoint shows, once its 2 x 6 gauges match them."""
+        page = run.metrics()
+        if page.count("rlpipe_evaluator_outcome_ratio{") != 2 * len(evaluation.MATCH_FIELDS):
+            return None
+        version = metric_value(page, "rlpipe_evaluator_policy_version")
+        rows = [r for r in evaluation.read_rows(run.dir) if r["opponent"] and int(r["policy_version"]) == version]
+        if sorted(r["opponent"] for r in rows) != ["heuristic", "random"]:
+            return None
+        for r in rows:
+            for field in evaluation.MATCH_FIELDS:
+                outcome, seat = field.split("_")
+                shown = metric_value(page, "rlpipe_evaluator_outcome_ratio", opponent=r["opponent"], seat=seat,
+                                     outcome=outcome)
+                if shown != float(r[field]):
+                    return None
+        return rows
+
+    rows = run.wait_for(evaluated_on_the_endpoint, 60, "an evaluation against both opponents on the endpoint")
+    for row in rows:
+        assert int(row["episodes"]) == 8 and float(row["eval_s"]) > 0
+        for seat in matches.SEATS:
+            rates = [float(row[f"{outcome}_{seat}"]) for outcome in matches.OUTCOMES]
+            assert sum(rates) == pytest.approx(1) and all(r * 4 == pytest.approx(round(r * 4)) for r in rates), row
+    assert not evaluation.latest(run.dir).get("opponent")
+    step = int(rows[0]["env_steps"])
+    for opponent in ("random", "heuristic"):
+        assert step in dict(tensorboard_scalars(run.dir, f"eval/{opponent}/win_first"))
+    print(f"\nversion {rows[0]['policy_version']}: " + "; ".join(
+        f"{r['opponent']}: first {r['win_first']}/{r['draw_first']}/{r['loss_first']}, second "
+        f"{r['win_second']}/{r['draw_second']}/{r['loss_second']} in {r['eval_s']} s" for r in rows))
 
 
 def test_a_wrong_opponent_is_one_error_line(tmp_path, trained):

@@ -3,7 +3,9 @@
 Every ``eval.every_s`` seconds: take the newest parameter version from the learner's
 segment (``ParamFollower``, as local-inference samplers do: no message, no checkpoint),
 and if it was not evaluated yet, play ``eval.episodes`` greedy episodes on held-out seeds
-and report them (services/evaluator/reports.py). Between evaluations the process sleeps.
+(in a two-player turn-based game also ``eval.episodes`` games against each of ``eval.opponents``,
+services/evaluator/matches.py) and report them (services/evaluator/reports.py). Between
+evaluations the process sleeps.
 An evaluation that fails (an env that raises) is counted, logged and tried again after a
 pause that doubles; MAX_FAILURES in a row are an error that ends the process.
 """
@@ -12,7 +14,8 @@ import logging
 import os
 import time
 
-from services.evaluator.episodes import CannotRender, play, record_episode, summary
+from services.evaluator import matches
+from services.evaluator.episodes import CannotRender, match, play, record_episode, summary
 from shared.runtime import evaluation
 from services.evaluator.reports import Reports
 from shared.runtime import metrics as metrics_mod
@@ -60,9 +63,11 @@ def run(exp, run_dir, instance: int) -> None:
     run_id = run_id_of(run_dir)
     params = ParamFollower(agent, shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0))
     reports = Reports(run_dir, m)
+    opponents = matches.service_opponents(exp)
     m.healthy.set(1)
-    log.info("evaluator: %d greedy episode(s) of %s in %d env(s) every %g s", cfg.episodes, exp.env.id,
-             min(cfg.envs, cfg.episodes), cfg.every_s)
+    against = f", {cfg.episodes} game(s) against {' and '.join(opponents)}" if opponents else ""
+    log.info("evaluator: %d greedy episode(s) of %s in %d env(s)%s every %g s", cfg.episodes, exp.env.id,
+             min(cfg.envs, cfg.episodes), against, cfg.every_s)
     evaluated = -1
     failures = Backoff(FAILURE_PAUSE_S, 8 * FAILURE_PAUSE_S, max_failures=MAX_FAILURES)
     video = cfg.video
@@ -74,6 +79,11 @@ def run(exp, run_dir, instance: int) -> None:
                 version, env_steps = params.version, params.env_steps
                 try:
                     returns = play(exp, agent, cfg.episodes, cfg.envs)
+                    games = []
+                    for opponent in opponents:
+                        t_match = time.monotonic()
+                        row = match(exp, agent, opponent, cfg.episodes, version, env_steps)
+                        games.append({**row, "eval_s": round(time.monotonic() - t_match, 3)})
                 except Exception as e:  # noqa: BLE001 - an env's error: retried after a pause, then given up on
                     heartbeat.sleep(evaluation_failed(failures, e, version, m))
                     continue
@@ -87,11 +97,13 @@ def run(exp, run_dir, instance: int) -> None:
                     except CannotRender as e:
                         log.error("eval.video: %s; evaluations go on without", e)
                         video = False
-                reports.write(result, time.monotonic() - t0)
+                reports.write(result, time.monotonic() - t0, games)
                 evaluated = version
                 log.info("version %d (%d env steps): return %.1f +- %.1f over %d episodes in %.2f s", version,
                          env_steps, result["mean_return"], result["std_return"], result["episodes"],
                          time.monotonic() - t0)
+                for row in games:
+                    log.info("version %d: %s", version, matches.describe(row))
             heartbeat.sleep(max(0.0, cfg.every_s - (time.monotonic() - t0)))
     finally:
         params.close()

@@ -27,7 +27,7 @@ from shared.agents import EVALUATE, StepContext
 from shared.config.schema import OPPONENTS, Experiment
 from shared.data.namedarraytuple import numpify, torchify
 from shared.envs.backends import make_env_group
-from shared.envs.pettingzoo_backend import check_two_player_game
+from shared.envs.pettingzoo_backend import check_two_player_game, not_two_player_game
 from shared.envs.players import PLAYERS
 from shared.runtime import heartbeat
 
@@ -42,6 +42,14 @@ def check_opponent(exp: Experiment, opponent: str) -> None:
     if opponent not in OPPONENTS:
         raise ValueError(f"--opponent {opponent!r}: unknown; give one of {', '.join(OPPONENTS)}")
     check_two_player_game(exp.env, f"--opponent {opponent}")
+
+
+def service_opponents(exp: Experiment) -> tuple[str, ...]:
+    """The opponents the evaluator service plays at each evaluation: ``eval.opponents`` in a
+    two-player turn-based game, none in any other env."""
+    if not exp.eval.opponents or not_two_player_game(exp.env) is not None:
+        return ()
+    return exp.eval.opponents
 
 
 def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: int, env_steps: int = 0

@@ -126,20 +126,27 @@ def validate_pettingzoo(cfg: EnvConfig) -> None:
         raw.close()
 
 
-def check_two_player_game(cfg: EnvConfig, what: str) -> None:
-    """Raise ValueError (one line naming ``what`` and the env) unless ``cfg`` is a two-player
-    turn-based PettingZoo game (the AEC API with an action mask: the classic board games)."""
+def not_two_player_game(cfg: EnvConfig) -> str | None:
+    """Why ``cfg`` is no two-player turn-based PettingZoo game (the AEC API with an action mask: the
+    classic board games), in words that follow "env.id = ...", or None when it is one."""
     if not is_pettingzoo(cfg):
-        raise ValueError(f"{what}: needs a two-player turn-based PettingZoo game; env.id = {cfg.id!r} is a "
-                         "single-agent env")
+        return "is a single-agent env"
     raw, parallel = _make_raw(cfg, check_common(cfg)[0])
     try:
         agents = len(raw.possible_agents)
     finally:
         raw.close()
     if parallel or agents != 2:
-        raise ValueError(f"{what}: needs a two-player turn-based PettingZoo game; env.id = {cfg.id!r} has "
-                         f"{agents} agents{' acting together (the Parallel API)' if parallel else ''}")
+        return f"has {agents} agents{' acting together (the Parallel API)' if parallel else ''}"
+    return None
+
+
+def check_two_player_game(cfg: EnvConfig, what: str) -> None:
+    """Raise ValueError (one line naming ``what`` and the env) unless ``cfg`` is a two-player
+    turn-based PettingZoo game."""
+    why = not_two_player_game(cfg)
+    if why is not None:
+        raise ValueError(f"{what}: needs a two-player turn-based PettingZoo game; env.id = {cfg.id!r} {why}")
 
 
 def columns_per_env(cfg: EnvConfig) -> int:

@@ -1,5 +1,6 @@
 """The evaluator's results in the run directory: every evaluation a row of eval.csv, the latest
-one also in eval.json, which the learner copies into its progress rows.
+one also in eval.json, which the learner copies into its progress rows. In a two-player game an
+evaluation's games against each of ``eval.opponents`` are rows of eval.csv too (before its own).
 
 Only the evaluator writes these files while the run is live, so no two processes append to one
 CSV; `rlpipe evaluate` of a run that has ended records its result here too. eval.json is
@@ -24,7 +25,8 @@ FIELDS = ["wall_time", "policy_version", "env_steps", "episodes", "mean_return",
 """Columns of eval.csv: Unix time the evaluation ended, the version and run env steps it
 measured, its episodes, their return statistics, the seconds it took, its video (a path
 relative to the run directory, ``eval.video``; empty without one) and, for games against an
-opponent (`rlpipe evaluate --opponent`), the opponent and MATCH_FIELDS (empty otherwise)."""
+opponent (`rlpipe evaluate --opponent`, the evaluator's ``eval.opponents``), the opponent and
+MATCH_FIELDS (empty otherwise)."""
 VIDEOS = "videos"
 """The run directory's folder of the evaluator's videos."""
 
@@ -37,9 +39,14 @@ PROGRESS_COLUMNS = {"eval_return": "mean_return", "eval_return_std": "std_return
 """progress.csv column -> the latest evaluation's field (empty until the first evaluation)."""
 
 
-def record(run_dir: Path, row: dict) -> None:
-    """Append ``row``'s FIELDS to eval.csv and make the whole ``row`` the latest result."""
+def append(run_dir: Path, row: dict) -> None:
+    """Append ``row``'s FIELDS to eval.csv (empty where ``row`` has none)."""
     append_csv(Path(run_dir) / EVAL_CSV, FIELDS, {field: row.get(field, "") for field in FIELDS})
+
+
+def record(run_dir: Path, row: dict) -> None:
+    """Append ``row`` to eval.csv and make the whole ``row`` the latest result."""
+    append(run_dir, row)
     tmp = Path(run_dir) / (LATEST + ".tmp")
     tmp.write_text(json.dumps(row))
     publish(tmp, Path(run_dir) / LATEST)

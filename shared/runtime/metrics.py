@@ -100,6 +100,9 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "std_return": ("gauge", "return_std", "Standard deviation of the latest evaluation's returns", ()),
         "policy_version": ("gauge", "policy_version", "Parameter version the latest evaluation measured", ()),
         "env_steps": ("gauge", "env_steps", "Run env steps at the version the latest evaluation measured", ()),
+        "outcome": ("gauge", "outcome_ratio", "Share of the latest evaluation's two-player games against an opponent "
+                    "that ended in an outcome (win, draw, loss), by the policy's seat (first, second)",
+                    ("opponent", "seat", "outcome")),
         "evaluations": ("counter", "evaluations_total", "Evaluations finished", ()),
         "eval_time": ("counter", "eval_seconds_total", "Seconds spent evaluating (the rest it sleeps)", ()),
         "write_errors": ("counter", "write_errors_total", "Evaluation results not written to eval.csv (a full disk); tried again later", ()),
