@@ -117,9 +117,10 @@ def panel_expressions() -> list[tuple[str, str]]:
 
 
 def test_prometheus_scrapes_a_live_run_and_every_panel_returns_data(runs, prometheus_bin, tmp_path):
-    """A run with an action-server and the evaluator, so that every panel has something to show."""
+    """A tic-tac-toe run with an action-server and the evaluator (whose games against the opponents
+    feed the two-player panel), so that every panel has something to show."""
     prometheus, promtool = prometheus_bin
-    run = runs("cartpole_ppo.toml", "sampler.inference=server", "eval.every_s=2.0", "eval.episodes=4",
+    run = runs("tictactoe_ppo.toml", "sampler.inference=server", "eval.every_s=2.0", "eval.episodes=4",
                "run.target_return=1000.0", "run.max_env_steps=100000000", "run.max_wall_s=300.0")
     server = Prometheus(prometheus, tmp_path, scrape_config(run.metrics_port))
     try:
