@@ -156,6 +156,16 @@ def test_results_group_seeds_of_one_config_with_median_spread_and_greedy_returns
     assert results.rows(dirs, "none published")[0]["reference"] == "none published"
 
 
+def test_runs_whose_configs_differ_by_a_field_one_of_them_lacks_are_two_groups():
+    """A run made before a field existed has none in its config: a group of its own, labelled None."""
+    from shared.launch import plots
+
+    old = {"run.name": "ppo", "algo.name": "ppo", "env.id": "CartPole-v1", "algo.lr": 1e-3}
+    new = {**old, "agent.init_log_std": 0.0}
+    assert plots.group_runs({Path("old"): old, Path("new"): new}) == {"init_log_std=None": [Path("old")],
+                                                                      "init_log_std=0.0": [Path("new")]}
+
+
 def test_resume_of_a_directory_that_is_not_a_grid_is_one_clear_line(tmp_path):
     out = rlpipe_here("grid", "--resume", str(tmp_path))
     assert out.returncode == 2 and out.stdout == ""

@@ -74,9 +74,9 @@ def group_runs(configs: dict[Path, dict], group_by: str | None = None) -> dict[s
         names = {configs[d]["run.name"] for d in dirs}
         first = configs[dirs[0]]
         return {names.pop() if len(names) == 1 else f"{first['algo.name']} on {first['env.id']}": dirs}
-    keys = [dict(k) for k in keyed]
-    differing = [f for f in keys[0] if len({k.get(f) for k in keys}) > 1]
-    return {",".join(f"{f.split('.')[-1]}={configs[dirs[0]][f]}" for f in differing): dirs
+    keys = [dict(k) for k in keyed]  # a field one run's config lacks (older code) differs, as None
+    differing = sorted({f for k in keys for f in k if len({other.get(f) for other in keys}) > 1})
+    return {",".join(f"{f.split('.')[-1]}={configs[dirs[0]].get(f)}" for f in differing): dirs
             for dirs in keyed.values()}
 
 
