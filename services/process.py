@@ -16,8 +16,9 @@ from shared.config import loading, schema
 from shared.config.endpoints import socket_dir
 from shared.runtime import heartbeat
 from shared.transport import shm
-from shared.runtime.process import (CONFIG_ERROR, PRIVATE_UMASK, RUN_CONFIG, check_own_dir, exit_with_supervisord,
+from shared.runtime.process import (CONFIG_ERROR, PRIVATE_UMASK, check_own_dir, exit_with_supervisord,
                                     install_signal_handlers, lock_service, raise_open_files_limit, setup_logging)
+from shared.runtime.runfiles import RUN_CONFIG
 
 _lock = None  # the process's service-instance lock, held until it exits
 

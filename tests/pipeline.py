@@ -20,7 +20,7 @@ import numpy as np
 from shared.config import loading, schema
 from shared.launch import backend, rundirs, supervisor
 from shared.replay import arena
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "deploy" / "configs"

@@ -18,12 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.learner.learner import CHECKPOINT, PROGRESS_FIELDS
+from services.learner.learner import PROGRESS_FIELDS
+from shared.runtime import runfiles
+from shared.runtime.runfiles import CHECKPOINT
 from shared.config import schema
 from shared.launch import api, follow, rundirs, supervisor
 from shared.runtime import evaluation
 from shared.runtime.files import append_csv
-from shared.runtime.process import RUN_CONFIG, TB_DIR
+from shared.runtime.runfiles import RUN_CONFIG, TB_DIR
 from tests.pipeline import CONFIGS, Run, rlpipe, rlpipe_here
 
 PPO = CONFIGS / "cartpole_ppo.toml"
@@ -133,7 +135,7 @@ def test_train_serial_learns_cartpole_to_the_target_in_a_run_directory(tmp_path)
     assert time.monotonic() - t0 < 180
     run_dir = Path(result["run_dir"])
     assert run_dir.parent == tmp_path and segments(run_dir) == []
-    for name in (RUN_CONFIG, "progress.csv", "result.json", CHECKPOINT, f"logs/{api.SERIAL_LOG}"):
+    for name in (RUN_CONFIG, "progress.csv", "result.json", CHECKPOINT, f"logs/{runfiles.SERIAL_LOG}"):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / TB_DIR).glob("events.out.tfevents.*"))
     assert rundirs.read_result(run_dir) == {k: v for k, v in result.items() if k != "run_dir"}
@@ -151,10 +153,10 @@ def test_rlpipe_train_serial_makes_a_run_directory_ls_plot_evaluate_and_launch_r
     rows = [line for line in out.stdout.splitlines() if line.startswith("[")]
     assert len(rows) == len(rundirs.read_progress(run_dir)) >= 2 and all(ROW.match(r) for r in rows), out.stdout
     assert re.search(r"^serial run ended \(budget\): mean return \S+ after 3072 env steps in ", out.stdout, re.M)
-    for name in (RUN_CONFIG, "progress.csv", "result.json", CHECKPOINT, f"logs/{api.SERIAL_LOG}"):
+    for name in (RUN_CONFIG, "progress.csv", "result.json", CHECKPOINT, f"logs/{runfiles.SERIAL_LOG}"):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / TB_DIR).glob("events.out.tfevents.*")) and segments(run_dir) == []
-    assert "services.learner.learner: steps 3072" in (run_dir / "logs" / api.SERIAL_LOG).read_text()
+    assert "services.learner.learner: steps 3072" in (run_dir / "logs" / runfiles.SERIAL_LOG).read_text()
 
     listed = rlpipe_here("ls", str(tmp_path / "runs"))
     assert listed.returncode == 0 and re.search(rf"\| {run_dir.name} \| ended \| budget \| 3072 \|", listed.stdout), \
@@ -204,5 +206,5 @@ def test_an_interrupted_serial_run_keeps_a_checkpoint_and_resumes_from_it(tmp_pa
 
     result = api.train_serial(resume=run_dir, quiet=True)
     assert result["reason"] == "budget" and result["env_steps"] >= 8192 and result["run_dir"] == str(run_dir)
-    assert f"resumed from {run_dir / CHECKPOINT}: version" in (run_dir / "logs" / api.SERIAL_LOG).read_text()
+    assert f"resumed from {run_dir / CHECKPOINT}: version" in (run_dir / "logs" / runfiles.SERIAL_LOG).read_text()
     assert int(rundirs.read_progress(run_dir)[-1]["env_steps"]) == result["env_steps"]

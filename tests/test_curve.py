@@ -14,6 +14,7 @@ import time
 import pytest
 import zmq
 
+from shared.runtime import runfiles
 from shared.transport import auth
 from shared.config import endpoints, loading
 from shared.transport import sockets
@@ -48,10 +49,10 @@ def plain_dealer(ctx, address: str, server_key: bytes | None = None) -> zmq.Sock
 
 
 def test_keys_are_private_to_the_run_directory_and_clients_hold_no_server_secret(run_keys):
-    keys = run_keys / auth.CURVE_DIR
-    for path in (keys, keys / auth.CLIENTS_DIR):
+    keys = run_keys / runfiles.CURVE_DIR
+    for path in (keys, keys / runfiles.CLIENTS_DIR):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
-    for path in (keys / "server.key_secret", keys / auth.CLIENTS_DIR / "client.key_secret"):
+    for path in (keys / "server.key_secret", keys / runfiles.CLIENTS_DIR / "client.key_secret"):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     client = auth.read_curve_keys(run_keys, server=False)
     assert client.server_secret is None and client.clients_dir is None

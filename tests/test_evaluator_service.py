@@ -22,7 +22,7 @@ from shared.config import loading, schema
 from shared.runtime import evaluation
 from shared.launch import supervisor as launch
 from services.build import env_probe, make_agent
-from shared.runtime.process import RUN_CONFIG, TB_DIR
+from shared.runtime.runfiles import RUN_CONFIG, TB_DIR
 from tests.pipeline import cpu_seconds, metric_value, rlpipe, rlpipe_here
 
 

@@ -32,7 +32,7 @@ from shared.agents.models import BatchRenorm
 from shared.config import loading
 from shared.envs.group import make_env
 from shared.launch import export
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import rlpipe_here
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"

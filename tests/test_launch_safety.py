@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from shared.runtime import runfiles
 from shared.transport import auth
 from shared.config import endpoints, loading, schema
 from shared.launch import rundirs, supervisor
 from shared.runtime import plugins
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe
 
 IMAGE_ENV = 'env.id="tests.envs_for_tests:make_image_cartpole"'
@@ -85,9 +86,9 @@ def test_runs_get_random_ids_private_socket_dirs_and_a_secret_only_we_can_read(t
         sockets = endpoints.socket_dir(run_dir)
         assert sockets.parent == private_base and stat.S_IMODE(os.stat(sockets).st_mode) == 0o700
         assert stat.S_IMODE(os.stat(private_base).st_mode) == 0o700
-        assert stat.S_IMODE(os.stat(run_dir / auth.SECRET_FILE).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(run_dir / runfiles.SECRET_FILE).st_mode) == 0o600
     assert len(auth.read_secret(a)) == 64 and auth.read_secret(a) != auth.read_secret(b)
-    os.chmod(a / auth.SECRET_FILE, 0o644)
+    os.chmod(a / runfiles.SECRET_FILE, 0o644)
     with pytest.raises(PermissionError, match="with mode 0600"):
         auth.read_secret(a)
 

@@ -13,12 +13,15 @@ import torch
 import zmq
 
 from services.learner.__main__ import start_publishing
-from services.learner.learner import CHECKPOINT, PREVIOUS_CHECKPOINT, Learner
-from shared.agents.acting import ACTING_FILE, read_acting_file
+from services.learner.learner import Learner
+from shared.runtime.runfiles import CHECKPOINT, PREVIOUS_CHECKPOINT
+from shared.agents.acting import read_acting_file
+from shared.runtime.runfiles import ACTING_FILE
 from shared.config import loading as config
 from shared.transport import shm
 from services.build import env_probe, make_agent, make_algo
-from shared.runtime.process import RUN_CONFIG, lock_service
+from shared.runtime.process import lock_service
+from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, REPO
 
 

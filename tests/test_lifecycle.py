@@ -30,7 +30,7 @@ from shared.launch import runs
 from shared.launch import stats
 from shared.launch.grid import STATS, SUMMARY, Ports, parse_vary, processes_per_run
 from shared.launch.plots import flat_config
-from shared.runtime.process import TB_DIR
+from shared.runtime.runfiles import TB_DIR
 from tests.pipeline import CONFIGS, REPO, free_port, rlpipe, rlpipe_command
 
 STEPS = 12_000

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 
 from shared.config import loading
 from shared.launch import api, package
-from shared.transport.auth import SECRET_FILE
+from shared.runtime.runfiles import SECRET_FILE
 from tests.pipeline import rlpipe_here
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deploy" / "configs"

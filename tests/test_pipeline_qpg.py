@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.learner import CHECKPOINT
+from shared.runtime.runfiles import CHECKPOINT
 from services.serial import train_serial
 from shared.config import loading as config
 from tests.pipeline import CONFIGS, rlpipe_here

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.learner.learner import CHECKPOINT
+from shared.runtime.runfiles import CHECKPOINT
 
 pytestmark = pytest.mark.learning
 

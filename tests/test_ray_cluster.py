@@ -105,7 +105,7 @@ def test_a_run_whose_cluster_is_gone_is_not_running_and_stops_at_once(tmp_path):
     import time
 
     from shared.launch import backend, ray_backend as ray_cluster, supervisor
-    from shared.runtime.process import RUN_CONFIG
+    from shared.runtime.runfiles import RUN_CONFIG
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

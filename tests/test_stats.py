@@ -13,7 +13,7 @@ import pytest
 
 from shared.config import loading
 from shared.launch import grid, plots, stats
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe_here
 
 SCORES = np.random.RandomState(3).normal(size=(7, 3)) * [1.0, 10.0, 100.0]  # 7 runs x 3 tasks of unlike scales

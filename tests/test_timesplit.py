@@ -15,7 +15,7 @@ import pytest
 
 from shared.launch import timesplit
 from shared.runtime import metrics
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, REPO, rlpipe_here, wall_seconds
 
 

@@ -12,7 +12,7 @@ import pytest
 from shared.config import loading
 from shared.config.schema import ConfigError
 from shared.launch import rundirs, runs, supervisor, tune
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe_here
 
 optuna = pytest.importorskip("optuna")

@@ -26,13 +26,14 @@ from pettingzoo.classic import connect_four_v3, tictactoe_v3
 from pettingzoo.utils import BaseWrapper
 
 from services.evaluator import matches
+from shared.runtime import runfiles
 from shared.config import loading
 from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
 from shared.launch import api
 from shared.launch import terminal_game
 from shared.launch.terminal_game import board_text
 from shared.runtime import evaluation
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, metric_value, rlpipe_command, rlpipe_here
 from tests.test_evaluator_service import checkpointed_run, tensorboard_scalars, untrained_agent
 
@@ -237,7 +238,7 @@ def test_a_wrong_opponent_is_one_error_line(tmp_path, trained):
     out = rlpipe_here("play", str(single))
     assert (out.returncode, out.stderr.strip()) == (2, "rlpipe: play: needs a two-player turn-based PettingZoo game; "
                                                        "env.id = 'CartPole-v1' is a single-agent env")
-    assert not (single / evaluation.LATEST).exists() and not (single / evaluation.EVAL_CSV).exists()
+    assert not (single / runfiles.EVAL_LATEST).exists() and not (single / runfiles.EVAL_CSV).exists()
 
 
 class Terminal:

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from services.learner.wandb_run import WANDB_ID, WANDB_STEP
-from shared.runtime.process import RUN_CONFIG, TB_DIR
+from shared.runtime.runfiles import WANDB_ID, WANDB_STEP
+from shared.runtime.runfiles import RUN_CONFIG, TB_DIR
 from tests.pipeline import Run, rlpipe_here
 
 BLOCK = 32 * 1024

@@ -20,7 +20,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from services.learner.checkpoints import CHECKPOINT, Checkpoints, Unloadable  # noqa: F401 (load_agent raises it)
+from services.learner.checkpoints import Checkpoints, Unloadable  # noqa: F401 (load_agent raises it)
+from shared.runtime.runfiles import CHECKPOINT
 from shared.agents import EVALUATE
 from shared.config.schema import Experiment
 from shared.envs.backends import columns_per_env, make_env_group

@@ -10,7 +10,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from shared.runtime import evaluation
 from shared.runtime.files import WriteErrors
-from shared.runtime.process import TB_DIR
+from shared.runtime.runfiles import TB_DIR
 
 
 class Reports:

@@ -14,10 +14,9 @@ import torch
 
 from shared.runtime import heartbeat
 from shared.runtime.files import fsync_dir
+from shared.runtime.runfiles import CHECKPOINT, PREVIOUS_CHECKPOINT
 
 log = logging.getLogger("services.learner.learner")
-CHECKPOINT = "checkpoints/latest.pt"
-PREVIOUS_CHECKPOINT = "checkpoints/previous.pt"
 
 
 class Unloadable(RuntimeError):

@@ -36,16 +36,16 @@ from shared.transport.ranks import Group
 from shared.algos import optim
 from shared.algos.update import Update
 
-from services.learner.checkpoints import CHECKPOINT, PREVIOUS_CHECKPOINT, Checkpoints  # noqa: F401 (the run's files)
+from services.learner.checkpoints import Checkpoints
 from services.learner.wandb_run import WandbRun
-from services.learner.progress import COUNTERS, PROGRESS, PROGRESS_FIELDS, Progress  # noqa: F401
+from services.learner.progress import COUNTERS, PROGRESS_FIELDS, Progress  # noqa: F401
 from services.learner.stopping import Stopping
 from shared.runtime.files import WriteErrors, publish
 from shared.runtime import heartbeat
 from shared.runtime.metrics import PHASES, Phases
+from shared.runtime.runfiles import RESULT
 
 log = logging.getLogger(__name__)
-RESULT = "result.json"
 RESULT_TRIES = 120
 """Seconds the learner tries to write its result on a full disk before it gives up (exit 1)."""
 # While no batch comes, the current version is re-announced this often: a PUB message sent
@@ -307,7 +307,7 @@ class Learner:
                 return
             except OSError as e:
                 tmp.unlink(missing_ok=True)
-                self.errors.failed("result.json", e)
+                self.errors.failed(RESULT, e)
                 if attempt == tries - 1:
                     raise
                 heartbeat.beat()

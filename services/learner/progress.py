@@ -20,11 +20,10 @@ from shared.config.schema import RunConfig
 from shared.runtime import evaluation
 from shared.runtime.files import WriteErrors, append_csv
 from shared.runtime.metrics import Phases
-from shared.runtime.process import TB_DIR
+from shared.runtime.runfiles import PROGRESS, TB_DIR
 from services.learner.wandb_run import WandbRun
 
 log = logging.getLogger("services.learner.learner")
-PROGRESS = "progress.csv"
 PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates_per_s", "policy_version",
                    "episodes", "mean_return", "mean_length", "policy_lag", "dropped", "replay_size", "eta_s",
                    "skipped_updates",
@@ -185,10 +184,10 @@ class Progress:
             try:
                 append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, self.unwritten[0])
             except OSError as e:
-                self.errors.failed("progress.csv", e)
+                self.errors.failed(PROGRESS, e)
                 return
             del self.unwritten[0]
-        self.errors.ok("progress.csv")
+        self.errors.ok(PROGRESS)
 
     def state(self) -> dict:
         """What a checkpoint keeps."""

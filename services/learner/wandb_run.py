@@ -27,13 +27,9 @@ from pathlib import Path
 
 from shared.config.schema import LoggingConfig
 from shared.runtime import evaluation, heartbeat
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG, WANDB_ID, WANDB_STEP
 
 log = logging.getLogger("services.learner.learner")
-WANDB_ID = "wandb_id"
-"""File in the run directory holding the W&B run id."""
-WANDB_STEP = "wandb_step"
-"""File in the run directory holding the env steps of the last row W&B took."""
 STEP = "env_steps"
 """The x axis of every progress scalar (W&B's own step counts ``log`` calls, which a restart repeats)."""
 PROGRESS_PREFIXES = ("progress", "algo", "time")

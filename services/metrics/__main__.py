@@ -18,6 +18,7 @@ from shared.runtime.process import pid_alive
 from services.metrics import server as http
 from services.process import serve
 from shared.runtime import heartbeat
+from shared.runtime.runfiles import METRICS_DIR
 
 log = logging.getLogger("services.metrics")
 _PID = re.compile(r"_(\d+)\.db$")
@@ -34,7 +35,7 @@ def reap_dead(directory: Path) -> None:
 
 
 def run(exp, run_dir, instance: int) -> None:
-    directory = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR", run_dir / "metrics"))
+    directory = Path(os.environ.get("PROMETHEUS_MULTIPROC_DIR", run_dir / METRICS_DIR))
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(directory))
     server = http.start(exp.network.metrics_host, exp.network.metrics_port, registry)  # connections capped

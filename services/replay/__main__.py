@@ -4,7 +4,8 @@ import logging
 
 import zmq
 
-from services.replay.service import SNAPSHOT_DIR, ReplayService
+from services.replay.service import ReplayService
+from shared.runtime.runfiles import SNAPSHOT_DIR
 from services.replay.tables import make_table, table_arena
 from shared.runtime import metrics as metrics_mod
 from shared.runtime import process as runtime

@@ -53,8 +53,6 @@ from shared.transport.wire import MAX_EPISODES
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
-SNAPSHOT_DIR = "replay"
-"""Where in the run directory the table's snapshots go (``replay.snapshot_interval_s``)."""
 MAX_UNREPORTED_EPISODES = MAX_EPISODES
 """Finished episodes held for the learner's next batch reply: the most one message carries. More
 come only while the learner is away (or asks less often than episodes end); the oldest go, counted."""

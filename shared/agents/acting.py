@@ -43,8 +43,8 @@ from shared.agents.config import AgentInfo, QAgentConfig, QAgentInfo
 from shared.agents import HALF_LOG_2PI, StepContext
 from shared.agents.masking import legal, masked, random_legal
 from shared.data.namedarraytuple import leaves
+from shared.runtime import runfiles
 
-ACTING_FILE = "acting.json"
 _ACTIVATIONS = {"tanh": lambda x: np.tanh(x, out=x), "relu": lambda x: np.maximum(x, 0.0, out=x), None: None}
 
 
@@ -225,7 +225,7 @@ def check_plan(plan, arrays: Mapping[str, np.ndarray]) -> None:
 
 def write_acting_file(run_dir: Path, spec, plan: dict | None) -> None:
     """The learner's: its parameter segment's layout and its acting plan (None: act in torch), atomically."""
-    path = Path(run_dir) / ACTING_FILE
+    path = Path(run_dir) / runfiles.ACTING_FILE
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"spec": spec, "plan": plan}))
     os.replace(tmp, path)
@@ -234,6 +234,6 @@ def write_acting_file(run_dir: Path, spec, plan: dict | None) -> None:
 def read_acting_file(run_dir: Path) -> dict | None:
     """``{"spec", "plan"}`` as the learner wrote it, or None while there is none."""
     try:
-        return json.loads((Path(run_dir) / ACTING_FILE).read_text())
+        return json.loads((Path(run_dir) / runfiles.ACTING_FILE).read_text())
     except FileNotFoundError:
         return None

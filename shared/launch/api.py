@@ -31,10 +31,8 @@ from shared.config import checks, endpoints, loading
 from shared.config.schema import ConfigError, Experiment
 from shared.launch import backend as backends
 from shared.launch import follow, ray_backend, rundirs, space, supervisor
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import LOGS_DIR, RUN_CONFIG, SERIAL_LOG
 
-SERIAL_LOG = "serial0.log"
-"""The log of a serial run (``logs/``): every part's INFO records, as a service's log holds its own."""
 
 
 class LaunchError(RuntimeError):
@@ -359,7 +357,7 @@ def _serial_log(run_dir: Path):
     """While serial mode runs: the records of ``services.*`` and ``shared.*`` at INFO and up
     go to ``logs/serial0.log`` in a service log's format, and those at the level the caller's
     logging let through before still reach the caller's handlers."""
-    file = logging.FileHandler(run_dir / "logs" / SERIAL_LOG)
+    file = logging.FileHandler(run_dir / LOGS_DIR / SERIAL_LOG)
     file.setFormatter(logging.Formatter("%(asctime)s serial0 %(levelname)s %(name)s: %(message)s"))
     saved = []
     for name in ("services", "shared"):

@@ -410,7 +410,7 @@ def _evaluate(args) -> int:
     from shared.config import loading
     from shared.launch import runs
     from shared.runtime import evaluation
-    from shared.runtime.process import RUN_CONFIG
+    from shared.runtime.runfiles import EVAL_LATEST, RUN_CONFIG
 
     exp = loading.load(run_dir / RUN_CONFIG)
     episodes = exp.eval.episodes if args.episodes is None else args.episodes
@@ -440,7 +440,7 @@ def _evaluate(args) -> int:
     if runs.status(run_dir) != "running":  # a live run's evaluator owns its evaluation files
         evaluation.record(run_dir, {**result, "wall_time": round(time.time(), 3),
                                     "eval_s": round(time.monotonic() - t0, 3), "video": ""})
-        print(f"recorded in {run_dir / evaluation.LATEST} (`rlpipe results` shows it)")
+        print(f"recorded in {run_dir / EVAL_LATEST} (`rlpipe results` shows it)")
     if args.video:
         print(f"video of the first episode: {', '.join(str(p) for p in sorted(Path(args.video).glob('*.mp4')))}")
     return 0
@@ -454,7 +454,7 @@ def _play(args) -> int:
     from shared.config import loading
     from shared.envs.pettingzoo_backend import check_two_player_game
     from shared.launch import terminal_game
-    from shared.runtime.process import RUN_CONFIG
+    from shared.runtime.runfiles import RUN_CONFIG
 
     exp = loading.load(run_dir / RUN_CONFIG)
     try:
@@ -641,7 +641,7 @@ def _print_stats(dirs: list[Path], out: Path, group_by: str | None) -> int:
 def _tensorboard(args) -> int:
     import os
 
-    from shared.runtime.process import TB_DIR
+    from shared.runtime.runfiles import TB_DIR
 
     dirs = _run_dirs(args.runs)
     if dirs is None:
@@ -656,10 +656,12 @@ def _logs(args) -> int:
     run_dir = _run_dir(args)
     if run_dir is None:
         return 2
+    from shared.runtime.runfiles import LOGS_DIR
+
     pattern = f"{args.service}*.log" if args.service else "*.log"
-    paths = sorted((run_dir / "logs").glob(pattern))
+    paths = sorted((run_dir / LOGS_DIR).glob(pattern))
     if not paths:
-        print(f"no logs matching {pattern} in {run_dir / 'logs'}", file=sys.stderr)
+        print(f"no logs matching {pattern} in {run_dir / LOGS_DIR}", file=sys.stderr)
         return 1
     for path in paths:
         lines = path.read_text(errors="replace").splitlines()[-args.n:]

@@ -41,7 +41,7 @@ from shared.agents.q import QAgent
 from shared.agents.qpg import QpgAgent
 from shared.config import loading
 from shared.data.namedarraytuple import leaves, map_leaves
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import EXPORT_DIR, RUN_CONFIG
 
 FORMATS = {"onnx": "policy.onnx", "torchscript": "policy.ts.pt", "exported": "policy.pt2"}
 """Format -> the file it writes in the output directory."""
@@ -232,7 +232,7 @@ def export(run_dir: Path, fmt: str = "onnx", out_dir: Path | None = None) -> Pat
         raise ExportError(f"--format {fmt}: unknown format; use one of {', '.join(FORMATS)}")
     run_dir = Path(run_dir)
     policy, state = load_policy(run_dir)
-    out_dir = Path(out_dir) if out_dir is not None else run_dir / "export"
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / EXPORT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / FORMATS[fmt]
     {"onnx": _onnx, "torchscript": _torchscript, "exported": _exported}[fmt](policy, path)

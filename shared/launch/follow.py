@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
-from shared.agents.acting import ACTING_FILE
+from shared.runtime.runfiles import ACTING_FILE, LOGS_DIR, SUPERVISORD_LOG
 from shared.runtime.process import CONFIG_ERROR
 from shared.launch.rundirs import read_progress, read_result
 from shared.launch import backend
@@ -47,7 +47,7 @@ def wait_until_built(run_dir: Path, timeout_s: float = BUILD_TIMEOUT_S) -> str |
 
 def _config_error(run_dir: Path) -> str | None:
     """The config error a service of the run logged before it exited (``runtime.serve``), if any."""
-    for log in sorted((run_dir / "logs").glob("*.log")):
+    for log in sorted((run_dir / LOGS_DIR).glob("*.log")):
         try:
             lines = log.read_text(errors="replace").splitlines()
         except FileNotFoundError:
@@ -94,7 +94,7 @@ class CrashWatch:
     _NOT_CRASHES = ("SIGKILL", "SIGTERM", "SIGINT")
 
     def __init__(self, run_dir: Path):
-        self.log, self.logs = run_dir / "logs" / "supervisord.log", run_dir / "logs"
+        self.log, self.logs = run_dir / LOGS_DIR / SUPERVISORD_LOG, run_dir / LOGS_DIR
         self.offset = 0
         self.spawned: dict[str, datetime] = {}
         self.crashes = 0

@@ -31,7 +31,7 @@ from shared.config import checks, endpoints, loading
 from shared.launch import backend, follow, gridfile, rundirs, supervisor
 from shared.launch import runs, space, stats
 from shared.config.schema import ConfigError, Experiment
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import FOLLOW_LOG, LOGS_DIR, RUN_CONFIG
 
 SUMMARY = "summary.md"
 SUMMARY_COLUMNS = ("variant", "seed", "reason", "steps_to_target", "wall_s_to_target", "final_return", "env_steps",
@@ -217,7 +217,7 @@ class Launcher:
             supervisor.start(exp, run_dir)
             if self.stopping.is_set():  # stopped while it started: `map`'s stop may have come before it
                 return "stopped"
-            with (run_dir / "logs" / "follow.log").open("a") as log:  # a resumed run's goes on
+            with (run_dir / LOGS_DIR / FOLLOW_LOG).open("a") as log:  # a resumed run's goes on
                 result = follow.follow(run_dir, exp.run.max_wall_s, out=log, on_row=on_row)
             if result:
                 return result["reason"]

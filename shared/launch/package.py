@@ -29,7 +29,7 @@ from services.evaluator.episodes import CannotRender, evaluate, load_agent
 from shared.config import loading
 from shared.launch import export, plots
 from shared.launch.rundirs import read_result
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import PACKAGE_DIR, RUN_CONFIG
 
 CARD, WEIGHTS, CONFIG, CURVE, VIDEO = "README.md", "model.safetensors", "config.toml", "training_curve.png", "replay.mp4"
 FILES = (CARD, WEIGHTS, CONFIG, export.FORMATS["onnx"], export.METADATA, CURVE, VIDEO)
@@ -76,7 +76,7 @@ def package(run_dir: Path, out_dir: Path | None = None, episodes: int | None = N
     exp = loading.load(run_dir / RUN_CONFIG)
     episodes = exp.eval.episodes if episodes is None else episodes
     safetensors_torch = export.require("safetensors.torch", "hub")
-    out = Path(out_dir) if out_dir is not None else run_dir / "package"
+    out = Path(out_dir) if out_dir is not None else run_dir / PACKAGE_DIR
     if out.resolve() == run_dir.resolve():
         raise export.ExportError(f"--out {out}: that is the run directory, whose config.toml the package's would "
                                  "replace; give a folder of its own (default: RUN/package)")

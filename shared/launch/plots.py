@@ -15,7 +15,7 @@ import numpy as np
 from shared.config import loading, schema
 from shared.launch import runs, stats
 from shared.launch.rundirs import read_progress
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 
 X_AXES = {"steps": ("env_steps", "env steps"), "time": ("wall_s", "wall time (s)")}
 GRID_POINTS = 200

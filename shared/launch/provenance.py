@@ -14,7 +14,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-META = "meta.json"
+from shared.runtime.runfiles import META
+
 REPO = Path(__file__).resolve().parents[2]
 
 

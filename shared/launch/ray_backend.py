@@ -53,10 +53,10 @@ from pathlib import Path
 from shared.config import endpoints
 from shared.launch.supervisor import ScaleError, service_pids
 from shared.runtime.process import PRIVATE_UMASK, signal_at_parent_death
+from shared.runtime.runfiles import CLUSTER_FILE, LOGS_DIR, METRICS_DIR
 
 log = logging.getLogger(__name__)
 
-CLUSTER_FILE = "cluster.json"
 MAX_RESTARTS = 20  # an actor's restarts for the whole run (Ray's max_restarts), reported when spent
 LOG_MAX_BYTES = 20 * 2**20  # as supervisord's stdout_logfile_maxbytes
 LOG_BACKUPS = 1
@@ -126,12 +126,12 @@ class ServiceActor:
     def __init__(self, service: str, instance: int, run_dir: str, restart_on_success: bool, environment: dict):
         os.umask(PRIVATE_UMASK)  # this worker process is the actor's alone: its log files are private
         self.name, self.restart_on_success, self.stopping = f"{service}{instance}", restart_on_success, False
-        logs = Path(run_dir) / "logs"
+        logs = Path(run_dir) / LOGS_DIR
         self.restarts = _count_start(logs / f"{self.name}.starts") - 1
         self.log = rotating_log(logs / f"{self.name}.log")
         if self.restarts:
             write_line(self.log, f"rlpipe: actor {self.name} restarted by Ray ({self.restarts} of {MAX_RESTARTS})\n")
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(Path(run_dir) / "metrics"), "PYTHONUNBUFFERED": "1",
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(Path(run_dir) / METRICS_DIR), "PYTHONUNBUFFERED": "1",
                **environment}  # the launcher's import path (rundirs.service_env)
         env.pop(TOKEN_ENV, None)  # the cluster's token: the services never talk to Ray
         self.child = subprocess.Popen(

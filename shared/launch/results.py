@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shared.launch import gridfile, plots, provenance, runs, stats
 from shared.runtime import evaluation
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import EVAL_CSV, EVAL_LATEST, META, PROGRESS, RESULT, RUN_CONFIG
 
 COLUMNS = ("algorithm", "env (config)", "env steps", "seeds", "final mean return (training window)",
            "greedy evaluation", "wall-clock", "measured (date, commit, host)", "published reference (source)",
@@ -196,7 +196,7 @@ def _unique(values) -> list:
     return [v for v in dict.fromkeys(values) if v]
 
 
-RECORD = (RUN_CONFIG, provenance.META, "result.json", "progress.csv", evaluation.EVAL_CSV, evaluation.LATEST)
+RECORD = (RUN_CONFIG, META, RESULT, PROGRESS, EVAL_CSV, EVAL_LATEST)
 """The files of a run directory that its results row is built from: what ``keep`` copies."""
 
 

@@ -14,10 +14,11 @@ from shared.config import endpoints, loading
 from shared.launch import provenance
 from shared.transport.auth import write_curve_keys, write_secret
 from shared.config.schema import ConfigError, Experiment
-from shared.agents.acting import ACTING_FILE
 from shared.runtime.files import read_csv
 from shared.runtime.plugins import IMPORT_DIR
-from shared.runtime.process import PRIVATE_UMASK, RUN_CONFIG, check_own_dir
+from shared.runtime.process import PRIVATE_UMASK, check_own_dir
+from shared.runtime.runfiles import (ACTING_FILE, CHECKPOINTS_DIR, LOGS_DIR, METRICS_DIR, PREVIOUS_RESULT, PROGRESS, RESULT,
+                                     RUN_CONFIG)
 
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -25,7 +26,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
     """A fresh run directory ``<runs_dir>/<name>_<stamp>_<random>`` (name: ``run.name`` unless
-    given) with the run's config, secret and provenance (``provenance.META``), and its private socket
+    given) with the run's config, secret and provenance (``runfiles.META``), and its private socket
     directory. The random
     suffix makes run ids unguessable and keeps two runs started in the same second apart.
     ``runs_dir`` must be ours and writable by no other user (``check_runs_dir``); the run
@@ -43,7 +44,7 @@ def make_run_dir(exp: Experiment, name: str | None = None) -> Path:
                 break
             except FileExistsError:
                 continue
-        for sub in ("logs", "metrics", "checkpoints"):
+        for sub in (LOGS_DIR, METRICS_DIR, CHECKPOINTS_DIR):
             (run_dir / sub).mkdir(mode=0o700)
         make_private_dir(endpoints.socket_base())
         endpoints.socket_dir(run_dir).mkdir(mode=0o700)
@@ -82,9 +83,9 @@ def reopen_run_dir(run_dir: Path) -> None:
     previous learner's acting.json gone."""
     make_private_dir(endpoints.socket_base())
     endpoints.socket_dir(run_dir).mkdir(mode=0o700, exist_ok=True)
-    result = run_dir / "result.json"
+    result = run_dir / RESULT
     if result.exists():
-        result.replace(run_dir / "result.previous.json")
+        result.replace(run_dir / PREVIOUS_RESULT)
     (run_dir / ACTING_FILE).unlink(missing_ok=True)  # the restarted learner writes it when its agent is built
 
 
@@ -123,12 +124,12 @@ def resolve_run(name: str, runs_dir: str = "runs") -> Path:
 
 def read_progress(run_dir: Path) -> list[dict]:
     """progress.csv's rows, dicts of strings; whole rows only (``files.read_csv``)."""
-    return read_csv(run_dir / "progress.csv")
+    return read_csv(run_dir / PROGRESS)
 
 
 def read_result(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / "result.json").read_text())
+        return json.loads((run_dir / RESULT).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 

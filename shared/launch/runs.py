@@ -7,7 +7,7 @@ from pathlib import Path
 
 from shared.launch import backend
 from shared.launch.rundirs import read_progress, read_result
-from shared.runtime.process import RUN_CONFIG
+from shared.runtime.runfiles import RUN_CONFIG
 
 COLUMNS = ("run", "status", "reason", "env_steps", "wall_s", "final_return", "steps_to_target", "wall_s_to_target")
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from shared.config import endpoints, loading, schema
 from shared.transport import shm
 from shared.config.schema import Experiment
-from shared.runtime.process import PRIVATE_UMASK, RUN_CONFIG
+from shared.runtime import runfiles
+from shared.runtime.process import PRIVATE_UMASK
 from shared.launch.rundirs import service_env, DEPLOY, programs
 
 
@@ -66,10 +67,10 @@ stopwaitsecs={stopwait}
 stopasgroup=true
 killasgroup=true
 redirect_stderr=true
-stdout_logfile={run_dir}/logs/{process}.log
+stdout_logfile={run_dir}/{logs}/{process}.log
 stdout_logfile_maxbytes=20MB
 stdout_logfile_backups=1
-environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",{environment}
+environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/{metrics}",PYTHONUNBUFFERED="1",{environment}
 """
 
 
@@ -82,13 +83,17 @@ autorestart=true
 startsecs=1
 stopsignal=TERM
 stopwaitsecs={stopwait}
-stderr_logfile={run_dir}/logs/watchdog.log
+stderr_logfile={run_dir}/{logs}/watchdog.log
 stderr_logfile_maxbytes=20MB
 stderr_logfile_backups=1
-environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/metrics",PYTHONUNBUFFERED="1",{environment}
+environment=PROMETHEUS_MULTIPROC_DIR="{run_dir}/{metrics}",PYTHONUNBUFFERED="1",{environment}
 """
 """The run's watchdog (``shared.launch.watchdog``), where ``run.watchdog_s`` > 0: an event listener
 (its stdout is supervisord's protocol, its log is its stderr), woken every 5 s by TICK_5."""
+
+
+_DIRS = {"logs": runfiles.LOGS_DIR, "metrics": runfiles.METRICS_DIR}
+"""The run directory's folders the program sections name."""
 
 
 SCALABLE = ("sampler", "action_server")
@@ -101,7 +106,7 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
     environment = ",".join(f'{k}="{v}"' for k, v in service_env(exp).items()).replace("%", "%%")
     for service, count, priority, autorestart in programs(exp):
         common = dict(service=service, priority=priority, autorestart=autorestart, run_dir=run_dir, python=sys.executable,
-                      environment=environment, stopwait=STOPWAIT_S)
+                      environment=environment, stopwait=STOPWAIT_S, **_DIRS)
         if service in SCALABLE:
             programs_ += [PROGRAM.format(program=f"{service}{i}", process=f"{service}{i}", instance=i, count=1, **common)
                           for i in range(count)]
@@ -110,12 +115,14 @@ def supervisord_conf(exp: Experiment, run_dir: Path) -> str:
                                             instance="%(process_num)d", count=count, **common))
     if exp.run.watchdog_s:
         programs_.append(WATCHDOG.format(run_dir=run_dir, python=sys.executable, environment=environment,
-                                         stopwait=WATCHDOG_STOPWAIT_S))
-    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=endpoints.socket_dir(run_dir)) + "".join(programs_)
+                                         stopwait=WATCHDOG_STOPWAIT_S, **_DIRS))
+    return TEMPLATE.read_text().format(run_dir=run_dir, socket_dir=endpoints.socket_dir(run_dir),
+                                       logfile=run_dir / runfiles.LOGS_DIR / runfiles.SUPERVISORD_LOG,
+                                       pidfile=run_dir / runfiles.SUPERVISORD_PID) + "".join(programs_)
 
 
 def start(exp: Experiment, run_dir: Path) -> None:
-    conf = run_dir / "supervisord.conf"
+    conf = run_dir / runfiles.SUPERVISORD_CONF
     conf.write_text(supervisord_conf(exp, run_dir))
     # umask 077 from the start: supervisord opens its own log before it applies the config's umask.
     subprocess.run([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], check=True,
@@ -127,8 +134,8 @@ def start(exp: Experiment, run_dir: Path) -> None:
             return
         except (*_NO_ANSWER, xmlrpc.client.Error):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"supervisord for {run_dir} did not come up; see {run_dir}/logs/supervisord.log") \
-                    from None
+                log = run_dir / runfiles.LOGS_DIR / runfiles.SUPERVISORD_LOG
+                raise RuntimeError(f"supervisord for {run_dir} did not come up; see {log}") from None
             time.sleep(0.02)
 
 
@@ -153,7 +160,7 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     if is_stopped(pid):
         raise ScaleError(f"supervisord of run {run_dir.name} (pid {pid}) is stopped (SIGSTOP): it cannot scale; "
                          "`kill -CONT` it, or `rlpipe stop` the run")
-    path = run_dir / RUN_CONFIG
+    path = run_dir / runfiles.RUN_CONFIG
     exp = loading.load(path)
     if "action_server" in counts and exp.sampler.inference != "server":
         raise ScaleError(f"action_server={counts['action_server']}: this run's samplers act locally "
@@ -170,7 +177,7 @@ def scale(run_dir: Path, counts: dict[str, int]) -> tuple[list[str], list[str], 
     tmp = path.with_suffix(".tmp")
     tmp.write_text(loading.dumps(new))
     tmp.replace(path)
-    (run_dir / "supervisord.conf").write_text(supervisord_conf(new, run_dir))
+    (run_dir / runfiles.SUPERVISORD_CONF).write_text(supervisord_conf(new, run_dir))
     # The stops wait for the processes' exits: up to STOPWAIT_S each, then SIGKILL.
     server = rpc(run_dir, timeout_s=RPC_TIMEOUT_S + 2 * STOPWAIT_S).supervisor
     old_m, new_m = exp.action_server.count, new.action_server.count
@@ -232,7 +239,7 @@ def supervisorctl(run_dir: Path, *args: str, capture: bool = False,
                   timeout_s: float = 10 + RPC_TIMEOUT_S) -> subprocess.CompletedProcess:
     """``supervisorctl ARGS`` for the run; subprocess.TimeoutExpired (the process killed) past
     ``timeout_s``: an interpreter's start, and supervisorctl's own calls, which have no timeout."""
-    return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(run_dir / "supervisord.conf"),
+    return subprocess.run([sys.executable, "-m", "supervisor.supervisorctl", "-c", str(run_dir / runfiles.SUPERVISORD_CONF),
                            *args], capture_output=capture, text=True, timeout=timeout_s)
 
 
@@ -240,7 +247,7 @@ def supervisord_pid(run_dir: Path) -> int | None:
     """The pid of this run's supervisord, if it runs: the pidfile's process must name this
     run's config (a stale pidfile whose pid was reused by another process counts as gone)."""
     try:
-        pid = int((run_dir / "supervisord.pid").read_text().strip())
+        pid = int((run_dir / runfiles.SUPERVISORD_PID).read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
     return pid if _of_run(pid, run_dir) else None
@@ -284,7 +291,7 @@ def killed(run_dir: Path) -> bool:
     """Whether the run's supervisord died without its own exit (``kill -9``): it is gone but left
     its pidfile, which it removes as it exits. Its services exit with it
     (``runtime.process.exit_with_supervisord``), so ``running`` alone no longer tells."""
-    return (run_dir / "supervisord.pid").exists() and supervisord_pid(run_dir) is None
+    return (run_dir / runfiles.SUPERVISORD_PID).exists() and supervisord_pid(run_dir) is None
 
 
 def status(run_dir: Path) -> int:
@@ -425,7 +432,7 @@ def _run_dirs_named(proc: Path) -> set[Path]:
     for flag, value in zip(argv, argv[1:]):
         if flag == "--run-dir":
             named.append(value)
-        elif flag == "-c" and Path(value).name == "supervisord.conf":
+        elif flag == "-c" and Path(value).name == runfiles.SUPERVISORD_CONF:
             named.append(str(Path(value).parent))
     named += [a.split("=", 1)[1] for a in argv if a.startswith("--run-dir=")]
     if not named:

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 from shared.runtime.metrics import PHASES, WAITING, phase_metric
+from shared.runtime.runfiles import METRICS_DIR
 
-METRICS_DIR = "metrics"
-"""The run directory's Prometheus multiprocess directory (PROMETHEUS_MULTIPROC_DIR of its services)."""
 SHOWN = 0.005
 """Phases with a smaller share are left out of a service's line (an unused one, e.g. inference
 with an action-server)."""

@@ -45,7 +45,8 @@ from shared.launch import supervisor
 from shared.launch.rundirs import read_progress
 from shared.runtime import heartbeat, metrics
 from shared.runtime.files import publish
-from shared.runtime.process import RUN_CONFIG, install_signal_handlers, run_id_of, setup_logging
+from shared.runtime.process import install_signal_handlers, run_id_of, setup_logging
+from shared.runtime.runfiles import RESULT, RUN_CONFIG
 from shared.transport import shm
 
 log = logging.getLogger("shared.launch.watchdog")
@@ -54,7 +55,6 @@ KILLS_TO_FAIL = 3
 """Kills in a row of one service that stop the run: one may be a stopped process (SIGSTOP), two
 a slow machine; a third hang at once after a restart will not go away by restarting."""
 
-RESULT = "result.json"  # the learner's, which the run's followers end at
 
 
 class HungService(Exception):

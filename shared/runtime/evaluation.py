@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shared.runtime import runfiles
 from shared.runtime.files import append_csv, publish, read_csv
 
-EVAL_CSV = "eval.csv"
-LATEST = "eval.json"
 MATCH_FIELDS = [f"{outcome}_{seat}" for seat in ("first", "second") for outcome in ("win", "draw", "loss")]
 """A two-player game's evaluation against an opponent: the policy's rate of each outcome in each
 seat (eval.json also holds each one's standard error, ``<field>_se``)."""
@@ -27,13 +26,11 @@ measured, its episodes, their return statistics, the seconds it took, its video 
 relative to the run directory, ``eval.video``; empty without one) and, for games against an
 opponent (`rlpipe evaluate --opponent`, the evaluator's ``eval.opponents``), the opponent and
 MATCH_FIELDS (empty otherwise)."""
-VIDEOS = "videos"
-"""The run directory's folder of the evaluator's videos."""
 
 
 def video_path(run_dir: Path, policy_version: int) -> Path:
     """Where the evaluator's video of ``policy_version`` goes."""
-    return Path(run_dir) / VIDEOS / f"eval_v{policy_version}.mp4"
+    return Path(run_dir) / runfiles.VIDEOS / f"eval_v{policy_version}.mp4"
 PROGRESS_COLUMNS = {"eval_return": "mean_return", "eval_return_std": "std_return",
                     "eval_policy_version": "policy_version", "eval_env_steps": "env_steps"}
 """progress.csv column -> the latest evaluation's field (empty until the first evaluation)."""
@@ -41,21 +38,21 @@ PROGRESS_COLUMNS = {"eval_return": "mean_return", "eval_return_std": "std_return
 
 def append(run_dir: Path, row: dict) -> None:
     """Append ``row``'s FIELDS to eval.csv (empty where ``row`` has none)."""
-    append_csv(Path(run_dir) / EVAL_CSV, FIELDS, {field: row.get(field, "") for field in FIELDS})
+    append_csv(Path(run_dir) / runfiles.EVAL_CSV, FIELDS, {field: row.get(field, "") for field in FIELDS})
 
 
 def record(run_dir: Path, row: dict) -> None:
     """Append ``row`` to eval.csv and make the whole ``row`` the latest result."""
     append(run_dir, row)
-    tmp = Path(run_dir) / (LATEST + ".tmp")
+    tmp = Path(run_dir) / (runfiles.EVAL_LATEST + ".tmp")
     tmp.write_text(json.dumps(row))
-    publish(tmp, Path(run_dir) / LATEST)
+    publish(tmp, Path(run_dir) / runfiles.EVAL_LATEST)
 
 
 def latest(run_dir: Path) -> dict | None:
     """The latest evaluation's row, or None before the first one."""
     try:
-        return json.loads((Path(run_dir) / LATEST).read_text())
+        return json.loads((Path(run_dir) / runfiles.EVAL_LATEST).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
@@ -68,4 +65,4 @@ def progress_columns(run_dir: Path) -> dict:
 
 def read_rows(run_dir: Path) -> list[dict]:
     """eval.csv's rows as strings (empty before the first evaluation)."""
-    return read_csv(Path(run_dir) / EVAL_CSV)
+    return read_csv(Path(run_dir) / runfiles.EVAL_CSV)

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from shared.runtime import runfiles
+
 log = logging.getLogger(__name__)
 MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 MULTIPROC_PREFIXES = ("counter", "gauge_livemostrecent", "histogram")
@@ -126,7 +128,7 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "peer": ("action_server", "replay"),
     "on": ("actions", "replay"),
     "side": ("sampler", "learner"),
-    "file": ("progress.csv", "checkpoint", "tensorboard", "result.json"),
+    "file": (runfiles.PROGRESS, "checkpoint", "tensorboard", runfiles.RESULT),
 }
 # Where a service's wall time goes (``m.time``, a ``Phases`` clock; docs/architecture.md, "Where the
 # time goes"): every second of the process belongs to one phase, from the process's start

@@ -1,4 +1,4 @@
-"""What every process of a run shares: its files' names, logging, signals, BLAS threads, the torch device.
+"""What every process of a run shares: logging, signals, BLAS threads, the torch device.
 
 This module does not import torch: replay, metrics and samplers in server mode never load
 it (its import is most of a process's start-up: docs/benchmarks.md, "Start-up and stop").
@@ -18,17 +18,9 @@ import stat
 import sys
 from pathlib import Path
 
-
-
-RUN_CONFIG = "config.toml"
-
+from shared.runtime import runfiles
 
 CONFIG_ERROR = "config error: "  # how a service's log says its config cannot work (then it exits 2)
-
-
-TB_DIR = "tb"
-"""The run directory's TensorBoard folder: the learner's event files (progress scalars and
-algorithm diagnostics against env steps); other services add theirs beside them with their own writers."""
 
 
 def setup_logging(name: str) -> None:
@@ -117,7 +109,6 @@ def terminate_as_interrupt():
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-SUPERVISORD_PID = "supervisord.pid"  # the run's supervisord writes its pid there before it starts a service
 
 
 def signal_at_parent_death(sig: int) -> bool:
@@ -152,7 +143,7 @@ def exit_with_supervisord(run_dir: Path, process: str) -> None:
                                             "supervisord dies", process, os.strerror(ctypes.get_errno()))
         return
     try:
-        supervisord = int((run_dir / SUPERVISORD_PID).read_text())
+        supervisord = int((run_dir / runfiles.SUPERVISORD_PID).read_text())
     except (OSError, ValueError):
         return  # cannot tell; the signal is armed for a death from now on
     if os.getppid() != supervisord:  # it died before the signal was armed

@@ -31,24 +31,22 @@ from pathlib import Path
 import zmq
 import zmq.auth
 
+from shared.runtime import runfiles
 from shared.transport.sockets import CurveKeys, Rejected
 
-SECRET_FILE = "secret"
-CURVE_DIR = "curve"
-CLIENTS_DIR = "clients"  # inside CURVE_DIR: the public keys the ZAP handler admits (*.key), and the run's client pair
 CURVE_SERVERS = ("replay", "learner", "action_server")  # the services that bind a socket, so hold the server secret
 
 
 def write_secret(run_dir: Path) -> None:
     """Create the run's secret file (once; mode 0600, never through a symlink)."""
-    fd = os.open(Path(run_dir) / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = os.open(Path(run_dir) / runfiles.SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
 
 
 def read_secret(run_dir: Path) -> str:
     """The run's secret; PermissionError naming the fix if the file is not private to us."""
-    path = Path(run_dir) / SECRET_FILE
+    path = Path(run_dir) / runfiles.SECRET_FILE
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -71,10 +69,10 @@ def check_secret(body: dict, secret: str) -> None:
 def write_curve_keys(run_dir: Path) -> None:
     """Create the run's CURVE server and client key pairs in ``<run dir>/curve/`` and
     ``curve/clients/`` (directories 0700, secret key files 0600)."""
-    keys = Path(run_dir) / CURVE_DIR
+    keys = Path(run_dir) / runfiles.CURVE_DIR
     keys.mkdir(mode=0o700)
-    (keys / CLIENTS_DIR).mkdir(mode=0o700)
-    for directory, name in ((keys, "server"), (keys / CLIENTS_DIR, "client")):
+    (keys / runfiles.CLIENTS_DIR).mkdir(mode=0o700)
+    for directory, name in ((keys, "server"), (keys / runfiles.CLIENTS_DIR, "client")):
         _, secret_file = zmq.auth.create_certificates(directory, name)
         os.chmod(secret_file, 0o600)
 
@@ -83,11 +81,11 @@ def read_curve_keys(run_dir: Path, server: bool) -> CurveKeys:
     """The keys a process of the run holds: the server's public key and the run's client key
     pair, and with ``server`` (a service that binds: ``CURVE_SERVERS``) the server's secret key
     and the directory of client keys its ZAP handler admits."""
-    keys = Path(run_dir) / CURVE_DIR
+    keys = Path(run_dir) / runfiles.CURVE_DIR
     server_public, server_secret = _load(keys / ("server.key_secret" if server else "server.key"))
-    client_public, client_secret = _load(keys / CLIENTS_DIR / "client.key_secret")
+    client_public, client_secret = _load(keys / runfiles.CLIENTS_DIR / "client.key_secret")
     return CurveKeys(server_public=server_public, client_public=client_public, client_secret=client_secret,
-                     server_secret=server_secret if server else None, clients_dir=keys / CLIENTS_DIR if server else None)
+                     server_secret=server_secret if server else None, clients_dir=keys / runfiles.CLIENTS_DIR if server else None)
 
 
 def _load(path: Path) -> tuple[bytes, bytes | None]:
