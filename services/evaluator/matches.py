@@ -58,8 +58,9 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: in
     ``agent`` against ``opponent`` (OPPONENTS) on ``exp.eval.envs`` boards (at least 2) side by
     side. ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration.
     Each board plays a fixed share of its seat's games: taking the first ``games`` to end would
-    favour short games."""
-    check_opponent(exp, opponent)
+    favour short games. The callers have checked ``opponent`` and the game (``check_opponent``:
+    the command line; ``service_opponents``: the evaluator at its start), so an evaluation builds
+    no env for the check."""
     boards = 2 * max(1, min(exp.eval.envs, games) // 2)
     n = 2 * boards
     seed = exp.run.seed + exp.eval.seed_offset

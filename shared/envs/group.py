@@ -486,9 +486,9 @@ def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
 class SplitStep:
     """``send`` and ``recv`` over a group's ``step``, for groups whose envs step in this process
     (gymnasium's, PettingZoo's): the sampler's split-step protocol, as the EnvPool backend's,
-    where here ``recv`` does the whole step. A subclass sets ``self._sent = None``."""
+    where here ``recv`` does the whole step."""
 
-    _sent = None
+    _sent = None  # the actions of a split step in flight (send, then recv)
 
     def send(self, actions) -> None:
         """The first half of a split step: keeps (a reference to) ``actions`` for ``recv``, which
@@ -535,7 +535,6 @@ class EnvGroup(SplitStep):
         self._generation = [0] * n_envs
         self._seeded = False
         self._limit = StepLimit(cfg.step_timeout_s) if cfg.step_timeout_s else None
-        self._sent = None  # the actions of a split step (send, then recv)
         self.padding = np.zeros(n_envs, bool)
         """Per column: its last step was padding, no transition (``PettingZooGroup``'s agents that left);
         never here, where every env is in an episode."""

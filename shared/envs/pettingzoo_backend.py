@@ -193,7 +193,6 @@ class PettingZooGroup(SplitStep):
         self._length = np.zeros(n_envs, np.int64)
         self._generation = [0] * len(self._raws)
         self._seeded = False
-        self._sent = None
 
     def example_observation(self):
         """One column's observation (no leading dims): ndarray, or namedarraytuple for a Dict."""
