@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.launch import gridfile, provenance, rundirs, runs, supervisor
+from shared.launch import gridfile, provenance, results, rundirs, runs, supervisor
 from shared.launch.grid import SUMMARY
 from shared.runtime import evaluation
 from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here, wait_for
@@ -129,7 +129,7 @@ def test_results_rows_of_a_grid_hold_what_its_run_directories_hold(resumed, tmp_
 def test_results_group_seeds_of_one_config_with_median_spread_and_greedy_returns(tmp_path):
     """Three run directories of one config (seeds 0-2) as a launch makes them, with a result
     each and an evaluation for two: one row, the median and range of the finals, the greedy ones."""
-    from shared.launch import api, results
+    from shared.launch import api
 
     dirs = []
     for seed, final in ((0, 400.0), (1, 480.5), (2, 300.25)):
@@ -164,6 +164,16 @@ def test_runs_whose_configs_differ_by_a_field_one_of_them_lacks_are_two_groups()
     new = {**old, "agent.init_log_std": 0.0}
     assert plots.group_runs({Path("old"): old, Path("new"): new}) == {"init_log_std=None": [Path("old")],
                                                                       "init_log_std=0.0": [Path("new")]}
+
+
+def test_a_shipped_config_a_grid_ran_in_another_checkout_reads_as_this_checkouts_path(tmp_path):
+    """A grid records the absolute config path it ran: rows made from another clone's records
+    name the shipped config as ``deploy/configs/...``, the same in every checkout."""
+    elsewhere = Path("/some/other/clone/deploy/configs/cartpole_ppo.toml")
+    assert results.shown_config(elsewhere) == "deploy/configs/cartpole_ppo.toml"
+    assert results.shown_config(CONFIGS / "cartpole_ppo.toml") == "deploy/configs/cartpole_ppo.toml"
+    own = tmp_path / "deploy" / "configs" / "mine.toml"  # not shipped: its own path is the only right one
+    assert results.shown_config(own) == str(own)
 
 
 def test_resume_of_a_directory_that_is_not_a_grid_is_one_clear_line(tmp_path):

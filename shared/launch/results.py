@@ -110,13 +110,22 @@ def reproduce(dirs: list[Path], seeds: list[int], metas: list[dict]) -> str:
     if variant is not None:
         plan = record.plan
         overrides = [*plan["overrides"], *next(v["overrides"] for v in plan["variants"] if v["label"] == variant)]
-        config = Path(plan["config"])
-        if config.is_relative_to(provenance.REPO):
-            config = config.relative_to(provenance.REPO)
-        words = ["rlpipe", "grid", str(config), *(w for o in overrides for w in ("--set", o)),
+        words = ["rlpipe", "grid", shown_config(Path(plan["config"])), *(w for o in overrides for w in ("--set", o)),
                  "--seeds", ",".join(map(str, seeds)), "--parallel", "1"]
         return shlex.join(words)
     return "; ".join(_unique(m.get("command") for m in metas))
+
+
+def shown_config(config: Path) -> str:
+    """``config`` as a reader types it from the repository's root: a grid records the absolute
+    path it ran, and a shipped config (``deploy/configs``) run from another checkout of the
+    project is the same file here."""
+    shipped = provenance.REPO / "deploy" / "configs"
+    if config.is_relative_to(provenance.REPO):
+        return str(config.relative_to(provenance.REPO))
+    if config.parent.parts[-2:] == shipped.parts[-2:] and (shipped / config.name).is_file():
+        return str((shipped / config.name).relative_to(provenance.REPO))
+    return str(config)
 
 
 def markdown(result_rows: list[dict]) -> str:
