@@ -148,61 +148,72 @@ def main(argv=None) -> int:
     c.add_argument("-n", type=int, default=40, help="lines per log")
 
     args = p.parse_args(argv)
-    return {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "play": _play, "export": _export,
-            "package": _package, "status": _status, "top": _top, "stop": _stop, "logs": _logs, "scale": _scale,
-            "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "results": _results, "plot": _plot,
-            "tensorboard": _tensorboard}[args.cmd](args)
+    try:
+        return COMMANDS[args.cmd](args)
+    except Exception as e:
+        failure = _failure(e, args.cmd)
+        if failure is None:  # a fault of rlpipe's own: its traceback is what to report
+            raise
+        print(f"rlpipe: {failure}", file=sys.stderr)
+        return failure.code
 
 
-def _load(args):
-    """The validated experiment of ``args.config`` and ``--set``s (None after printing a config error)."""
-    from shared.config import schema
+class Failed(Exception):
+    """A command that cannot do what was asked: one line on stderr after ``rlpipe: ``, and the
+    exit status: 2 for what was typed or configured, 1 for a run or file that failed it."""
+
+    def __init__(self, line: str, code: int = 2):
+        super().__init__(line)
+        self.code = code
+
+
+def _failure(e: Exception, cmd: str) -> Failed | None:
+    """The commands' known errors as their one line (``Failed``); None for any other exception."""
+    from shared.config.schema import ConfigError
+
+    if isinstance(e, Failed):
+        return e
+    if isinstance(e, ConfigError):
+        return Failed(f"config error: {e}")
+    from shared.launch import api, backend, export, tune  # export imports torch: only for what is left
+
+    if isinstance(e, (api.NotResumable, tune.MissingExtra)):
+        return Failed(str(e))
+    if isinstance(e, (export.ExportError, backend.ScaleError, tune.StudyInUse)):
+        return Failed(f"{cmd}: {e}")
+    if isinstance(e, api.LaunchError):  # no such cluster, a placement it cannot satisfy
+        return Failed(f"cannot start the run: {e}", 1)
+    return None
+
+
+
+def _experiment(args):
+    """The validated experiment of ``args.config`` and ``--set``s; None for ``--resume RUN``,
+    which takes the run's own config and so no CONFIG or ``--set``."""
     from shared.launch import api
 
-    try:
+    if not args.resume:
         return api.experiment(args.config, args.overrides)
-    except schema.ConfigError as e:
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
-        return None
-
-
-def _own_config(args) -> bool:
-    """Whether ``--resume RUN`` comes without CONFIG and --set (else False after saying so)."""
     if args.overrides or args.config != str(DEFAULT_CONFIG):
-        print(f"rlpipe: {args.cmd} --resume RUN takes the run's own config: no CONFIG or --set", file=sys.stderr)
-        return False
-    return True
+        raise Failed(f"{args.cmd} --resume RUN takes the run's own config: no CONFIG or --set")
+    return None
 
 
 def _train(args) -> int:
     if not args.serial:
         return _launch(args)
-    from shared.config import schema
     from shared.launch import api
 
     if args.cluster or args.detach:
-        print("rlpipe: train --serial runs in this process: no --cluster or --detach", file=sys.stderr)
-        return 2
-    if args.resume and not _own_config(args):
-        return 2
-    exp = None if args.resume else _load(args)
-    if exp is None and not args.resume:
-        return 2
+        raise Failed("train --serial runs in this process: no --cluster or --detach")
+    exp = _experiment(args)
     try:
         result = api.train_serial(exp, resume=args.resume)
-    except schema.ConfigError as e:
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
-        return 2
-    except api.NotResumable as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("\ninterrupted: the run stopped with a checkpoint (`rlpipe launch --resume RUN` goes on from it)")
         return 1
     if result["reason"] == "failed":
-        print(f"rlpipe: run {result['run_dir']} failed after {result['env_steps']} env steps: {result['error']}",
-              file=sys.stderr)
-        return 1
+        raise Failed(f"run {result['run_dir']} failed after {result['env_steps']} env steps: {result['error']}", 1)
     print(f"serial run ended ({result['reason']}): mean return {result['mean_return']:.1f} "
           f"after {result['env_steps']} env steps in {result['wall_s']:.1f} s")
     print(f"run directory: {result['run_dir']}")
@@ -210,17 +221,9 @@ def _train(args) -> int:
 
 
 def _prepare(args) -> int:
-    from shared.config import schema
     from shared.launch import api
 
-    exp = _load(args)
-    if exp is None:
-        return 2
-    try:
-        print(api.prepare(exp))
-    except schema.ConfigError as e:  # a port in use, a model that cannot be built for the env
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
-        return 2
+    print(api.prepare(api.experiment(args.config, args.overrides)))  # a port in use is a ConfigError too
     return 0
 
 
@@ -236,27 +239,13 @@ def _launch(args) -> int:
 
 
 def _start_and_follow(args) -> int:
-    from shared.config import schema
     from shared.launch import api, follow
 
-    if args.resume and not _own_config(args):
-        return 2
-    exp = None if args.resume else _load(args)
-    if exp is None and not args.resume:
-        return 2
+    exp = _experiment(args)
     backend = args.cluster or "supervisord"
     t0 = time.monotonic()
     try:
         run = api.resume(args.resume, backend, wait=False) if args.resume else api.launch(exp, backend, wait=False)
-    except schema.ConfigError as e:
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
-        return 2
-    except api.NotResumable as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return 2
-    except api.LaunchError as e:  # no such cluster, a placement it cannot satisfy
-        print(f"rlpipe: cannot start the run: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:  # while its services started: _start stopped what had started
         print("\ninterrupted while starting: the run is stopped")
         return 1
@@ -266,22 +255,17 @@ def _start_and_follow(args) -> int:
         if args.detach:
             return 0
         result = run.follow()
-    except schema.ConfigError as e:
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         result = None
         print("\ninterrupted: stopping the run")
     except follow.ServiceCrashLoop as e:  # the run is stopped
-        print(f"rlpipe: {e}: run stopped. Last lines of {e.log_path}:\n{e.log_tail()}", file=sys.stderr)
-        return 1
+        raise Failed(f"{e}: run stopped. Last lines of {e.log_path}:\n{e.log_tail()}", 1) from e
     run.stop()
     if result is None:
         print(f"run {run.dir} stopped after {time.monotonic() - t0:.1f} s without a result")
         return 1
     if result["reason"] == "failed":
-        print(f"rlpipe: run {run.dir} failed after {result['env_steps']} env steps: {result['error']}", file=sys.stderr)
-        return 1
+        raise Failed(f"run {run.dir} failed after {result['env_steps']} env steps: {result['error']}", 1)
     if result.get("error"):  # a run that could not go on (the watchdog's line)
         print(f"rlpipe: {result['error']}", file=sys.stderr)
     print(f"run ended ({result['reason']}): mean return {result['mean_return']:.1f} over the last episodes, "
@@ -302,22 +286,19 @@ def _announce(run, detach: bool) -> None:
         print(f"detached; follow with `rlpipe status {run_dir}`, end with `rlpipe stop {run_dir}`")
 
 
-def _run_dir(args):
+def _run_dir(args) -> Path:
     from shared.launch import rundirs
 
     try:
         return rundirs.resolve_run(args.run)
     except FileNotFoundError as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return None
+        raise Failed(str(e)) from e
 
 
 def _status(args) -> int:
     from shared.launch import backend, rundirs, timesplit
 
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     runner = backend.for_run(run_dir)
     if not runner.running(run_dir):
         result = rundirs.read_result(run_dir)
@@ -339,11 +320,8 @@ def _top(args) -> int:
     from shared.launch import backend, timesplit
 
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     if args.interval <= 0 or (args.count is not None and args.count < 1):
-        print("rlpipe: top: --interval takes seconds > 0 and --count a number >= 1", file=sys.stderr)
-        return 2
+        raise Failed("top: --interval takes seconds > 0 and --count a number >= 1")
     runner = backend.for_run(run_dir)
     if not runner.running(run_dir):
         print(f"{run_dir.name}: not running (`rlpipe status {run_dir}` shows where its time went)")
@@ -359,8 +337,6 @@ def _stop(args) -> int:
     from shared.launch import backend
 
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     ok = backend.for_run(run_dir).stop(run_dir)
     print(f"{run_dir.name}: " + ("stopped" if ok else "some processes did not stop; try `rlpipe clean`"))
     return 0 if ok else 1
@@ -370,20 +346,13 @@ def _scale(args) -> int:
     from shared.launch import backend
 
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     counts = {}
     for item in args.counts:
         service, _, value = item.partition("=")
         if not value.lstrip("-").isdigit():
-            print(f"rlpipe: scale: {item!r}: expected SERVICE=N, e.g. sampler=4", file=sys.stderr)
-            return 2
+            raise Failed(f"scale: {item!r}: expected SERVICE=N, e.g. sampler=4")
         counts[service] = int(value)
-    try:
-        added, removed, moved = backend.for_run(run_dir).scale(run_dir, counts)
-    except backend.ScaleError as e:
-        print(f"rlpipe: scale: {e}", file=sys.stderr)
-        return 2
+    added, removed, moved = backend.for_run(run_dir).scale(run_dir, counts)
     print(f"{run_dir.name}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
           + (f"; started {' '.join(added)}" if added else "") + (f"; stopped {' '.join(removed)}" if removed else "")
           + (f"; restarted {' '.join(moved)} for their new action-server" if moved else ""))
@@ -394,8 +363,6 @@ def _clean(args) -> int:
     from shared.launch import backend
 
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     killed, removed = backend.clean(run_dir)
     print(f"{run_dir.name}: killed {len(killed)} process(es), removed {len(removed)} shared-memory segment(s)")
     return 0
@@ -403,8 +370,6 @@ def _clean(args) -> int:
 
 def _evaluate(args) -> int:
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     from services.evaluator import matches
     from services.evaluator.episodes import CannotRender, Unloadable, evaluate
     from shared.config import loading
@@ -415,22 +380,19 @@ def _evaluate(args) -> int:
     exp = loading.load(run_dir / RUN_CONFIG)
     episodes = exp.eval.episodes if args.episodes is None else args.episodes
     if episodes < 1:
-        print(f"rlpipe: --episodes {episodes}: must be >= 1", file=sys.stderr)
-        return 2
+        raise Failed(f"--episodes {episodes}: must be >= 1")
     if args.opponent is not None:
+        if args.video:
+            raise Failed("--video with --opponent: no video is recorded of games against an opponent")
         try:
-            if args.video:
-                raise ValueError("--video with --opponent: no video is recorded of games against an opponent")
             matches.check_opponent(exp, args.opponent)
         except ValueError as e:
-            print(f"rlpipe: {e}", file=sys.stderr)
-            return 2
+            raise Failed(str(e)) from e
     t0 = time.monotonic()
     try:
         result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None, args.opponent)
     except (FileNotFoundError, Unloadable, CannotRender) as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return 1
+        raise Failed(str(e), 1) from e
     what = f"games ({result['episodes'] // 2} a seat)" if args.opponent else "episodes"
     print(f"{run_dir.name}: {result['episodes']} greedy {what} of policy version {result['policy_version']} "
           f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "
@@ -448,8 +410,6 @@ def _evaluate(args) -> int:
 
 def _play(args) -> int:
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     from services.evaluator.episodes import Unloadable
     from shared.config import loading
     from shared.envs.pettingzoo_backend import check_two_player_game
@@ -460,53 +420,37 @@ def _play(args) -> int:
     try:
         check_two_player_game(exp.env, "play")
     except ValueError as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return 2
+        raise Failed(str(e)) from e
     try:
         return terminal_game.play(exp, run_dir, args.seat or 0, sys.stdin, sys.stdout)
     except (FileNotFoundError, Unloadable, ValueError) as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return 1
+        raise Failed(str(e), 1) from e
 
 
 def _export(args) -> int:
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     from shared.launch import export
 
-    try:
-        path = export.export(run_dir, args.format, Path(args.out) if args.out else None)
-    except export.ExportError as e:
-        print(f"rlpipe: export: {e}", file=sys.stderr)
-        return 2
+    path = export.export(run_dir, args.format, Path(args.out) if args.out else None)
     print(f"{run_dir.name}: greedy policy written to {path} (inputs and outputs: {path.parent / export.METADATA})")
     return 0
 
 
 def _package(args) -> int:
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
-    from shared.launch import export, package
+    from shared.launch import package
 
     if args.episodes is not None and args.episodes < 1:
-        print(f"rlpipe: package: --episodes {args.episodes}: must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        files = package.package(run_dir, Path(args.out) if args.out else None, args.episodes)
-        print(f"{run_dir.name}: package written to {files[0].parent}")
-        if args.push:
-            print(f"uploaded {', '.join(f.name for f in files)} to {package.push(files, args.push)}")
-    except export.ExportError as e:
-        print(f"rlpipe: package: {e}", file=sys.stderr)
-        return 2
+        raise Failed(f"package: --episodes {args.episodes}: must be >= 1")
+    files = package.package(run_dir, Path(args.out) if args.out else None, args.episodes)
+    print(f"{run_dir.name}: package written to {files[0].parent}")
+    if args.push:
+        print(f"uploaded {', '.join(f.name for f in files)} to {package.push(files, args.push)}")
     return 0
 
 
-def _run_dirs(names: list[str]) -> list[Path] | None:
-    """Run directories from run paths, run ids or directories holding runs (a grid's); None
-    after printing what was not found."""
+def _run_dirs(names: list[str]) -> list[Path]:
+    """Run directories from run paths, run ids or directories holding runs (a grid's)."""
     from shared.launch import rundirs
     from shared.launch import runs
 
@@ -517,8 +461,7 @@ def _run_dirs(names: list[str]) -> list[Path] | None:
         except FileNotFoundError as e:
             inside = runs.find_runs(Path(name))
             if not inside:
-                print(f"rlpipe: {e}", file=sys.stderr)
-                return None
+                raise Failed(str(e)) from e
             found += inside
     return found
 
@@ -529,18 +472,17 @@ def _grid(args) -> int:
     from shared.runtime.process import terminate_as_interrupt
 
     if args.resume and (args.config or args.vary or args.seeds or args.overrides):
-        print("rlpipe: grid --resume GRID_DIR takes the grid's own config, variants and seeds: no CONFIG, --vary, "
-              "--seeds or --set", file=sys.stderr)
-        return 2
+        raise Failed("grid --resume GRID_DIR takes the grid's own config, variants and seeds: no CONFIG, --vary, "
+                     "--seeds or --set")
     if not args.resume and not args.config:
-        print("rlpipe: grid needs an experiment TOML file (or --resume GRID_DIR)", file=sys.stderr)
-        return 2
-    try:
-        grid = (Grid.resume(Path(args.resume), args.parallel) if args.resume else
-                Grid(args.config, args.overrides, parse_vary(args.vary), parse_seeds(args.seeds or "0"), args.parallel))
-    except schema.ConfigError as e:  # also gridfile.NotAGrid
-        print(f"rlpipe: {'grid --resume' if args.resume else 'config error'}: {e}", file=sys.stderr)
-        return 2
+        raise Failed("grid needs an experiment TOML file (or --resume GRID_DIR)")
+    if args.resume:
+        try:
+            grid = Grid.resume(Path(args.resume), args.parallel)
+        except schema.ConfigError as e:  # also gridfile.NotAGrid
+            raise Failed(f"grid --resume: {e}") from e
+    else:
+        grid = Grid(args.config, args.overrides, parse_vary(args.vary), parse_seeds(args.seeds or "0"), args.parallel)
     # A terminal closing or a scheduler's time limit ends the grid as Ctrl-C does: the live runs
     # stop (the learners checkpoint) and `grid --resume` goes on from there.
     with terminate_as_interrupt():
@@ -549,25 +491,13 @@ def _grid(args) -> int:
 
 
 def _tune(args) -> int:
-    from shared.config import schema
     from shared.launch import tune
     from shared.runtime.process import terminate_as_interrupt
 
-    try:
-        study = tune.Tune(args.config, args.overrides, tune.parse_params(args.params), args.trials, args.parallel,
-                          args.out, args.metric, args.seed, args.startup_trials)
-    except schema.ConfigError as e:
-        print(f"rlpipe: config error: {e}", file=sys.stderr)
-        return 2
-    except tune.MissingExtra as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return 2
-    try:
-        with terminate_as_interrupt():  # SIGTERM, SIGHUP: the live trials are stopped and failed as at Ctrl-C
-            rows = study.run()
-    except tune.StudyInUse as e:
-        print(f"rlpipe: tune: {e}", file=sys.stderr)
-        return 2
+    study = tune.Tune(args.config, args.overrides, tune.parse_params(args.params), args.trials, args.parallel,
+                      args.out, args.metric, args.seed, args.startup_trials)
+    with terminate_as_interrupt():  # SIGTERM, SIGHUP: the live trials are stopped and failed as at Ctrl-C
+        rows = study.run()
     return 0 if any(r["state"] == "COMPLETE" for r in rows) else 1
 
 
@@ -577,8 +507,7 @@ def _ls(args) -> int:
     root = Path(args.dir)
     found = runs.find_runs(root)
     if not found:
-        print(f"no runs under {root}", file=sys.stderr)
-        return 1
+        raise Failed(f"no runs under {root}", 1)
     rows = [{**runs.summary(d), "run": str(d.relative_to(root))} for d in found]
     print(runs.markdown_table(rows, runs.COLUMNS))
     return 0
@@ -588,8 +517,6 @@ def _results(args) -> int:
     from shared.launch import results
 
     dirs = _run_dirs(args.runs)
-    if dirs is None:
-        return 2
     if args.keep:
         dirs = results.keep(dirs, Path(args.keep))
         print(f"kept the records of {len(dirs)} run(s) in {args.keep}")
@@ -600,8 +527,7 @@ def _results(args) -> int:
         try:
             results.into(Path(args.into), table)
         except (OSError, ValueError) as e:
-            print(f"rlpipe: {e}", file=sys.stderr)
-            return 1
+            raise Failed(str(e), 1) from e
     for path in (args.out, args.json, args.into):
         if path:
             print(f"wrote {path}")
@@ -612,13 +538,10 @@ def _plot(args) -> int:
     from shared.launch.plots import plot_runs
 
     dirs = _run_dirs(args.runs)
-    if dirs is None:
-        return 2
     try:
         out = plot_runs(dirs, args.out, x=args.x, group_by=args.group_by)
     except ValueError as e:
-        print(f"rlpipe: {e}", file=sys.stderr)
-        return 1
+        raise Failed(str(e), 1) from e
     print(f"wrote {out}")
     return _print_stats(dirs, out, args.group_by) if args.stats else 0
 
@@ -630,8 +553,7 @@ def _print_stats(dirs: list[Path], out: Path, group_by: str | None) -> int:
     scores = plots.final_scores(dirs, group_by)
     rows = stats.summary_rows(scores)
     if not rows:
-        print("rlpipe: --stats: no run has a final return yet", file=sys.stderr)
-        return 1
+        raise Failed("--stats: no run has a final return yet", 1)
     print(runs.markdown_table(rows, stats.COLUMNS))
     if len({task for by_task in scores.values() for task in by_task}) > 1:
         print(f"wrote {plots.plot_profiles(scores, out.with_name(out.stem + '_profile.png'))}")
@@ -644,8 +566,6 @@ def _tensorboard(args) -> int:
     from shared.runtime.runfiles import TB_DIR
 
     dirs = _run_dirs(args.runs)
-    if dirs is None:
-        return 2
     spec = ",".join(f"{d.name}:{d / TB_DIR}" for d in dirs)
     print(f"TensorBoard on http://127.0.0.1:{args.port}/ for {len(dirs)} run(s)", flush=True)
     os.execv(sys.executable, [sys.executable, "-m", "tensorboard.main", "--logdir_spec", spec,
@@ -654,20 +574,23 @@ def _tensorboard(args) -> int:
 
 def _logs(args) -> int:
     run_dir = _run_dir(args)
-    if run_dir is None:
-        return 2
     from shared.runtime.runfiles import LOGS_DIR
 
     pattern = f"{args.service}*.log" if args.service else "*.log"
     paths = sorted((run_dir / LOGS_DIR).glob(pattern))
     if not paths:
-        print(f"no logs matching {pattern} in {run_dir / LOGS_DIR}", file=sys.stderr)
-        return 1
+        raise Failed(f"no logs matching {pattern} in {run_dir / LOGS_DIR}", 1)
     for path in paths:
         lines = path.read_text(errors="replace").splitlines()[-args.n:]
         print(f"==> {path.name} <==")
         print("\n".join(lines))
     return 0
+
+
+COMMANDS = {"launch": _launch, "train": _train, "prepare": _prepare, "evaluate": _evaluate, "play": _play,
+            "export": _export, "package": _package, "status": _status, "top": _top, "stop": _stop, "logs": _logs,
+            "scale": _scale, "clean": _clean, "grid": _grid, "tune": _tune, "ls": _ls, "results": _results, "plot": _plot,
+            "tensorboard": _tensorboard}
 
 
 if __name__ == "__main__":
