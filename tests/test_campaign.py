@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.launch import gridfile, provenance, results, rundirs, runs, supervisor
-from shared.launch.grid import SUMMARY
+from shared.launch.lab import gridfile, results, runs
+from shared.launch import provenance, rundirs, supervisor
+from shared.launch.lab.grid import SUMMARY
 from shared.runtime import evaluation
 from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here, wait_for
 
@@ -158,7 +159,7 @@ def test_results_group_seeds_of_one_config_with_median_spread_and_greedy_returns
 
 def test_runs_whose_configs_differ_by_a_field_one_of_them_lacks_are_two_groups():
     """A run made before a field existed has none in its config: a group of its own, labelled None."""
-    from shared.launch import plots
+    from shared.launch.lab import plots
 
     old = {"run.name": "ppo", "algo.name": "ppo", "env.id": "CartPole-v1", "algo.lr": 1e-3}
     new = {**old, "agent.init_log_std": 0.0}
@@ -207,7 +208,7 @@ def test_sigterm_to_a_grid_stops_its_live_run_with_a_checkpoint_for_resume(tmp_p
 
 
 def test_every_known_reference_is_quoted_as_docs_benchmarks_quotes_it():
-    from shared.launch import results
+    from shared.launch.lab import results
 
     published = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
     assert [text for text in results.REFERENCES.values() if text not in published] == []

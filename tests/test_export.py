@@ -31,7 +31,7 @@ from shared.agents import EVALUATE
 from shared.agents.models import BatchRenorm
 from shared.config import loading
 from shared.envs.group import make_env
-from shared.launch import export
+from shared.launch.artefacts import export
 from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import rlpipe_here
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.launch import rundirs, runs, supervisor, tune
+from shared.launch import rundirs, supervisor
+from shared.launch.lab import runs, tune
 from tests.pipeline import CONFIGS, rlpipe_command, rlpipe_here
 
 CONFIG = str(CONFIGS / "cartpole_ppo.toml")

@@ -16,6 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("shared", "services")
 
 LAYERS = (
+    "shared.launch.cli",
+    "shared.launch.artefacts",
+    "shared.launch.lab",
     "shared.launch",
     "services",
     "shared.config",
@@ -27,7 +30,9 @@ LAYERS = (
     "shared.data",
     "shared.runtime",
 )
-"""Top to bottom: a module may import from its own layer's package or from layers below it."""
+"""Top to bottom: a module may import from its own layer's package or from layers below it. A
+module belongs to the first entry it is or lies under: ``shared.launch``'s own modules (run
+control) sit below its ``lab`` and ``artefacts``, and ``cli`` above all."""
 
 
 @dataclass(frozen=True)

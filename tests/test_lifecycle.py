@@ -26,10 +26,10 @@ import pytest
 
 from shared.config import checks, endpoints, loading, schema
 from shared.launch import rundirs, supervisor
-from shared.launch import runs
-from shared.launch import stats
-from shared.launch.grid import STATS, SUMMARY, Ports, parse_vary, processes_per_run
-from shared.launch.plots import flat_config
+from shared.launch.lab import runs
+from shared.launch.lab import stats
+from shared.launch.lab.grid import STATS, SUMMARY, Ports, parse_vary, processes_per_run
+from shared.launch.lab.plots import flat_config
 from shared.runtime.runfiles import TB_DIR
 from tests.pipeline import CONFIGS, REPO, free_port, rlpipe, rlpipe_command
 
@@ -151,7 +151,7 @@ def band_pixels(png: Path, color: str, alpha: float) -> int:
 def test_plot_of_two_seeds_draws_one_band_for_their_config(grid, tmp_path):
     from matplotlib import image
 
-    from shared.launch.plots import BAND_ALPHA
+    from shared.launch.lab.plots import BAND_ALPHA
 
     runs_ = [str(d) for d in good_runs(grid)]
     one, per_seed = tmp_path / "one.png", tmp_path / "per_seed.png"

@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file
 
 from shared.config import loading
-from shared.launch import api, package
+from shared.launch import api
+from shared.launch.artefacts import package
 from shared.runtime.runfiles import SECRET_FILE
 from tests.pipeline import rlpipe_here
 

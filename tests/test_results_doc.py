@@ -4,7 +4,7 @@ fails here (`rlpipe results docs/runs --into docs/benchmarks.md` writes them aga
 
 from __future__ import annotations
 
-from shared.launch import results, runs
+from shared.launch.lab import results, runs
 from tests.pipeline import REPO
 
 DOC = REPO / "docs" / "benchmarks.md"

@@ -1,4 +1,4 @@
-"""Multi-seed statistics (shared/launch/stats.py): IQM, mean and their stratified bootstrap
+"""Multi-seed statistics (shared/launch/lab/stats.py): IQM, mean and their stratified bootstrap
 intervals equal rliable's on fixed scores and hand computations; `rlpipe plot --stats` and a
 grid's stats.md over run directories made as launch and grid make them."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shared.config import loading
-from shared.launch import grid, plots, stats
+from shared.launch.lab import grid, plots, stats
 from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe_here
 

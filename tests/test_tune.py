@@ -11,7 +11,8 @@ import pytest
 
 from shared.config import loading
 from shared.config.schema import ConfigError
-from shared.launch import rundirs, runs, supervisor, tune
+from shared.launch import rundirs, supervisor
+from shared.launch.lab import runs, tune
 from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, rlpipe_here
 

@@ -1,7 +1,7 @@
 """Two-player turn-based games against fixed opponents: the scripted players
 (shared/envs/players.py) on tic-tac-toe and connect four, `rlpipe evaluate RUN --opponent`
 (services/evaluator/matches.py) and `rlpipe play RUN` through a pseudo-terminal
-(shared/launch/terminal_game.py), on a short serial PPO self-play run of tic-tac-toe; and the
+(shared/launch/artefacts/terminal_game.py), on a short serial PPO self-play run of tic-tac-toe; and the
 evaluator service's rates against the opponents during a pipeline run (``eval.opponents``)."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from shared.runtime import runfiles
 from shared.config import loading
 from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
 from shared.launch import api
-from shared.launch import terminal_game
-from shared.launch.terminal_game import board_text
+from shared.launch.artefacts import terminal_game
+from shared.launch.artefacts.terminal_game import board_text
 from shared.runtime import evaluation
 from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, metric_value, rlpipe_command, rlpipe_here

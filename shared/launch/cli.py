@@ -175,7 +175,9 @@ def _failure(e: Exception, cmd: str) -> Failed | None:
         return e
     if isinstance(e, ConfigError):
         return Failed(f"config error: {e}")
-    from shared.launch import api, backend, export, tune  # export imports torch: only for what is left
+    from shared.launch import api, backend
+    from shared.launch.artefacts import export
+    from shared.launch.lab import tune  # export imports torch: only for what is left
 
     if isinstance(e, (api.NotResumable, tune.MissingExtra)):
         return Failed(str(e))
@@ -373,7 +375,7 @@ def _evaluate(args) -> int:
     from services.evaluator import matches
     from services.evaluator.episodes import CannotRender, Unloadable, evaluate
     from shared.config import loading
-    from shared.launch import runs
+    from shared.launch.lab import runs
     from shared.runtime import evaluation
     from shared.runtime.runfiles import EVAL_LATEST, RUN_CONFIG
 
@@ -413,7 +415,7 @@ def _play(args) -> int:
     from services.evaluator.episodes import Unloadable
     from shared.config import loading
     from shared.envs.pettingzoo_backend import check_two_player_game
-    from shared.launch import terminal_game
+    from shared.launch.artefacts import terminal_game
     from shared.runtime.runfiles import RUN_CONFIG
 
     exp = loading.load(run_dir / RUN_CONFIG)
@@ -429,7 +431,7 @@ def _play(args) -> int:
 
 def _export(args) -> int:
     run_dir = _run_dir(args)
-    from shared.launch import export
+    from shared.launch.artefacts import export
 
     path = export.export(run_dir, args.format, Path(args.out) if args.out else None)
     print(f"{run_dir.name}: greedy policy written to {path} (inputs and outputs: {path.parent / export.METADATA})")
@@ -438,7 +440,7 @@ def _export(args) -> int:
 
 def _package(args) -> int:
     run_dir = _run_dir(args)
-    from shared.launch import package
+    from shared.launch.artefacts import package
 
     if args.episodes is not None and args.episodes < 1:
         raise Failed(f"package: --episodes {args.episodes}: must be >= 1")
@@ -452,7 +454,7 @@ def _package(args) -> int:
 def _run_dirs(names: list[str]) -> list[Path]:
     """Run directories from run paths, run ids or directories holding runs (a grid's)."""
     from shared.launch import rundirs
-    from shared.launch import runs
+    from shared.launch.lab import runs
 
     found = []
     for name in names:
@@ -468,7 +470,7 @@ def _run_dirs(names: list[str]) -> list[Path]:
 
 def _grid(args) -> int:
     from shared.config import schema
-    from shared.launch.grid import FINISHED, Grid, parse_seeds, parse_vary
+    from shared.launch.lab.grid import FINISHED, Grid, parse_seeds, parse_vary
     from shared.runtime.process import terminate_as_interrupt
 
     if args.resume and (args.config or args.vary or args.seeds or args.overrides):
@@ -491,7 +493,7 @@ def _grid(args) -> int:
 
 
 def _tune(args) -> int:
-    from shared.launch import tune
+    from shared.launch.lab import tune
     from shared.runtime.process import terminate_as_interrupt
 
     study = tune.Tune(args.config, args.overrides, tune.parse_params(args.params), args.trials, args.parallel,
@@ -502,7 +504,7 @@ def _tune(args) -> int:
 
 
 def _ls(args) -> int:
-    from shared.launch import runs
+    from shared.launch.lab import runs
 
     root = Path(args.dir)
     found = runs.find_runs(root)
@@ -514,7 +516,7 @@ def _ls(args) -> int:
 
 
 def _results(args) -> int:
-    from shared.launch import results
+    from shared.launch.lab import results
 
     dirs = _run_dirs(args.runs)
     if args.keep:
@@ -535,7 +537,7 @@ def _results(args) -> int:
 
 
 def _plot(args) -> int:
-    from shared.launch.plots import plot_runs
+    from shared.launch.lab.plots import plot_runs
 
     dirs = _run_dirs(args.runs)
     try:
@@ -548,7 +550,7 @@ def _plot(args) -> int:
 
 def _print_stats(dirs: list[Path], out: Path, group_by: str | None) -> int:
     """``plot --stats``: the final returns' statistics table, and a profile beside ``out`` with several envs."""
-    from shared.launch import plots, runs, stats
+    from shared.launch.lab import plots, runs, stats
 
     scores = plots.final_scores(dirs, group_by)
     rows = stats.summary_rows(scores)

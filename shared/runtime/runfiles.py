@@ -27,7 +27,7 @@ the watchdog's, serial mode's and a grid job's follower's."""
 SERIAL_LOG = "serial0.log"
 """Inside LOGS_DIR: the log of `rlpipe train --serial` (shared/launch/api.py)."""
 FOLLOW_LOG = "follow.log"
-"""Inside LOGS_DIR: a grid job's follower's output (shared/launch/grid.py)."""
+"""Inside LOGS_DIR: a grid job's follower's output (shared/launch/lab/grid.py)."""
 METRICS_DIR = "metrics"
 """prometheus_client's multiprocess files of every service (PROMETHEUS_MULTIPROC_DIR): what
 the metrics endpoint serves and `rlpipe status` reads the time split from."""
@@ -83,6 +83,6 @@ SNAPSHOT_DIR = "replay"
 
 # The artefacts' default folders
 EXPORT_DIR = "export"
-"""`rlpipe export`'s default output folder (shared/launch/export.py)."""
+"""`rlpipe export`'s default output folder (shared/launch/artefacts/export.py)."""
 PACKAGE_DIR = "package"
-"""`rlpipe package`'s default output folder (shared/launch/package.py)."""
+"""`rlpipe package`'s default output folder (shared/launch/artefacts/package.py)."""

@@ -5,7 +5,7 @@ The folder (``FILES``): a model card ``README.md`` (env, algorithm, hyperparamet
 training curve, the greedy evaluation `rlpipe evaluate` gives over N episodes on the held-out
 seeds, env steps, wall time, hardware), the latest checkpoint's agent weights as
 ``model.safetensors``, the run's resolved ``config.toml``, the greedy policy as ONNX with its
-``policy.json`` (``shared.launch.export``), ``training_curve.png`` (``shared.launch.plots``)
+``policy.json`` (``shared.launch.artefacts.export``), ``training_curve.png`` (``shared.launch.lab.plots``)
 and ``replay.mp4``, the first evaluation episode (gymnasium's RecordVideo through moviepy).
 
 What a package shows is public: its config and card hold no absolute path of this machine and no
@@ -27,7 +27,8 @@ import torch
 
 from services.evaluator.episodes import CannotRender, evaluate, load_agent
 from shared.config import loading
-from shared.launch import export, plots
+from shared.launch.artefacts import export
+from shared.launch.lab import plots
 from shared.launch.rundirs import read_result
 from shared.runtime.runfiles import PACKAGE_DIR, RUN_CONFIG
 

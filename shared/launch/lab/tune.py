@@ -38,8 +38,9 @@ from pathlib import Path
 
 from shared.config import checks, loading
 from shared.config.schema import ConfigError
-from shared.launch import backend, follow, rundirs, runs
-from shared.launch.grid import FINISHED, Launcher, default_parallel, literal, run_experiment
+from shared.launch import backend, follow, rundirs
+from shared.launch.lab import runs
+from shared.launch.lab.grid import FINISHED, Launcher, default_parallel, literal, run_experiment
 from shared.launch.rundirs import read_result
 
 DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice")

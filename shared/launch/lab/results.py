@@ -19,7 +19,8 @@ import shutil
 import statistics
 from pathlib import Path
 
-from shared.launch import gridfile, plots, provenance, runs, stats
+from shared.launch.lab import gridfile, plots, runs, stats
+from shared.launch import provenance
 from shared.runtime import evaluation
 from shared.runtime.runfiles import EVAL_CSV, EVAL_LATEST, META, PROGRESS, RESULT, RUN_CONFIG
 

@@ -28,8 +28,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shared.config import checks, endpoints, loading
-from shared.launch import backend, follow, gridfile, rundirs, supervisor
-from shared.launch import runs, space, stats
+from shared.launch import backend, follow, rundirs, supervisor
+from shared.launch.lab import gridfile
+from shared.launch.lab import runs, stats
+from shared.launch import space
 from shared.config.schema import ConfigError, Experiment
 from shared.runtime.runfiles import FOLLOW_LOG, LOGS_DIR, RUN_CONFIG
 
@@ -341,7 +343,7 @@ class Grid:
         return row
 
     def _plot(self, rows: list[dict]) -> None:
-        from shared.launch.plots import plot_runs
+        from shared.launch.lab.plots import plot_runs
 
         dirs = {label: [self.dir / r["run"] for r in rows if r["variant"] == label and r.get("run")]
                 for label in dict.fromkeys(r["variant"] for r in rows)}
@@ -381,7 +383,7 @@ def write_stats(grid_dir: Path, scores: dict[str, dict[str, list[float]]]) -> li
     (Path(grid_dir) / STATS).write_text(text + "\n")
     lines = [text]
     if len({task for by_task in scores.values() for task in by_task}) > 1:
-        from shared.launch.plots import plot_profiles
+        from shared.launch.lab.plots import plot_profiles
 
         lines.append(f"plot: {plot_profiles(scores, Path(grid_dir) / PROFILE)}")
     return lines

@@ -1,6 +1,6 @@
 """Learning curves from run directories: mean return against env steps or wall time, one
 curve per config, seeds drawn as their mean with a min–max band; and performance profiles of
-several tasks' final returns (``shared/launch/stats.py``).
+several tasks' final returns (``shared/launch/lab/stats.py``).
 
 matplotlib is imported only when a plot is drawn (Agg backend: no display needed).
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.config import loading, schema
-from shared.launch import runs, stats
+from shared.launch.lab import runs, stats
 from shared.launch.rundirs import read_progress
 from shared.runtime.runfiles import RUN_CONFIG
 
