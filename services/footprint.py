@@ -23,7 +23,7 @@ from shared.runtime.metrics import MULTIPROC_FILE_BYTES, MULTIPROC_FILES
 from services.build import batch_spec, env_probe, example_step, round_items
 from services.replay.tables import make_table
 from services.sampler.sampler import segment_specs
-from services.topology import topology
+from shared.config.topology import topology
 
 PAGE = mmap.PAGESIZE
 RUN_DIR_FLOOR = 16 << 20

@@ -36,7 +36,7 @@ from shared.data.layout import segment_spec
 from shared.data.namedarraytuple import from_spec
 from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.runtime.process import lock_service, torch_device
-from services.topology import topology
+from shared.config.topology import topology
 
 
 class SerialParams:

@@ -1,13 +1,13 @@
 """Ape-X epsilons: one rule in every mode (issue 26). Each env's epsilon is spread over the
 global env indices of all the samplers the run may have (``sampler.max_count * sampler.envs``,
-services/topology.py), in serial mode as in the pipeline's samplers and action-servers."""
+shared/config/topology.py), in serial mode as in the pipeline's samplers and action-servers."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from services.serial import train_serial
-from services.topology import topology
+from shared.config.topology import topology
 from shared.agents.config import QAgentConfig
 from shared.config import loading as config
 from tests.pipeline import CONFIGS

@@ -413,7 +413,7 @@ def test_the_alternating_sampler_collects_the_same_segments_with_split_steps(spl
     synchronous schedule."""
     from services.build import agent_info
     from services.sampler.sampler import Sampler
-    from services.topology import topology
+    from shared.config.topology import topology
     from tests.test_memory import KeepAll
 
     def collect(mode: str):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.build import make_algo
-from services.topology import topology
+from shared.config.topology import topology
 from shared.algos.gae import pg_targets, real_steps
 from shared.config import loading
 from shared.data.namedarraytuple import from_spec, map_leaves, spec_of

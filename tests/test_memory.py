@@ -22,7 +22,7 @@ from shared.agents.q import QAgent
 from shared.envs.group import EnvConfig, make_env
 from services.build import agent_info, env_probe, make_agent
 from shared.data.namedarraytuple import torchify
-from services.topology import topology
+from shared.config.topology import topology
 
 MODEL = ModelConfig(hidden_sizes=(16,), lstm_size=8, lstm_prev_action=True, lstm_prev_reward=True)
 

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from shared.config import checks, loading
-from shared.config.schema import SAMPLER_SEED_STRIDE, ConfigError
+from shared.config.schema import ConfigError
+from shared.config.topology import SAMPLER_SEED_STRIDE
 from tests.pipeline import CONFIGS, metric_value, rlpipe_here
 
 

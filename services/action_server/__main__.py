@@ -16,7 +16,7 @@ from shared.data.namedarraytuple import drop_leading_dims
 from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
 from shared.transport.sockets import Endpoint
-from services.topology import topology
+from shared.config.topology import topology
 
 log = logging.getLogger("services.action_server")
 

@@ -24,6 +24,7 @@ from services.learner.checkpoints import Checkpoints, Unloadable  # noqa: F401 (
 from shared.runtime.runfiles import CHECKPOINT
 from shared.agents import EVALUATE
 from shared.config.schema import Experiment
+from shared.config.topology import topology
 from shared.envs.backends import columns_per_env, make_env_group
 from shared.envs.group import EnvGroup, EpisodeTracker, make_env
 from services.build import env_probe, make_agent, step_buffers
@@ -44,7 +45,7 @@ def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make
     or gymnasium envs built by ``make`` when given."""
     per_env = columns_per_env(exp.env)  # a multi-agent env's agents each play an episode
     n = -(-max(1, min(envs, episodes)) // per_env) * per_env
-    seed = exp.run.seed + exp.eval.seed_offset
+    seed = topology(exp).eval_seed
     group = make_env_group(exp.env, n, seed) if make is None else EnvGroup(exp.env, n, seed, make=make)
     try:
         slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, group, n)

@@ -25,6 +25,7 @@ import torch
 from services.build import step_buffers
 from shared.agents import EVALUATE, StepContext
 from shared.config.schema import OPPONENTS, Experiment
+from shared.config.topology import topology
 from shared.data.namedarraytuple import numpify, torchify
 from shared.envs.backends import make_env_group
 from shared.envs.pettingzoo_backend import check_two_player_game, not_two_player_game
@@ -63,7 +64,7 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: in
     no env for the check."""
     boards = 2 * max(1, min(exp.eval.envs, games) // 2)
     n = 2 * boards
-    seed = exp.run.seed + exp.eval.seed_offset
+    seed = topology(exp).eval_seed
     rng = np.random.default_rng(seed)
     group = make_env_group(exp.env, n, seed)
     ours = np.arange(boards) % 2  # the policy's seat on each board

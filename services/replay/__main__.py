@@ -14,7 +14,7 @@ from shared.config.endpoints import endpoint
 from services.build import round_items
 from services.process import serve
 from shared.transport.sockets import Endpoint
-from services.topology import topology
+from shared.config.topology import topology
 
 log = logging.getLogger("services.replay")
 

@@ -18,7 +18,7 @@ from services.build import agent_info, env_probe, make_agent
 from shared.runtime.process import run_id_of, torch_device
 from services.process import serve
 from shared.transport.sockets import Endpoint
-from services.topology import Topology, topology
+from shared.config.topology import Topology, topology
 
 log = logging.getLogger("services.sampler")
 POLL_S = 0.02  # waiting for the learner's first publication at start-up

@@ -32,7 +32,7 @@ from shared.runtime import heartbeat
 from shared.runtime.metrics import NoPhases
 from shared.runtime.retry import worth_logging
 
-from services.topology import Topology
+from shared.config.topology import Topology
 
 log = logging.getLogger(__name__)
 

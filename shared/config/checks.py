@@ -15,7 +15,8 @@ from shared.algos import registry
 from shared.algos.hparams import PQNConfig
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
-from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, SAMPLER_SEED_STRIDE, WANDB_MODES, most_count
+from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, WANDB_MODES
+from shared.config.topology import SAMPLER_SEED_STRIDE, topology
 
 
 def check(exp: Experiment, check_ports: bool) -> None:
@@ -65,9 +66,9 @@ def check(exp: Experiment, check_ports: bool) -> None:
                           f"sampler.envs * learner.batch_segments = {columns} env columns; pick a divisor of {columns}")
     if spec.batch == "sequences":
         _check_sequences(exp)
-    elif not on_policy and exp.replay.capacity < most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + exp.replay.n_step):
+    elif not on_policy and exp.replay.capacity < topology(exp).total_envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
-                          f"of all {most_count(exp.sampler) * exp.sampler.envs} envs (sampler.max_count)")
+                          f"of all {topology(exp).total_envs} envs (sampler.max_count)")
     if exp.replay.snapshot_interval_s and not (exp.replay.persist and exp.replay.snapshot_interval_s >= 1):
         raise ConfigError(f"replay.snapshot_interval_s = {exp.replay.snapshot_interval_s}: snapshots need "
                           "replay.persist = true and at least 1 s between them (0 = none; with replay.persist = false "
@@ -174,10 +175,11 @@ def _check_sequences(exp: Experiment) -> None:
     if burn_in > r.sequence_length - 2:
         raise ConfigError(f"algo.burn_in = {burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
                           "(a sequence must keep steps to train on)")
-    need = most_count(exp.sampler) * exp.sampler.envs * (exp.sampler.horizon + r.sequence_length)
+    envs = topology(exp).total_envs
+    need = envs * (exp.sampler.horizon + r.sequence_length)
     if r.capacity < need:
         raise ConfigError(f"replay.capacity = {r.capacity}: the sequence table needs at least (horizon + "
-                          f"sequence_length) steps of all {most_count(exp.sampler) * exp.sampler.envs} envs = {need}")
+                          f"sequence_length) steps of all {envs} envs = {need}")
 
 
 def _check_placement(exp: Experiment) -> None:
@@ -207,7 +209,7 @@ def _check_eval(exp: Experiment) -> None:
     for opponent in e.opponents:
         if opponent not in OPPONENTS:
             raise ConfigError(f"eval.opponents: {opponent!r} is unknown; give some of {', '.join(OPPONENTS)}")
-    training = SAMPLER_SEED_STRIDE * most_count(exp.sampler)
+    training = topology(exp).sampler_seed_span
     if e.seed_offset < training:
         raise ConfigError(f"eval.seed_offset = {e.seed_offset}: must be >= {training} ({SAMPLER_SEED_STRIDE} * "
                           "sampler.max_count) so that evaluation seeds are held out from the samplers' seeds")

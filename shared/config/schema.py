@@ -343,5 +343,3 @@ def most_count(section) -> int:
     return max(section.count, section.max_count)
 
 
-SAMPLER_SEED_STRIDE = 10_007
-"""Sampler i seeds its envs from run.seed + SAMPLER_SEED_STRIDE * i (services/sampler/sampler.py)."""

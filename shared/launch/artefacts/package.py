@@ -27,6 +27,7 @@ import torch
 
 from services.evaluator.episodes import CannotRender, evaluate, load_agent
 from shared.config import loading
+from shared.config.topology import topology
 from shared.launch.artefacts import export
 from shared.launch.lab import plots
 from shared.launch.rundirs import read_result
@@ -131,7 +132,7 @@ def model_card(exp, run_dir: Path, state: dict, result: dict, curve: bool, no_vi
     wall_s = run_result.get("wall_s", state.get("wall_s"))
     score = f"{result['mean_return']:.2f} +/- {result['std_return']:.2f}"
     algo, env = exp.algo_name, exp.env.id
-    seeds = exp.run.seed + exp.eval.seed_offset
+    seeds = topology(exp).eval_seed
     lines = [
         "---",
         "library_name: rlpipe",

@@ -22,6 +22,7 @@ from services.build import step_buffers
 from services.evaluator.episodes import load_agent
 from shared.agents import EVALUATE
 from shared.config.schema import Experiment
+from shared.config.topology import topology
 from shared.data.namedarraytuple import numpify, torchify
 from shared.envs.backends import make_env_group
 from shared.envs.pettingzoo_backend import check_two_player_game
@@ -60,7 +61,7 @@ def play(exp: Experiment, run_dir: Path, seat: int, stdin: TextIO, stdout: TextI
     check_two_player_game(exp.env, "play")
     torch.set_num_threads(1)
     agent, state = load_agent(exp, run_dir)
-    group = make_env_group(exp.env, 2, exp.run.seed + exp.eval.seed_offset)
+    group = make_env_group(exp.env, 2, topology(exp).eval_seed)
     try:
         slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, group, 2)
         if not (hasattr(slot.observation, "observation") and slot.observation.observation.ndim == 4

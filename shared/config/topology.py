@@ -1,7 +1,8 @@
 """The run's topology: how many envs there are, where each sampler's sit among them, how each
 is seeded, which action-server serves which sampler. Computed once from the config
 (``topology(exp)``) and handed to every part that needs it: samplers, action-servers, replay,
-serial mode.
+serial mode, the evaluator, and the config checks that bound it. Every seed of a run derives
+from ``run.seed`` here.
 
 Every per-env layout is sized for the most samplers the run may have (``sampler.max_count``,
 at least ``sampler.count``): replay's table columns, the acting side's per-env state and the
@@ -16,7 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.agents.acting import acting_seed
-from shared.config.schema import SAMPLER_SEED_STRIDE, Experiment, most_count
+from shared.config.schema import Experiment, most_count
+
+SAMPLER_SEED_STRIDE = 10_007
+"""Sampler i seeds its envs from run.seed + SAMPLER_SEED_STRIDE * i (``Topology.env_seed``)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +32,9 @@ class Topology:
     action_servers: int
     """Action-servers the run starts with (``action_server.count``)."""
     seed: int
-    """``run.seed``: every seed below derives from it."""
+    """``run.seed``: every seed below derives from it (and the agent's initial weights)."""
+    eval_seed_offset: int
+    """``eval.seed_offset``: where the held-out evaluation seeds start, past every sampler's."""
 
     @property
     def total_envs(self) -> int:
@@ -42,6 +48,16 @@ class Topology:
     def env_seed(self, sampler: int) -> int:
         """The seed of sampler ``sampler``'s first env (env j of it: + j)."""
         return self.seed + SAMPLER_SEED_STRIDE * sampler
+
+    @property
+    def sampler_seed_span(self) -> int:
+        """How many seeds from ``run.seed`` the envs of all the samplers may take."""
+        return SAMPLER_SEED_STRIDE * self.samplers
+
+    @property
+    def eval_seed(self) -> int:
+        """The seed of the first held-out evaluation env (env j of an evaluation: + j)."""
+        return self.seed + self.eval_seed_offset
 
     def columns(self) -> dict[int, int]:
         """Replay's table layout: sampler -> its env columns, for every sampler the run may have."""
@@ -58,4 +74,5 @@ class Topology:
 
 def topology(exp: Experiment) -> Topology:
     return Topology(envs_per_sampler=exp.sampler.envs, samplers=most_count(exp.sampler),
-                    action_servers=exp.action_server.count, seed=exp.run.seed)
+                    action_servers=exp.action_server.count, seed=exp.run.seed,
+                    eval_seed_offset=exp.eval.seed_offset)
