@@ -106,7 +106,7 @@ def batch_spec(exp: Experiment, example):
         from shared.replay.sequences import sequence_batch_spec
 
         return sequence_batch_spec(spec_of(example), exp.replay.sequence_length, exp.algo.batch_size)
-    from shared.replay.tables import transition_batch_spec
+    from shared.replay.transitions import transition_batch_spec
 
     window = exp.replay.n_step if exp.replay.store_steps else 0
     return transition_batch_spec(spec_of(example), exp.algo.batch_size, window)

@@ -12,8 +12,9 @@ from shared.replay.arena import HEAP, Arena, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
 from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
-from shared.replay.tables import (SegmentStorage, SegmentStorageConfig, Table, TransitionStorage,
-                                  TransitionStorageConfig)
+from shared.replay.segments import SegmentStorage, SegmentStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 
 
 PRIORITIZED = ("prioritized", "sequence")

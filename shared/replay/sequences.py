@@ -27,7 +27,8 @@ import numpy as np
 from shared.data.namedarraytuple import leaves, map_leaves, spec_of, with_leading_dims
 from shared.data.batches import SequenceBatch
 from shared.replay.arena import HEAP, Arena, Cells
-from shared.replay.tables import ColumnRing, _check_like, _check_segment, _field, _segment_dims, _take_into
+from shared.replay.ring import ColumnRing
+from shared.replay.storage import _check_like, _check_segment, _field, _segment_dims, _take_into
 
 
 @dataclass(frozen=True)
