@@ -1,13 +1,16 @@
-"""The column ring: trajectory steps per env column, shared by the transition and sequence storages."""
+"""The column ring (trajectory steps per env column) and ``RingStorage``, the base of the
+storages whose items are made of its steps (transitions.py, sequences.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from shared.data.namedarraytuple import leading_len, map_leaves, spec_nbytes, with_leading_dims
+from shared.data.namedarraytuple import leading_len, map_leaves, spec_field, spec_nbytes, with_leading_dims
 from shared.replay.arena import HEAP, Arena
 from shared.replay.frames import FrameStacks, frame_stack_shape
-from shared.replay.storage import _NO_KEYS, _field, _take_into
+from shared.replay.storage import NO_KEYS, check_segment, segment_dims, take_into
 
 
 class ColumnRing:
@@ -16,7 +19,7 @@ class ColumnRing:
     Writer w owns the column block [offset_w, offset_w + B_w) and its own write cursor, so
     samplers that insert at different rates each overwrite only their own oldest steps.
     Step s of writer w lives in row s % rows; its key is row * B_total + column. Shared by
-    the transition storage and (later) a sequence storage for R2D1, which read observations
+    the transition storage and the sequence storage for R2D1, which read observations
     only through ``gather_observation`` / ``gather_final_observation`` and ask
     ``observation_ok`` / ``final_observation_ok`` before making an item live.
 
@@ -45,7 +48,7 @@ class ColumnRing:
         self.frames: FrameStacks | None = None
         stored = step_spec
         if frame_stack:
-            K, H, W = frame_stack_shape(_field(step_spec, "observation"))
+            K, H, W = frame_stack_shape(spec_field(step_spec, "observation"))
             stored = {"type": step_spec["type"], "fields": [
                 [f, None if f in ("observation", "final_observation") else c] for f, c in step_spec["fields"]]}
         self.rows = self.live_rows + (K - 1 if frame_stack else 0)
@@ -88,7 +91,7 @@ class ColumnRing:
         s0 = self.written[writer_id]
         steps = np.arange(s0, s0 + T)
         off, Bw = self.offsets[writer_id], self.widths[writer_id]
-        lost_final = _NO_KEYS
+        lost_final = NO_KEYS
         if self.frames is not None:
             done = samples.terminated | samples.truncated
             start = np.empty((T, Bw), dtype=bool)
@@ -133,14 +136,14 @@ class ColumnRing:
     def gather_observation(self, keys: np.ndarray, out) -> None:
         """out[i] = the observation of step ``keys[i]``; ``out`` leaves [n, ...] as Samples.observation."""
         if self.frames is None:
-            _take_into(out, self.flat.observation, keys)
+            take_into(out, self.flat.observation, keys)
         else:
             self.frames.gather_stacks(keys, out)
 
     def gather_final_observation(self, keys: np.ndarray, out) -> None:
         """out[i] = the final_observation of done step ``keys[i]`` (see ``final_observation_ok``)."""
         if self.frames is None:
-            _take_into(out, self.flat.final_observation, keys)
+            take_into(out, self.flat.final_observation, keys)
         else:
             self.frames.gather_final_stacks(keys, out)
 
@@ -157,3 +160,74 @@ class ColumnRing:
             return np.ones(len(keys), dtype=bool)
         return self.frames.final_ok[keys]
 
+
+
+class RingStorage:
+    """Base of the storages whose items are made of ``ColumnRing`` steps: it owns the ring and
+    what follows from it alone (writers, slots, seams, cursors, the repair of a torn write,
+    policy versions). A subclass says what an item is: ``write``, ``gather``, ``items_per_write``,
+    ``make_batch_spec``, ``restore``, ``check_dest`` and ``metrics``.
+
+    ``window``: the steps an item spans (n_step, a sequence's length): a torn write drops the
+    items of the ``window`` steps before it too, and a segment must leave ``window`` rows."""
+
+    def __init__(self, segment_spec, columns_per_writer: dict[int, int], capacity: int, window: int,
+                 window_name: str, arena: Arena, frame_store: bool, final_slots: int | None = None):
+        """segment_spec: spec of a Samples segment (leaves lead with [T, B]; B is ignored,
+        ``columns_per_writer`` gives each writer's); capacity: steps held in total, split
+        evenly over the columns; window_name: the config field ``window`` comes from, for
+        errors (``TransitionStorageConfig.n_step``); final_slots: frame_store only, final frames kept (None: one write's)."""
+        self.T, self.step_spec = segment_dims(segment_spec)
+        self.window, self.window_name = int(window), window_name
+        B_total = sum(columns_per_writer.values())
+        rows = capacity // max(B_total, 1)
+        if rows < self.T + self.window:
+            config = window_name.partition(".")[0]
+            raise ValueError(f"{config}.capacity={capacity} gives {rows} steps per column for {B_total} columns; "
+                             f"need >= T + {window_name} = {self.T + self.window}: raise capacity")
+        # A write never drops the final frames it adds itself.
+        one_write = self.T * max(columns_per_writer.values())
+        self.ring = ColumnRing(self.step_spec, columns_per_writer, rows, arena, frame_stack=frame_store,
+                               final_slots=max(final_slots or 0, one_write))
+        self.writer_ids = sorted(columns_per_writer)
+        self.num_slots = self.ring.rows * self.ring.B_total
+        self._batch_specs: dict[int, Any] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the ring (steps and frames; per-item state comes on top)."""
+        return self.ring.nbytes
+
+    def batch_spec(self, n: int) -> Any:
+        spec = self._batch_specs.get(n)
+        if spec is None:
+            spec = self._batch_specs[n] = self.make_batch_spec(n)
+        return spec
+
+    def check_write(self, writer_id: int, samples) -> int:
+        """Validate a segment of ``writer_id``; its T."""
+        T = check_segment(samples, self.step_spec, self.ring.width(writer_id), f"segment of writer {writer_id}")
+        if T + self.window > self.ring.live_rows:
+            raise ValueError(f"segment of writer {writer_id}: T={T} > rows - {self.window_name} = "
+                             f"{self.ring.live_rows - self.window}")
+        return T
+
+    def can_write(self, writer_id: int) -> bool:
+        """Always True: a ring makes room by overwriting the writer's oldest steps."""
+        return True
+
+    def reset_writer(self, writer_id: int) -> None:
+        self.ring.reset_writer(writer_id)
+
+    def cursor(self, writer_id: int) -> int:
+        return self.ring.cursor(writer_id)
+
+    def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
+        return self.ring.torn_write(writer_id, cursor, self.T, self.window)
+
+    def release(self, keys: np.ndarray) -> None:
+        """No-op: the steps stay (other items may use them); the ring overwrites them in order."""
+
+    def policy_version(self, keys: np.ndarray) -> np.ndarray:
+        """The version of each item's key step, its oldest."""
+        return self.ring.flat.policy_version[keys].astype(np.int64)

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from shared.data.namedarraytuple import leaves, spec_nbytes, spec_of, with_leading_dims
+from shared.data.namedarraytuple import leaves, spec_field, spec_nbytes
+from shared.data.layout import segments_spec
 from shared.replay.arena import HEAP, Arena
-from shared.replay.storage import _F32, _NO_KEYS, _check_like, _check_segment, _field, _segment_dims
+from shared.replay.storage import NO_KEYS, check_dest, check_segment, segment_dims
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ class SegmentStorage:
     ):
         """segment_spec: spec of a Samples segment (leaves lead with [T, B]); arena: where
         the slots live (shared/replay/arena.py)."""
-        self.T, self.step_spec = _segment_dims(segment_spec)
-        _field(self.step_spec, "policy_version")
+        self.T, self.step_spec = segment_dims(segment_spec)
+        spec_field(self.step_spec, "policy_version")
         widths = set(columns_per_writer.values())
         if len(widths) != 1:
             raise ValueError(f"SegmentStorage needs the same B for every writer, got {columns_per_writer}")
@@ -56,14 +57,7 @@ class SegmentStorage:
         return spec_nbytes(self.storage_spec)
 
     def batch_spec(self, n: int) -> Any:
-        return {
-            "type": "OnPolicyBatch",
-            "fields": [
-                ["samples", with_leading_dims(self.step_spec, [self.T, n * self.B])],
-                ["bootstrap_value", {"dtype": _F32, "shape": [n * self.B]}],
-                ["bootstrap_observation", with_leading_dims(_field(self.step_spec, "observation"), [n * self.B])],
-            ],
-        }
+        return segments_spec(self.step_spec, self.T, n * self.B)
 
     def items_per_write(self, writer_id: int) -> int:
         return 1
@@ -74,7 +68,7 @@ class SegmentStorage:
     def write(self, writer_id: int, samples, bootstrap_value, bootstrap_observation) -> tuple[np.ndarray, np.ndarray]:
         if writer_id not in self.writer_ids:
             raise ValueError(f"unknown writer_id {writer_id}; writers are {self.writer_ids}")
-        T = _check_segment(samples, self.step_spec, self.B, f"segment of writer {writer_id}")
+        T = check_segment(samples, self.step_spec, self.B, f"segment of writer {writer_id}")
         if T != self.T:
             raise ValueError(f"segment of writer {writer_id}: T={T}, the queue stores T={self.T}")
         bv = np.asarray(bootstrap_value)
@@ -90,7 +84,7 @@ class SegmentStorage:
         self.data.bootstrap_observation[cols] = bootstrap_observation
         self.occupied[k] = True
         self.version[k] = int(np.min(samples.policy_version))
-        return _NO_KEYS, np.array([k], dtype=np.int64)
+        return NO_KEYS, np.array([k], dtype=np.int64)
 
     def reset_writer(self, writer_id: int) -> None:
         """No-op: a segment is self-contained (it carries its own bootstrap_value)."""
@@ -100,18 +94,15 @@ class SegmentStorage:
 
     def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
         """Nothing of another item: a write fills one free slot, which ``restore`` frees."""
-        return _NO_KEYS
+        return NO_KEYS
 
     def restore(self, live: np.ndarray) -> np.ndarray:
         """Free the slots of items that never became live (a torn write) or left by a torn sample."""
         self.occupied &= live
-        return _NO_KEYS
+        return NO_KEYS
 
     def check_dest(self, dest, n: int) -> None:
-        _check_like(spec_of(dest), self.batch_spec(n), "destination OnPolicyBatch")
-        for path, leaf in leaves(dest):
-            if not leaf.flags.c_contiguous:
-                raise ValueError(f"destination OnPolicyBatch.{path} must be C-contiguous (use from_spec)")
+        check_dest(dest, self.batch_spec(n), "destination OnPolicyBatch", contiguous=True)
 
     def gather(self, keys: np.ndarray, is_weights: np.ndarray, dest) -> None:
         """``is_weights`` is unused: a queue returns each segment once, weight 1."""

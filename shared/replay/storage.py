@@ -1,84 +1,52 @@
-"""The storage protocol of replay tables and the spec checks every storage makes of a segment."""
+"""What a replay table asks of its storage (``Storage``), and the checks every storage makes
+of the segments written to it and the destinations gathered into."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from shared.data.namedarraytuple import leaves, spec_of
+from shared.data.namedarraytuple import check_spec, drop_leading_dims, leaves, spec_leading_len, spec_leaves, spec_of
 
-_F32 = np.dtype(np.float32).str
-_NO_KEYS = np.zeros(0, dtype=np.int64)
-
-
-# ---------------------------------------------------------------- specs and checks
+F32 = np.dtype(np.float32).str
+NO_KEYS = np.zeros(0, dtype=np.int64)
+"""No item keys (int64)."""
 
 
-def _strip_leading(spec, k: int) -> Any:
-    """``spec`` without its first ``k`` leading dims on every leaf."""
-    if spec is None:
-        return None
-    if "fields" in spec:
-        return {"type": spec["type"], "fields": [[f, _strip_leading(c, k)] for f, c in spec["fields"]]}
-    return {"dtype": spec["dtype"], "shape": list(spec["shape"][k:])}
-
-
-def _leaf_specs(spec, path: str = "") -> Iterator[tuple[str, dict]]:
-    if spec is None:
-        return
-    if "fields" in spec:
-        for f, child in spec["fields"]:
-            yield from _leaf_specs(child, f"{path}.{f}" if path else f)
-    else:
-        yield path, spec
-
-
-def _field(spec, name: str):
-    for f, child in spec["fields"]:
-        if f == name:
-            return child
-    raise ValueError(f"segment spec has no field {name!r}; the replay tables need it (fields: "
-                     f"{[f for f, _ in spec['fields']]})")
-
-
-def _check_like(got_spec, want_spec, what: str) -> None:
-    """Raise ValueError naming the first leaf where ``got_spec`` differs from ``want_spec``."""
-    got, want = dict(_leaf_specs(got_spec)), dict(_leaf_specs(want_spec))
-    if list(got) != list(want):
-        raise ValueError(f"{what}: fields {list(got)} do not match the table's {list(want)}")
-    for path, w in want.items():
-        if got[path] != w:
-            raise ValueError(
-                f"{what}.{path}: dtype {got[path]['dtype']} shape {got[path]['shape']}, "
-                f"expected dtype {w['dtype']} shape {w['shape']}"
-            )
-
-
-def _segment_dims(segment_spec) -> tuple[int, Any]:
+def segment_dims(segment_spec) -> tuple[int, Any]:
     """(T, spec of one step) of a segment spec whose leaves lead with [T, B]."""
-    T = next(_leaf_specs(segment_spec))[1]["shape"][0]
-    return int(T), _strip_leading(segment_spec, 2)
+    return spec_leading_len(segment_spec), drop_leading_dims(segment_spec, 2)
 
 
-def _take_into(dest_tree, src_tree, idx: np.ndarray) -> None:
+def take_into(dest_tree, src_tree, idx: np.ndarray) -> None:
     """dest leaf[i] = src leaf[idx[i]] for every leaf; src leaves are flat [slots, ...]."""
     for (_, d), (_, s) in zip(leaves(dest_tree), leaves(src_tree)):
         np.take(s, idx, axis=0, out=d)
 
 
-def _check_segment(samples, step_spec, width: int, what: str) -> int:
+def check_segment(samples, step_spec, width: int, what: str) -> int:
     """Validate a segment against the table's step spec and width; return its T."""
     got = spec_of(samples)
-    _check_like(_strip_leading(got, 2), step_spec, what)
     T = None
-    for path, leaf in _leaf_specs(got):
+    for path, leaf in spec_leaves(got):
         lead = leaf["shape"][:2]
         if T is None:
             T = lead[0] if lead else None
         if lead != [T, width]:
             raise ValueError(f"{what}.{path}: leading dims {lead}, expected [T, B] = [{T}, {width}]")
+    check_spec(drop_leading_dims(got, 2), step_spec, what)
     return int(T)
+
+
+def check_dest(dest, want_spec, what: str, contiguous: bool = False) -> None:
+    """ValueError unless ``dest`` is laid out as ``want_spec`` (and, where the storage gathers
+    into reshaped views of it, ``contiguous``)."""
+    check_spec(spec_of(dest), want_spec, what)
+    if contiguous:
+        for path, leaf in leaves(dest):
+            if not leaf.flags.c_contiguous:
+                raise ValueError(f"{what}.{path} must be C-contiguous (use from_spec)")
 
 
 # ---------------------------------------------------------------- storage protocol
@@ -99,8 +67,8 @@ class Storage(Protocol):
     def can_write(self, writer_id: int) -> bool:
         """False when a segment of ``writer_id`` cannot be stored now (back-pressure)."""
 
-    def write(self, writer_id: int, samples, bootstrap_value) -> tuple[np.ndarray, np.ndarray]:
-        """Store one segment; return (keys whose data it overwrote, keys that became items)."""
+    def write(self, writer_id: int, samples, bootstrap_value, bootstrap_observation) -> tuple[np.ndarray, np.ndarray]:
+        """Store one segment (Samples [T, B_w]; its bootstrap value [B_w] and observation [B_w, ...]); return (keys whose data it overwrote, keys that became items)."""
 
     def reset_writer(self, writer_id: int) -> None:
         """The writer restarted: its next segment does not continue the previous one."""

@@ -19,7 +19,7 @@ from shared.runtime import faults
 from shared.replay.arena import HEAP, OP_DROP, OP_INSERT, OP_NAMES, OP_PRIORITIES, OP_SAMPLE, Arena, Cells
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Selector
-from shared.replay.storage import _NO_KEYS, Storage
+from shared.replay.storage import NO_KEYS, Storage
 
 
 class Table:
@@ -185,7 +185,7 @@ class Table:
         Returns {"op": the torn operation or "none", "dropped": items dropped, "size": items kept,
         "inserts", "samples": the rate limiter's counters, and the selector's metrics}."""
         op, writer, cursor = self.arena.torn()
-        drop = self.storage.torn_write(writer, cursor) if op == OP_INSERT else _NO_KEYS
+        drop = self.storage.torn_write(writer, cursor) if op == OP_INSERT else NO_KEYS
         dropped = int(self.live[drop].sum())
         self.live[drop] = False
         bad = self.storage.restore(self.live)

@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 
 from shared.data.batches import Transition, WindowSteps
-from shared.data.namedarraytuple import leaves, map_leaves, spec_of, with_leading_dims
+from shared.data.namedarraytuple import leaves, map_leaves, spec_field, with_leading_dims
 from shared.replay.arena import HEAP, Arena, Cells
 from shared.replay.nstep import nstep_targets
-from shared.replay.ring import ColumnRing
-from shared.replay.storage import _F32, _NO_KEYS, _check_like, _check_segment, _field, _segment_dims, _take_into
+from shared.replay.ring import RingStorage
+from shared.replay.storage import F32, NO_KEYS, check_dest, take_into
 
 
 @dataclass(frozen=True)
@@ -37,28 +37,28 @@ class TransitionStorageConfig:
 def transition_batch_spec(step_spec, n: int, window: int = 0) -> Any:
     """Spec of a Transition batch of ``n`` items for steps laid out as ``step_spec`` (Samples),
     with ``steps`` WindowSteps [n, window] if ``window`` (the n-step length), else None."""
-    obs = with_leading_dims(_field(step_spec, "observation"), [n])
-    scalar = {"dtype": _F32, "shape": [n]}
+    obs = with_leading_dims(spec_field(step_spec, "observation"), [n])
+    scalar = {"dtype": F32, "shape": [n]}
     steps = None
     if window:
-        per_step = {"observation": _field(step_spec, "observation"), "action": _field(step_spec, "action"),
-                    "reward": {"dtype": _F32, "shape": []}, "discount": {"dtype": _F32, "shape": []}}
+        per_step = {"observation": spec_field(step_spec, "observation"), "action": spec_field(step_spec, "action"),
+                    "reward": {"dtype": F32, "shape": []}, "discount": {"dtype": F32, "shape": []}}
         steps = with_leading_dims({"type": "WindowSteps", "fields": [[f, per_step[f]] for f in WindowSteps._fields]},
                                   [n, window])
     by_field = {
         "observation": obs,
-        "action": with_leading_dims(_field(step_spec, "action"), [n]),
+        "action": with_leading_dims(spec_field(step_spec, "action"), [n]),
         "return_": scalar,
         "bootstrap_observation": obs,
         "bootstrap_discount": scalar,
         "is_weight": scalar,
-        "policy_version": with_leading_dims(_field(step_spec, "policy_version"), [n]),
+        "policy_version": with_leading_dims(spec_field(step_spec, "policy_version"), [n]),
         "steps": steps,
     }
     return {"type": "Transition", "fields": [[f, by_field[f]] for f in Transition._fields]}
 
 
-class TransitionStorage:
+class TransitionStorage(RingStorage):
     """Items are n-step transitions, one per (step, env column), keyed as in ``ColumnRing``.
 
     n-step targets are computed once, when the steps they need arrive (nstep.py): an item
@@ -88,32 +88,18 @@ class TransitionStorage:
         """segment_spec: spec of a Samples segment (leaves lead with [T, B]; B is ignored,
         ``columns_per_writer`` gives each writer's). arena: where the state lives
         (shared/replay/arena.py: shared memory that outlives the process, or the heap)."""
-        self.T, step_spec = _segment_dims(segment_spec)
-        for name in ("observation", "action", "reward", "terminated", "truncated",
-                     "final_observation", "policy_version", "failed"):
-            _field(step_spec, name)
         if config.n_step < 1 or not 0 <= config.gamma <= 1:
             raise ValueError(f"TransitionStorageConfig: need n_step >= 1 and 0 <= gamma <= 1, got {config}")
-        B_total = sum(columns_per_writer.values())
-        rows = config.capacity // max(B_total, 1)
-        if rows < self.T + config.n_step:
-            raise ValueError(
-                f"TransitionStorageConfig.capacity={config.capacity} gives {rows} steps per column for "
-                f"{B_total} columns; need >= T + n_step = {self.T + config.n_step}: raise capacity"
-            )
+        super().__init__(segment_spec, columns_per_writer, config.capacity, config.n_step, "TransitionStorageConfig.n_step",
+                         arena, config.frame_store, config.final_frames or config.capacity // 32)
+        for name in ("observation", "action", "reward", "terminated", "truncated",
+                     "final_observation", "policy_version", "failed"):
+            spec_field(self.step_spec, name)
         self.config = config
-        self.step_spec = step_spec
-        # A write never drops the final frames it adds itself.
-        final_slots = max(config.final_frames or config.capacity // 32, self.T * max(columns_per_writer.values()))
-        self.ring = ColumnRing(step_spec, columns_per_writer, rows, arena, frame_stack=config.frame_store,
-                               final_slots=final_slots)
-        self.writer_ids = sorted(columns_per_writer)
-        self.num_slots = self.ring.rows * self.ring.B_total
         self.return_ = arena.array("return", self.num_slots, np.float32)
         self.discount = arena.array("discount", self.num_slots, np.float32)
         self.bootstrap_key = arena.array("bootstrap_key", self.num_slots, np.int64)
         self.bootstrap_final = arena.array("bootstrap_final", self.num_slots, bool)
-        self._batch_specs: dict[int, Any] = {}
         # frame_store: items never made live because a stack did not rebuild exactly (the K - 1
         # steps after a seam that cut an episode; all episode starts if the padding is not
         # FrameStackObservation's "reset"), and items dropped with a final frame.
@@ -123,32 +109,17 @@ class TransitionStorage:
         return {"frames_unrebuilt_items": float(self.counts.unrebuilt),
                 "final_frame_evictions": float(self.counts.final_frame_evictions)}
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the ring (steps and frames; the per-item targets come on top)."""
-        return self.ring.nbytes
-
-    def batch_spec(self, n: int) -> Any:
-        spec = self._batch_specs.get(n)
-        if spec is None:
-            window = self.config.n_step if self.config.store_steps else 0
-            spec = self._batch_specs[n] = transition_batch_spec(self.step_spec, n, window)
-        return spec
+    def make_batch_spec(self, n: int) -> Any:
+        return transition_batch_spec(self.step_spec, n, self.config.n_step if self.config.store_steps else 0)
 
     def items_per_write(self, writer_id: int) -> int:
         return self.T * self.ring.width(writer_id)
-
-    def can_write(self, writer_id: int) -> bool:
-        """Always True: a ring makes room by overwriting the writer's oldest steps."""
-        return True
 
     def write(self, writer_id: int, samples, bootstrap_value=None, bootstrap_observation=None) -> tuple[np.ndarray, np.ndarray]:
         """Append one segment [T, B_w] (T <= rows - n_step); the segment's bootstrap is unused
         here (n-step transitions bootstrap from the observations they store)."""
         ring, n = self.ring, self.config.n_step
-        T = _check_segment(samples, self.step_spec, ring.width(writer_id), f"segment of writer {writer_id}")
-        if T + n > ring.live_rows:
-            raise ValueError(f"segment of writer {writer_id}: T={T} > rows - n_step = {ring.live_rows - n}")
+        self.check_write(writer_id, samples)
         s0 = ring.written[writer_id]
         k_old = min(n, s0 - ring.traj_start[writer_id])  # earlier steps whose items may be pending
         old = {f: ring.read(writer_id, f, s0 - k_old, s0) for f in ("reward", "terminated", "truncated", "failed")}
@@ -191,29 +162,20 @@ class TransitionStorage:
         owner = np.repeat(done_keys, self.config.n_step)
         return cand[self.bootstrap_final[cand] & (self.bootstrap_key[cand] == owner)]
 
-    def reset_writer(self, writer_id: int) -> None:
-        self.ring.reset_writer(writer_id)
-
-    def cursor(self, writer_id: int) -> int:
-        return self.ring.cursor(writer_id)
-
-    def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
-        return self.ring.torn_write(writer_id, cursor, self.T, self.config.n_step)
-
     def restore(self, live: np.ndarray) -> np.ndarray:
         """frame_store: live items whose final frame a torn write took."""
         if self.ring.frames is None:
-            return _NO_KEYS
+            return NO_KEYS
         keys = np.flatnonzero(live & self.bootstrap_final)
         return keys[~self.ring.frames.owns_final(self.bootstrap_key[keys])]
 
     def check_dest(self, dest, n: int) -> None:
-        _check_like(spec_of(dest), self.batch_spec(n), "destination Transition batch")
+        check_dest(dest, self.batch_spec(n), "destination Transition batch")
 
     def gather(self, keys: np.ndarray, is_weights: np.ndarray, dest) -> None:
         ring, flat = self.ring, self.ring.flat
         ring.gather_observation(keys, dest.observation)
-        _take_into(dest.action, flat.action, keys)
+        take_into(dest.action, flat.action, keys)
         np.take(self.return_, keys, out=dest.return_)
         np.take(self.discount, keys, out=dest.bootstrap_discount)
         dest.is_weight[:] = is_weights
@@ -247,13 +209,6 @@ class TransitionStorage:
 
         observation, action = map_leaves(empty, dest.observation), map_leaves(empty, dest.action)
         ring.gather_observation(step_keys, observation)
-        _take_into(action, ring.flat.action, step_keys)
+        take_into(action, ring.flat.action, step_keys)
         dest.observation[i, k] = observation
         dest.action[i, k] = action
-
-    def release(self, keys: np.ndarray) -> None:
-        """No-op: the steps stay, since other items may bootstrap from them; the ring
-        overwrites them in order."""
-
-    def policy_version(self, keys: np.ndarray) -> np.ndarray:
-        return self.ring.flat.policy_version[keys].astype(np.int64)
