@@ -27,7 +27,7 @@ from pathlib import Path
 from services.build import (agent_info, batch_items, batch_spec, env_probe, example_step, make_agent, make_algo,
                             on_policy)
 from services.learner.learner import Learner, run_loop
-from services.replay.tables import PRIORITIZED, make_table, sample_batch
+from services.replay.tables import make_table, sample_batch
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
 from shared.agents.actor import Actor
@@ -85,10 +85,10 @@ class SerialBatches:
     the version that asked)."""
 
     def __init__(self, table, slots: list, items: int, lag_bound: bool, samplers: list, counters: dict,
-                 moments: Moments | None, priorities: bool):
+                 moments: Moments | None):
         self.table, self.slots, self.items, self.lag_bound = table, slots, items, lag_bound
         self.turns = itertools.cycle(samplers)  # (sampler, actions, sink)
-        self.counters, self.moments, self.priorities = counters, moments, priorities
+        self.counters, self.moments = counters, moments
         self.requests: collections.deque[int] = collections.deque()
         self.min_version = 0
         self.dropped = 0  # items dropped for policy lag since the last batch
@@ -113,7 +113,7 @@ class SerialBatches:
         meta = {"env_steps": self.counters["env_steps"], "episodes": self.counters["episodes"],
                 "dropped": self.dropped, "replay_size": self.table.size,
                 **(NO_MOMENTS if self.moments is None else self.moments.take())}
-        if self.priorities:  # as replay replies: keys only where the table keeps priorities
+        if self.table.selector.prioritized:  # as replay replies: keys only where the table keeps priorities
             meta["keys"], meta["generations"] = info["keys"], info["generations"]
         self.counters["env_steps"], self.counters["episodes"], self.dropped = 0, [], 0
         return slot, meta
@@ -170,8 +170,7 @@ def _train(exp: Experiment, run_dir: Path | None) -> dict:
             actions = LocalActions(act, s, params, topo.total_envs)
             s.start(actions)
             parts.append((s, actions, LocalSink(table, i, s.ring, counters, moments)))
-        source = SerialBatches(table, slots, items, on_policy(exp), parts, counters, moments,
-                               exp.replay.table in PRIORITIZED)
+        source = SerialBatches(table, slots, items, on_policy(exp), parts, counters, moments)
         try:
             return run_loop(learner, slots, source, params)
         except KeyboardInterrupt:  # keep what was learned for `rlpipe launch --resume`

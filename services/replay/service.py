@@ -39,10 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from services.replay.tables import PRIORITIZED, sample_batch
+from services.replay.tables import sample_batch
 from shared.transport import shm
 from shared.transport.auth import check_secret
 from shared.config.schema import ReplayConfig
+from shared.replay.kinds import table_kind
 from shared.data.namedarraytuple import drop_leading_dims, from_leaves, from_spec, leaves, spec_leading_len, spec_of, validate_spec
 from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.data.batches import column_share
@@ -95,6 +96,7 @@ class ReplayService:
         self.remote_writers, self.remote_readers = remote_writers, remote_readers
         self.snapshot_dir = snapshot_dir
         self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
+        self.on_policy = table_kind(cfg.table)[0].on_policy
         self.observation_moments = observation_moments
         self.moments: Moments | None = None  # made at the first insert, from the observations' shape
         self.run_id, self.secret = run_id, secret
@@ -278,7 +280,7 @@ class ReplayService:
         self.m.time.to("sample")
         self._serve_rounds()
         self.m.size.set(self.table.size)
-        if self.cfg.table in PRIORITIZED:
+        if self.table.selector.prioritized:
             stats = self.table.selector.metrics()
             self.m.priority_max.set(stats["priority_max"])
             self.m.priority_mean.set(stats["priority_alpha_mean"])
@@ -305,7 +307,7 @@ class ReplayService:
             # woken first takes the CPU the reply's send needs, and where the cores are shared the
             # reply then reaches the learner much later (docs/benchmarks.md, "PPO CartPole: 256 env steps an
             # update").
-            if self.cfg.table == "queue":
+            if self.on_policy:
                 self._release(infos[0]["keys"])  # once for the round, however many ranks share it
             self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
 
@@ -313,10 +315,9 @@ class ReplayService:
         """Fill every head's slot (one round); the sample info per rank, or None if the table
         cannot serve the round now. The round's lag bound is rank 0's request's."""
         n, min_version = heads[0][2]["n"], heads[0][2]["min_version"]
-        queue = self.cfg.table == "queue"
-        if self.ranks == 1 or queue:
+        if self.ranks == 1 or self.on_policy:
             dest = heads[0][0].slots[heads[0][1]] if self.ranks == 1 else self._staging(n)
-            info, dropped = sample_batch(self.table, dest, n, min_version, lag_bound=queue)
+            info, dropped = sample_batch(self.table, dest, n, min_version, lag_bound=self.on_policy)
             self._release(dropped)
             self.dropped_unreported += len(dropped)
             self.m.dropped.inc(len(dropped))
@@ -338,7 +339,7 @@ class ReplayService:
             if body["n"] != n:
                 raise ValueError(f"the ranks of a round ask for the same number of items (rank 0: {n})")
             if (slot, n) not in reader.checked:
-                if self.ranks > 1 and self.cfg.table == "queue":
+                if self.ranks > 1 and self.on_policy:
                     self._check_share(reader.slots[slot], n)
                 else:
                     self.table.storage.check_dest(reader.slots[slot], n)
@@ -371,7 +372,7 @@ class ReplayService:
             segment = w.ring[body["index"]]
         keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation,
                                  serial=body["serial"])
-        if self.cfg.release_on_sample and self.cfg.table == "queue":
+        if self.cfg.release_on_sample and self.on_policy:
             for key in keys:
                 self.held[int(key)] = (w.instance, w.incarnation, body["index"])
         else:
@@ -405,7 +406,7 @@ class ReplayService:
         self.m.blocked.labels(side="learner").inc(waited)
         self.m.samples.inc(body["n"])
         reply = {"slot": slot, "n": body["n"], **meta}
-        if self.cfg.table in PRIORITIZED:
+        if self.table.selector.prioritized:
             reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
         # On another node the batch goes as frames (zero-copy: the slot is not filled again
         # before the learner, having received this, asks for it again).
