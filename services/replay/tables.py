@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
-
 from shared.config.schema import ReplayConfig
 from shared.data.namedarraytuple import spec_field
 from shared.replay.arena import HEAP, Arena, ShmArena, fingerprint
@@ -52,15 +50,3 @@ def table_arena(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_s
     layout = fingerprint(dataclasses.asdict(cfg), sorted(columns_per_writer.items()), segment_spec)
     return ShmArena(run_id, instance, layout, snapshot)
 
-
-def sample_batch(table: Table, dest, n: int, min_version: int, lag_bound: bool):
-    """One learner request: drop items past the on-policy lag bound (``lag_bound``), then
-    fill ``dest`` with ``n`` items if the table can serve them now.
-
-    Returns (sample info or None, keys dropped for lag) — the replay service and serial
-    mode both serve the learner through this.
-    """
-    dropped = table.drop_older_than(min_version) if lag_bound else np.empty(0, np.int64)
-    if not table.can_sample(n):
-        return None, dropped
-    return table.sample_into(dest, n), dropped
