@@ -9,7 +9,7 @@ from shared.config.schema import ConfigError, Experiment
 from shared.runtime.plugins import first_line
 from shared.envs.backends import AnyEnvGroup, columns_per_env, make_env_group
 from shared.data.layout import segment_spec, slot_spec, step_example
-from shared.data.namedarraytuple import from_spec
+from shared.data.namedarraytuple import from_spec, spec_field
 
 
 def family(exp: Experiment) -> str:
@@ -86,7 +86,7 @@ def step_buffers(exp: Experiment, group: AnyEnvGroup, n: int) -> tuple:
 
 def batch_items(exp: Experiment) -> int:
     """What the learner asks replay for per batch: segments (on-policy), transitions or sequences (r2d1)."""
-    return exp.learner.batch_segments if on_policy(exp) else exp.algo.batch_size
+    return exp.algo_spec.batch_kind.items(exp.learner, exp.algo)
 
 
 def round_items(exp: Experiment) -> int:
@@ -98,15 +98,5 @@ def round_items(exp: Experiment) -> int:
 def batch_spec(exp: Experiment, example):
     """Layout of one learner batch slot: OnPolicyBatch [T, n*B / learner.count] (a rank's share
     of the env columns), Transition [batch_size] or SequenceBatch [sequence_length, batch_size] (r2d1)."""
-    if on_policy(exp):
-        return segment_spec(example, exp.sampler.horizon,
-                            exp.sampler.envs * exp.learner.batch_segments // exp.learner.count)
-    from shared.data.namedarraytuple import spec_of
-    if exp.algo_spec.batch == "sequences":
-        from shared.replay.sequences import sequence_batch_spec
-
-        return sequence_batch_spec(spec_of(example), exp.replay.sequence_length, exp.algo.batch_size)
-    from shared.replay.tables import transition_batch_spec
-
-    window = exp.replay.n_step if exp.replay.store_steps else 0
-    return transition_batch_spec(spec_of(example), exp.algo.batch_size, window)
+    samples = spec_field(segment_spec(example, exp.sampler.horizon, exp.sampler.envs), "samples")
+    return exp.algo_spec.batch_kind.batch_spec(samples, exp.replay, batch_items(exp), exp.learner.count)

@@ -7,7 +7,7 @@ components over in-process queues):
 - ``SerialBatches`` is its BatchSource: ``next()`` drives the samplers in turn
   (``Sampler.collect_segment``, actions straight from the agent, each finished segment
   straight into the table) until the table can serve the batch asked for, through the
-  same ``sample_batch`` the replay service serves the learner with;
+  same ``ReplayCore`` (services/replay/core.py) the replay service keeps its table and books in;
 - ``SerialParams`` is its ParamSink, and the samplers' ParamSource: the agent they act
   with is the learner's own, so a published version is in force at once.
 
@@ -27,14 +27,14 @@ from pathlib import Path
 from services.build import (agent_info, batch_items, batch_spec, env_probe, example_step, make_agent, make_algo,
                             on_policy)
 from services.learner.learner import Learner, run_loop
-from services.replay.tables import PRIORITIZED, make_table, sample_batch
+from services.replay.core import ReplayCore
+from services.replay.tables import make_table
 from services.sampler.local import LocalActions
 from services.sampler.sampler import Sampler
 from shared.agents.actor import Actor
 from shared.config.schema import ConfigError, Experiment
 from shared.data.layout import segment_spec
 from shared.data.namedarraytuple import from_spec
-from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.runtime.process import lock_service, torch_device
 from shared.config.topology import topology
 
@@ -56,42 +56,33 @@ class SerialParams:
 
 
 class LocalSink:
-    """SegmentSink: copies a finished segment into the table at once and counts what it
-    brought (env steps, episodes, observation moments) for the learner's next batch."""
+    """SegmentSink: inserts a finished segment into the replay core at once."""
 
-    def __init__(self, table, instance: int, ring, counters: dict, moments: Moments | None):
-        self.table, self.instance, self.ring, self.counters, self.moments = table, instance, ring, counters, moments
+    def __init__(self, core: ReplayCore, instance: int, ring):
+        self.core, self.instance, self.ring = core, instance, ring
 
     def announce(self, index: int, meta: dict) -> None:
-        segment = self.ring[index]
-        self.table.insert(self.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation)
-        self.counters["env_steps"] += meta["steps"]
-        self.counters["episodes"].extend(meta["episodes"])
-        if self.moments is not None:
-            self.moments.add(segment.samples.observation)
+        self.core.insert(self.instance, self.ring[index], meta["steps"], meta["episodes"])
 
     def acquire(self, index: int) -> None:
         """Slots are released as soon as they are announced: nothing to wait for."""
 
 
 class SerialBatches:
-    """BatchSource over the in-process table. Requests are served in order; ``next`` fills
-    the oldest one, collecting a segment from each sampler in turn while the table cannot
-    serve it, for at most ``timeout_ms`` (then None, as a socket's poll would say).
+    """BatchSource over the in-process replay core. Requests are served in order; ``next``
+    fills the oldest one, collecting a segment from each sampler in turn while the table
+    cannot serve it, for at most ``timeout_ms`` (then None, as a socket's poll would say).
 
     The lag bound of a request is the newest one the learner asked with: in one process a
     batch is filled when the learner waits for it, after its last update, so it is held to
     the bound of that version (in the pipeline replay may fill it earlier, at the bound of
     the version that asked)."""
 
-    def __init__(self, table, slots: list, items: int, lag_bound: bool, samplers: list, counters: dict,
-                 moments: Moments | None, priorities: bool):
-        self.table, self.slots, self.items, self.lag_bound = table, slots, items, lag_bound
+    def __init__(self, core: ReplayCore, slots: list, items: int, lag_bound: bool, samplers: list):
+        self.core, self.slots, self.items, self.lag_bound = core, slots, items, lag_bound
         self.turns = itertools.cycle(samplers)  # (sampler, actions, sink)
-        self.counters, self.moments, self.priorities = counters, moments, priorities
         self.requests: collections.deque[int] = collections.deque()
         self.min_version = 0
-        self.dropped = 0  # items dropped for policy lag since the last batch
 
     def request(self, slot: int, min_version: int) -> None:
         self.requests.append(slot)
@@ -101,8 +92,7 @@ class SerialBatches:
         deadline = time.monotonic() + timeout_ms / 1000.0
         slot = self.requests[0]
         while True:
-            info, dropped = sample_batch(self.table, self.slots[slot], self.items, self.min_version, self.lag_bound)
-            self.dropped += len(dropped)
+            info, _ = self.core.sample(self.slots[slot], self.items, self.min_version, self.lag_bound)
             if info is not None:
                 break
             if time.monotonic() > deadline:
@@ -110,16 +100,10 @@ class SerialBatches:
             sampler, actions, sink = next(self.turns)
             sampler.collect_segment(actions, sink)
         self.requests.popleft()
-        meta = {"env_steps": self.counters["env_steps"], "episodes": self.counters["episodes"],
-                "dropped": self.dropped, "replay_size": self.table.size,
-                **(NO_MOMENTS if self.moments is None else self.moments.take())}
-        if self.priorities:  # as replay replies: keys only where the table keeps priorities
-            meta["keys"], meta["generations"] = info["keys"], info["generations"]
-        self.counters["env_steps"], self.counters["episodes"], self.dropped = 0, [], 0
-        return slot, meta
+        return slot, {**self.core.report(), **self.core.priority_keys(info)}
 
     def update_priorities(self, meta: dict, priorities) -> None:
-        self.table.update_priorities(meta["keys"], meta["generations"], priorities)
+        self.core.table.update_priorities(meta["keys"], meta["generations"], priorities)
 
 
 def train_serial(exp: Experiment, run_dir: Path | None = None) -> dict:
@@ -155,11 +139,10 @@ def _train(exp: Experiment, run_dir: Path | None) -> dict:
     topo = topology(exp)
     table = make_table(exp.replay, topo.columns(), segment_spec(example, exp.sampler.horizon, exp.sampler.envs), items,
                        exp.run.seed)
+    core = ReplayCore(table, exp.model.normalize_observations)
     # One batch slot: with nothing to overlap in one process, prefetching would only hold a second batch.
     slots = [from_spec(batch_spec(exp, example))]
     params = SerialParams(learner.version, learner.env_steps)
-    counters = {"env_steps": 0, "episodes": []}
-    moments = Moments(example.observation.shape) if exp.model.normalize_observations else None
     samplers, parts = [], []
     try:
         for i in range(exp.sampler.count):
@@ -169,9 +152,8 @@ def _train(exp: Experiment, run_dir: Path | None) -> dict:
             act = Actor(agent, topo.acting_seed("sampler", i))
             actions = LocalActions(act, s, params, topo.total_envs)
             s.start(actions)
-            parts.append((s, actions, LocalSink(table, i, s.ring, counters, moments)))
-        source = SerialBatches(table, slots, items, on_policy(exp), parts, counters, moments,
-                               exp.replay.table in PRIORITIZED)
+            parts.append((s, actions, LocalSink(core, i, s.ring)))
+        source = SerialBatches(core, slots, items, on_policy(exp), parts)
         try:
             return run_loop(learner, slots, source, params)
         except KeyboardInterrupt:  # keep what was learned for `rlpipe launch --resume`

@@ -16,7 +16,8 @@ from shared.config import loading
 from shared.data.namedarraytuple import from_spec, map_leaves, spec_of
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
-from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from tests.test_memory import local_segments
 
 torch.set_num_threads(1)

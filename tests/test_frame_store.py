@@ -23,7 +23,8 @@ from shared.data.namedarraytuple import buffer_from_example, from_spec, leaves, 
 from shared.replay.arena import ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
-from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from tests.pipeline import CONFIGS
 
 H, W = 2, 3

@@ -7,7 +7,8 @@ from shared.data.namedarraytuple import from_spec, namedarraytuple, spec_of
 from shared.replay.nstep import nstep_targets
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
-from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 
 Samples = namedarraytuple(
     "Samples",

@@ -25,7 +25,8 @@ from shared.data.namedarraytuple import from_spec, spec_of
 from shared.replay.arena import HEAP, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized
-from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from shared.transport import shm
 from tests.pipeline import rlpipe_here
 from tests.test_tables import Reference, _check_batch, _segment

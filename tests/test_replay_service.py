@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import zmq
 
-from services.replay import service as replay_service
+from services.replay import core as replay_core
 from services.replay.service import ReplayService
 from services.replay.tables import make_table
 from shared.config import loading as config
@@ -259,7 +259,7 @@ def test_a_gap_in_serial_numbers_is_a_seam_for_n_step_returns(hub, serials, new_
 
 
 def test_episodes_waiting_for_the_learner_are_bounded_the_oldest_dropped_and_counted(hub, monkeypatch):
-    monkeypatch.setattr(replay_service, "MAX_UNREPORTED_EPISODES", 3)
+    monkeypatch.setattr(replay_core, "MAX_UNREPORTED_EPISODES", 3)
     sampler, learner = hub.client("sampler0"), hub.client("learner0")
     hello_writer(hub, sampler)
     for serial in (1, 2):  # four episodes end before the learner asks
@@ -269,7 +269,7 @@ def test_episodes_waiting_for_the_learner_are_bounded_the_oldest_dropped_and_cou
     learner.send("sample", {"slot": 0, "n": 4, "min_version": 0})
     [reply] = replies(learner, 1)
     assert reply.type == "sampled" and reply.body["episodes"] == [[1.5, 3], [2, 3], [2.5, 3]]
-    assert hub.service.episodes_dropped == 1
+    assert hub.service.core.episodes_dropped == 1
 
 
 def test_store_steps_fills_the_learners_slot_with_each_step_of_every_window(exp_and_example, run_id, tmp_path):

@@ -7,13 +7,9 @@ from shared.data.namedarraytuple import from_spec, leaves, namedarraytuple, spec
 from shared.data.batches import OnPolicyBatch, Transition
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
-from shared.replay.tables import (
-    SegmentStorage,
-    SegmentStorageConfig,
-    Table,
-    TransitionStorage,
-    TransitionStorageConfig,
-)
+from shared.replay.segments import SegmentStorage, SegmentStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 
 Samples = namedarraytuple(
     "Samples",

@@ -39,23 +39,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from services.replay.tables import PRIORITIZED, sample_batch
+from services.replay.core import ReplayCore
 from shared.transport import shm
 from shared.transport.auth import check_secret
 from shared.config.schema import ReplayConfig
+from shared.replay.kinds import table_kind
 from shared.data.namedarraytuple import drop_leading_dims, from_leaves, from_spec, leaves, spec_leading_len, spec_of, validate_spec
-from shared.data.obs_stats import NO_MOMENTS, Moments
 from shared.data.batches import column_share
 from shared.transport.sockets import Endpoint, Rejected
 from shared.runtime import heartbeat
 from shared.runtime.files import WriteErrors
-from shared.transport.wire import MAX_EPISODES
 
 log = logging.getLogger(__name__)
 POLL_MS = 50
-MAX_UNREPORTED_EPISODES = MAX_EPISODES
-"""Finished episodes held for the learner's next batch reply: the most one message carries. More
-come only while the learner is away (or asks less often than episodes end); the oldest go, counted."""
 
 
 @dataclass
@@ -95,21 +91,22 @@ class ReplayService:
         self.remote_writers, self.remote_readers = remote_writers, remote_readers
         self.snapshot_dir = snapshot_dir
         self.cfg, self.table_factory, self.router, self.m = cfg, table_factory, router, metrics
+        self.on_policy = table_kind(cfg.table)[0].on_policy
         self.observation_moments = observation_moments
-        self.moments: Moments | None = None  # made at the first insert, from the observations' shape
         self.run_id, self.secret = run_id, secret
-        self.table = None
+        self.core: ReplayCore | None = None  # made with the table, at the first sampler's hello
         self.segment_spec = None
         self.writers: dict[int, Writer] = {}
         self.ranks = ranks
         self.readers: dict[int, Reader] = {}  # by rank
         self.staging = None  # on-policy, several ranks: a round's whole batch, before each rank's columns go out
-        self.steps_unreported = 0
-        self.episodes_unreported: list = []
-        self.dropped_unreported = 0
-        self.episodes_dropped = 0  # finished episodes never reported: more than MAX_UNREPORTED_EPISODES waited
         self.held: dict[int, tuple[int, int, int]] = {}  # table key -> (writer, incarnation, ring index)
         self.errors = WriteErrors(lambda what: metrics.snapshot_errors.inc())
+
+    @property
+    def table(self):
+        """The table, None until the first sampler's hello shows the segments' layout."""
+        return None if self.core is None else self.core.table
 
     # ------------------------------------------------------------ messages
 
@@ -180,7 +177,9 @@ class ReplayService:
         except Exception:
             _close(seg)
             raise
-        self.segment_spec, self.table = spec, table
+        if self.core is None:
+            self.core = ReplayCore(table, self.observation_moments, self.m.episodes_dropped.inc)
+        self.segment_spec = spec
         if known is not None:
             log.info("sampler %d restarted: dropping %d segment(s) announced by its previous incarnation",
                      known.instance, len(known.pending))
@@ -278,7 +277,7 @@ class ReplayService:
         self.m.time.to("sample")
         self._serve_rounds()
         self.m.size.set(self.table.size)
-        if self.cfg.table in PRIORITIZED:
+        if self.table.selector.prioritized:
             stats = self.table.selector.metrics()
             self.m.priority_max.set(stats["priority_max"])
             self.m.priority_mean.set(stats["priority_alpha_mean"])
@@ -296,29 +295,24 @@ class ReplayService:
             infos = self._sample_round(heads)
             if infos is None:
                 break
-            meta = {"env_steps": self.steps_unreported, "episodes": self.episodes_unreported,
-                    "dropped": self.dropped_unreported, "replay_size": self.table.size,
-                    **(NO_MOMENTS if self.moments is None else self.moments.take())}
+            meta = self.core.report()
             for (reader, slot, body), info in zip(heads, infos):
                 self._reply_sampled(reader, slot, body, info, meta)
             # Ring slots go back to their samplers once the learner has its batch: a sampler
             # woken first takes the CPU the reply's send needs, and where the cores are shared the
             # reply then reaches the learner much later (docs/benchmarks.md, "PPO CartPole: 256 env steps an
             # update").
-            if self.cfg.table == "queue":
+            if self.on_policy:
                 self._release(infos[0]["keys"])  # once for the round, however many ranks share it
-            self.steps_unreported, self.episodes_unreported, self.dropped_unreported = 0, [], 0
 
     def _sample_round(self, heads: list) -> list | None:
         """Fill every head's slot (one round); the sample info per rank, or None if the table
         cannot serve the round now. The round's lag bound is rank 0's request's."""
         n, min_version = heads[0][2]["n"], heads[0][2]["min_version"]
-        queue = self.cfg.table == "queue"
-        if self.ranks == 1 or queue:
+        if self.ranks == 1 or self.on_policy:
             dest = heads[0][0].slots[heads[0][1]] if self.ranks == 1 else self._staging(n)
-            info, dropped = sample_batch(self.table, dest, n, min_version, lag_bound=queue)
+            info, dropped = self.core.sample(dest, n, min_version, lag_bound=self.on_policy)
             self._release(dropped)
-            self.dropped_unreported += len(dropped)
             self.m.dropped.inc(len(dropped))
             if info is None:
                 return None
@@ -338,7 +332,7 @@ class ReplayService:
             if body["n"] != n:
                 raise ValueError(f"the ranks of a round ask for the same number of items (rank 0: {n})")
             if (slot, n) not in reader.checked:
-                if self.ranks > 1 and self.cfg.table == "queue":
+                if self.ranks > 1 and self.on_policy:
                     self._check_share(reader.slots[slot], n)
                 else:
                     self.table.storage.check_dest(reader.slots[slot], n)
@@ -365,39 +359,16 @@ class ReplayService:
 
     def _insert(self, w: Writer, body: dict, segment) -> None:
         """``segment``: the arrays that came as frames, or None: the writer's ring slot."""
-        if body["serial"] != self.table.last_serial(w.instance) + 1:
-            self.table.reset_writer(w.instance)  # segments lost in between: no n-step window may span the gap
         if segment is None:
             segment = w.ring[body["index"]]
-        keys = self.table.insert(w.instance, segment.samples, segment.bootstrap_value, segment.bootstrap_observation,
-                                 serial=body["serial"])
-        if self.cfg.release_on_sample and self.cfg.table == "queue":
+        keys = self.core.insert(w.instance, segment, body["steps"], body["episodes"], serial=body["serial"])
+        if self.cfg.release_on_sample and self.on_policy:
             for key in keys:
                 self.held[int(key)] = (w.instance, w.incarnation, body["index"])
         else:
             self.router.send("release", {"index": body["index"]}, to=w.peer)
-        self.steps_unreported += body["steps"]
-        self._hold_episodes(body["episodes"])
-        if self.observation_moments:
-            if self.moments is None:
-                self.moments = Moments(segment.samples.observation.shape[2:])
-            self.moments.add(segment.samples.observation)
         self.m.inserts.inc()
         self.m.insert_steps.inc(body["steps"])
-
-    def _hold_episodes(self, episodes: list) -> None:
-        """Keep ``episodes`` ([return, length] each) for the next batch reply; past
-        MAX_UNREPORTED_EPISODES the oldest go, counted."""
-        self.episodes_unreported.extend(episodes)
-        excess = len(self.episodes_unreported) - MAX_UNREPORTED_EPISODES
-        if excess <= 0:
-            return
-        del self.episodes_unreported[:excess]
-        before, self.episodes_dropped = self.episodes_dropped, self.episodes_dropped + excess
-        self.m.episodes_dropped.inc(excess)
-        if before.bit_length() != self.episodes_dropped.bit_length():  # at each power of two: a log that cannot flood
-            log.warning("%d finished episodes not reported to the learner so far: more ended before its next batch "
-                        "than one reply carries (%d); the oldest went", self.episodes_dropped, MAX_UNREPORTED_EPISODES)
 
     def _reply_sampled(self, reader: Reader, slot: int, body: dict, info: dict, meta: dict) -> None:
         del reader.pending[slot]
@@ -405,8 +376,7 @@ class ReplayService:
         self.m.blocked.labels(side="learner").inc(waited)
         self.m.samples.inc(body["n"])
         reply = {"slot": slot, "n": body["n"], **meta}
-        if self.cfg.table in PRIORITIZED:
-            reply["keys"], reply["generations"] = info["keys"].tolist(), info["generations"].tolist()
+        reply.update({name: keys.tolist() for name, keys in self.core.priority_keys(info).items()})
         # On another node the batch goes as frames (zero-copy: the slot is not filled again
         # before the learner, having received this, asks for it again).
         arrays = [leaf for _, leaf in leaves(reader.slots[slot])] if self.remote_readers else None

@@ -5,19 +5,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import numpy as np
-
 from shared.config.schema import ReplayConfig
+from shared.data.namedarraytuple import spec_field
 from shared.replay.arena import HEAP, Arena, ShmArena, fingerprint
+from shared.replay.kinds import table_kind
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
-from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
-from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
-from shared.replay.tables import (SegmentStorage, SegmentStorageConfig, Table, TransitionStorage,
-                                  TransitionStorageConfig)
-
-
-PRIORITIZED = ("prioritized", "sequence")
-"""Tables whose items carry priorities (the learner sends them back; replies carry keys)."""
+from shared.replay.tables import Table
 
 
 def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, sample_size: int,
@@ -32,26 +25,11 @@ def make_table(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_sp
 
 def _compose(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, sample_size: int, seed: int,
              arena: Arena) -> Table:
-    samples_spec = segment_spec["fields"][0][1]
-    if cfg.table == "queue":
-        # On-policy: each segment once, in order; back-pressure comes from the queue's capacity.
-        storage = SegmentStorage(samples_spec, columns_per_writer, SegmentStorageConfig(capacity=cfg.capacity), arena)
-        return Table(storage, Fifo(), RateLimiter(RateLimiterConfig(), arena), seed=seed, arena=arena)
-    if cfg.table == "sequence":
-        storage = SequenceStorage(samples_spec, columns_per_writer,
-                                  SequenceStorageConfig(capacity=cfg.capacity, length=cfg.sequence_length,
-                                                        period=cfg.sequence_period, frame_store=cfg.frame_store),
-                                  arena)
-    else:
-        storage = TransitionStorage(samples_spec, columns_per_writer,
-                                    TransitionStorageConfig(capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma,
-                                                            frame_store=cfg.frame_store, store_steps=cfg.store_steps),
-                                    arena)
-    if cfg.table in PRIORITIZED:
-        selector = Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
-                                                 beta_steps=cfg.beta_steps, weight_norm=cfg.weight_norm))
-    else:
-        selector = Uniform()
+    kind, selector = table_kind(cfg.table)
+    storage = kind.storage(spec_field(segment_spec, "samples"), columns_per_writer, cfg, arena)
+    if kind.on_policy:
+        # Each segment once, in order; back-pressure comes from the queue's capacity.
+        return Table(storage, selector(cfg), RateLimiter(RateLimiterConfig(), arena), seed=seed, arena=arena)
     insert_size = max(storage.items_per_write(w) for w in columns_per_writer)
     spi = cfg.samples_per_insert or None
     # The narrowest band in which one insert and one sample can never block each other.
@@ -59,7 +37,7 @@ def _compose(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec
     limiter = RateLimiter(RateLimiterConfig(samples_per_insert=spi, min_size_to_sample=cfg.min_size_to_sample,
                                             error_buffer=error_buffer), arena)
     limiter.check_no_deadlock(insert_size, sample_size)
-    return Table(storage, selector, limiter, seed=seed, arena=arena)
+    return Table(storage, selector(cfg), limiter, seed=seed, arena=arena)
 
 
 def table_arena(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec, run_id: str,
@@ -72,15 +50,3 @@ def table_arena(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_s
     layout = fingerprint(dataclasses.asdict(cfg), sorted(columns_per_writer.items()), segment_spec)
     return ShmArena(run_id, instance, layout, snapshot)
 
-
-def sample_batch(table: Table, dest, n: int, min_version: int, lag_bound: bool):
-    """One learner request: drop items past the on-policy lag bound (``lag_bound``), then
-    fill ``dest`` with ``n`` items if the table can serve them now.
-
-    Returns (sample info or None, keys dropped for lag) — the replay service and serial
-    mode both serve the learner through this.
-    """
-    dropped = table.drop_older_than(min_version) if lag_bound else np.empty(0, np.int64)
-    if not table.can_sample(n):
-        return None, dropped
-    return table.sample_into(dest, n), dropped

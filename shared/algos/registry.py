@@ -22,14 +22,9 @@ from shared.agents import registry as agents
 from shared.agents.registry import AgentSpec
 from shared.algos.hparams import (A2CConfig, CrossQConfig, DDPGConfig, DQNConfig, ImpalaConfig, IQNConfig, PPOConfig,
                                   PQNConfig, QRDQNConfig, R2D1Config, SACConfig, TD3Config, TQCConfig)
+from shared.replay.kinds import BATCH_KINDS, BatchKind
 from shared.runtime.plugins import is_reference, load_attribute
 
-BATCHES = {"segments": ("queue",), "transitions": ("uniform", "prioritized"), "sequences": ("sequence",)}
-"""Batch kind -> the replay tables that serve it. segments: ``OnPolicyBatch`` [T, B] of whole
-segments, each trained on once, in order, within ``replay.max_policy_lag`` (on-policy);
-transitions: ``Transition`` [batch_size] of n-step transitions; sequences: ``SequenceBatch``
-[sequence_length, batch_size] (recurrent off-policy). An off-policy algorithm's config has a
-``batch_size`` field: the items of one batch."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ class AlgoSpec:
     agent: AgentSpec
     """The agent it trains."""
     batch: str
-    """What it learns from: a key of ``BATCHES``."""
+    """What it learns from: a key of ``shared.replay.kinds.BATCH_KINDS`` (segments, transitions, sequences)."""
     make: Callable[[Any, Any], Any]
     """``make(agent, cfg)``: the algorithm object, with ``update(batch, progress) -> Update`` (its
     diagnostics, and new priorities for prioritized tables: ``shared.algos.update``),
@@ -50,16 +45,21 @@ class AlgoSpec:
     """It trains recurrent agents (``model.lstm_size > 0``) on whole sequences."""
 
     def __post_init__(self) -> None:
-        if self.batch not in BATCHES:
-            raise ValueError(f"AlgoSpec {self.name!r}: batch {self.batch!r} is not one of {', '.join(BATCHES)}")
+        if self.batch not in BATCH_KINDS:
+            raise ValueError(f"AlgoSpec {self.name!r}: batch {self.batch!r} is not one of {', '.join(BATCH_KINDS)}")
+
+    @property
+    def batch_kind(self) -> BatchKind:
+        return BATCH_KINDS[self.batch]
 
     @property
     def on_policy(self) -> bool:
-        return self.batch == "segments"
+        return self.batch_kind.on_policy
 
     @property
     def tables(self) -> tuple[str, ...]:
-        return BATCHES[self.batch]
+        """The ``replay.table`` values that serve its batches."""
+        return tuple(self.batch_kind.tables)
 
 
 def _ppo(agent, cfg):

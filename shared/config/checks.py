@@ -64,7 +64,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if on_policy and columns % exp.learner.count:
         raise ConfigError(f"learner.count = {exp.learner.count}: each rank trains on an equal share of a batch's "
                           f"sampler.envs * learner.batch_segments = {columns} env columns; pick a divisor of {columns}")
-    if spec.batch == "sequences":
+    if spec.batch_kind.recurrent:
         _check_sequences(exp)
     elif not on_policy and exp.replay.capacity < topology(exp).total_envs * (exp.sampler.horizon + exp.replay.n_step):
         raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
@@ -76,7 +76,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if exp.replay.frame_store and on_policy:
         raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")
-    if exp.replay.store_steps and spec.batch != "transitions":
+    if exp.replay.store_steps and not spec.batch_kind.window_steps:
         raise ConfigError(f"replay.store_steps = true: only n-step transitions carry their steps; {spec.name} learns from "
                           f"{spec.batch}, set it to false")
     if exp.replay.weight_norm not in WEIGHT_NORMS:
@@ -92,7 +92,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
     if isinstance(exp.algo, PQNConfig) and getattr(exp.agent, "distributional", False):
         raise ConfigError(f"agent.distributional = true: {spec.name} regresses scalar Q(lambda) targets, not C51's "
                           "return distribution; set it to false (C51 is algo.name = 'dqn')")
-    if spec.batch == "sequences" and not exp.model.lstm_size:
+    if spec.batch_kind.recurrent and not exp.model.lstm_size:
         raise ConfigError(f"model.lstm_size = 0: {spec.name} trains a recurrent agent on sequences; set model.lstm_size "
                           "> 0 (e.g. 64)")
     if exp.model.lstm_size and on_policy and getattr(exp.algo, "minibatches", 1) > columns // exp.learner.count:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from shared.data.batches import OnPolicyBatch, Samples
-from shared.data.namedarraytuple import namedarraytuple, spec_of, with_leading_dims
+from shared.data.namedarraytuple import namedarraytuple, spec_field, spec_of, with_leading_dims
 
 StepSlot = namedarraytuple("StepSlot", ["observation", "action", "agent_info", "first", "reward"])
 """What a sampler and whoever acts for it share per env group: the observations [B, ...],
@@ -42,9 +42,13 @@ def slot_spec(example: Samples, envs: int):
 def segment_spec(example: Samples, horizon: int, envs: int):
     """OnPolicyBatch with samples [T, B], bootstrap_value [B] and bootstrap_observation [B, ...]:
     one segment, or one batch."""
-    spec = spec_of(OnPolicyBatch(samples=example, bootstrap_value=np.float32(0),
-                                 bootstrap_observation=example.observation))
-    spec["fields"][0][1] = with_leading_dims(spec["fields"][0][1], [horizon, envs])
-    for field in spec["fields"][1:]:
-        field[1] = with_leading_dims(field[1], [envs])
-    return spec
+    return segments_spec(spec_of(example), horizon, envs)
+
+
+def segments_spec(step_spec, horizon: int, envs: int):
+    """``segment_spec`` of the step laid out as ``step_spec`` (Samples)."""
+    return {"type": OnPolicyBatch.__name__, "fields": [
+        ["samples", with_leading_dims(step_spec, [horizon, envs])],
+        ["bootstrap_value", {"dtype": np.dtype(np.float32).str, "shape": [envs]}],
+        ["bootstrap_observation", with_leading_dims(spec_field(step_spec, "observation"), [envs])],
+    ]}

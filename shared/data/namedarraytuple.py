@@ -155,15 +155,42 @@ def spec_of(tree) -> Any:
     return {"dtype": arr.dtype.str, "shape": list(arr.shape)}
 
 
-def leaf_specs(spec) -> Iterator[dict]:
-    """The leaves of a spec (``{"dtype", "shape"}``), in ``leaves`` order."""
+def spec_leaves(spec, prefix: str = "") -> Iterator[tuple[str, dict]]:
+    """Yield (dotted path, leaf spec ``{"dtype", "shape"}``) of a spec, as ``leaves`` does of its buffer."""
     if spec is None:
         return
     if "fields" in spec:
-        for _, child in spec["fields"]:
-            yield from leaf_specs(child)
+        for f, child in spec["fields"]:
+            yield from spec_leaves(child, f"{prefix}.{f}" if prefix else f)
     else:
-        yield spec
+        yield prefix, spec
+
+
+def leaf_specs(spec) -> Iterator[dict]:
+    """The leaves of a spec (``{"dtype", "shape"}``), in ``leaves`` order."""
+    for _, leaf in spec_leaves(spec):
+        yield leaf
+
+
+def spec_field(spec, name: str) -> Any:
+    """The spec of field ``name`` of a structure spec; ValueError naming the fields it has."""
+    for f, child in spec["fields"]:
+        if f == name:
+            return child
+    raise ValueError(f"{spec['type']} spec has no field {name!r} (fields: {[f for f, _ in spec['fields']]})")
+
+
+def check_spec(got, want, what: str) -> None:
+    """Raise ValueError naming the first leaf where spec ``got`` differs from spec ``want``;
+    ``what`` names the structure checked (the error's first word)."""
+    got_leaves, want_leaves = dict(spec_leaves(got)), dict(spec_leaves(want))
+    if list(got_leaves) != list(want_leaves):
+        raise ValueError(f"{what}: fields {list(got_leaves)} do not match the expected {list(want_leaves)}")
+    for path, w in want_leaves.items():
+        g = got_leaves[path]
+        if g != w:
+            raise ValueError(f"{what}.{path}: dtype {g['dtype']} shape {g['shape']}, "
+                             f"expected dtype {w['dtype']} shape {w['shape']}")
 
 
 def spec_leading_len(spec) -> int:

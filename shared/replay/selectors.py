@@ -23,6 +23,8 @@ from shared.replay.arena import HEAP, Arena, Cells
 class Selector(Protocol):
     removes_on_sample: bool
     """True when ``sample`` forgets the keys it returns (a queue)."""
+    prioritized: bool
+    """True when items carry priorities: the learner sends new ones for the keys it was given."""
 
     def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
         """Size the selector for keys in [0, num_slots); the table calls it once. What must
@@ -60,6 +62,7 @@ class Fifo:
     """
 
     removes_on_sample = True
+    prioritized = False
 
     def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
         self._seq_of = arena.array("fifo.seq", num_slots, np.int64, fill=-1)  # -1: not present
@@ -139,6 +142,7 @@ class Uniform:
     """
 
     removes_on_sample = False
+    prioritized = False
 
     def allocate(self, num_slots: int, arena: Arena = HEAP) -> None:
         self._dense = np.empty(num_slots, dtype=np.int64)
@@ -225,6 +229,7 @@ class Prioritized:
     """
 
     removes_on_sample = False
+    prioritized = True
 
     def __init__(self, config: PrioritizedConfig = PrioritizedConfig()):
         if config.alpha < 0 or config.eps <= 0 or config.beta_steps < 1:

@@ -24,10 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from shared.data.namedarraytuple import leaves, map_leaves, spec_of, with_leading_dims
+from shared.data.namedarraytuple import drop_leading_dims, map_leaves, spec_field, with_leading_dims
 from shared.data.batches import SequenceBatch
 from shared.replay.arena import HEAP, Arena, Cells
-from shared.replay.tables import ColumnRing, _check_like, _check_segment, _field, _segment_dims, _take_into
+from shared.replay.ring import RingStorage
+from shared.replay.storage import F32, NO_KEYS, check_dest, take_into
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,9 @@ class SequenceStorageConfig:
 
 
 def _memory_spec(step_spec):
-    info = _field(step_spec, "agent_info")
+    info = spec_field(step_spec, "agent_info")
     try:
-        return _field(info, "memory")
+        return spec_field(info, "memory")
     except ValueError:
         raise ValueError("the sequence table stores recurrent agents' steps: agent_info has no memory "
                          "(set model.lstm_size > 0)") from None
@@ -59,7 +60,7 @@ def _memory_spec(step_spec):
 def sequence_batch_spec(step_spec, length: int, n: int) -> Any:
     """Spec of a SequenceBatch of ``n`` sequences of ``length`` steps laid out as ``step_spec`` (Samples)."""
     memory = _memory_spec(step_spec)
-    seq = lambda f, src=step_spec: with_leading_dims(_field(src, f), [length, n])  # noqa: E731
+    seq = lambda f, src=step_spec: with_leading_dims(spec_field(src, f), [length, n])  # noqa: E731
     by_field = {
         "observation": seq("observation"),
         "action": seq("action"),
@@ -69,66 +70,45 @@ def sequence_batch_spec(step_spec, length: int, n: int) -> Any:
         "failed": seq("failed"),
         "prev_action": seq("prev_action", memory),
         "prev_reward": seq("prev_reward", memory),
-        "start_state": with_leading_dims(_field(memory, "state"), [n]),
-        "is_weight": {"dtype": np.dtype(np.float32).str, "shape": [n]},
-        "policy_version": with_leading_dims(_field(step_spec, "policy_version"), [n]),
+        "start_state": with_leading_dims(spec_field(memory, "state"), [n]),
+        "is_weight": {"dtype": F32, "shape": [n]},
+        "policy_version": with_leading_dims(spec_field(step_spec, "policy_version"), [n]),
     }
     return {"type": "SequenceBatch", "fields": [[f, by_field[f]] for f in SequenceBatch._fields]}
 
 
-class SequenceStorage:
+class SequenceStorage(RingStorage):
     """Items are sequences of ``config.length`` steps, keyed by their first step's ring key."""
 
     def __init__(self, segment_spec, columns_per_writer: dict[int, int],
                  config: SequenceStorageConfig = SequenceStorageConfig(), arena: Arena = HEAP):
         """segment_spec: spec of a Samples segment [T, B] of a recurrent agent (agent_info.memory).
         arena: where the ring lives (shared/replay/arena.py)."""
-        self.T, step_spec = _segment_dims(segment_spec)
-        _memory_spec(step_spec)
-        B_total = sum(columns_per_writer.values())
-        rows = config.capacity // max(B_total, 1)
-        if rows < config.length + self.T:
-            raise ValueError(f"SequenceStorageConfig.capacity={config.capacity} gives {rows} steps per column for "
-                             f"{B_total} columns; need >= length + T = {config.length + self.T}: raise capacity")
-        self.config, self.step_spec = config, step_spec
+        _memory_spec(drop_leading_dims(segment_spec, 2))
         # Final observations are never read (windows closed by a truncation are masked), so
-        # the frame store keeps only the one write's worth it requires.
-        self.ring = ColumnRing(step_spec, columns_per_writer, rows, arena, frame_stack=config.frame_store,
-                               final_slots=self.T * max(columns_per_writer.values()))
-        self.writer_ids = sorted(columns_per_writer)
-        self.num_slots = self.ring.rows * self.ring.B_total
+        # the frame store keeps only the one write's worth the ring requires.
+        super().__init__(segment_spec, columns_per_writer, config.capacity, config.length, "SequenceStorageConfig.length",
+                         arena, config.frame_store)
+        self.config = config
         self._offsets = np.arange(config.length, dtype=np.int64)[:, None] * self.ring.B_total  # [L, 1]
-        self._batch_specs: dict[int, Any] = {}
         # frame_store: sequences never made live because a stack did not rebuild
         self.counts = Cells(arena, "sequences", unrebuilt=0)
 
     def metrics(self) -> dict[str, float]:
         return {"frames_unrebuilt_items": float(self.counts.unrebuilt)}
 
-    @property
-    def nbytes(self) -> int:
-        return self.ring.nbytes
-
-    def batch_spec(self, n: int) -> Any:
-        spec = self._batch_specs.get(n)
-        if spec is None:
-            spec = self._batch_specs[n] = sequence_batch_spec(self.step_spec, self.config.length, n)
-        return spec
+    def make_batch_spec(self, n: int) -> Any:
+        return sequence_batch_spec(self.step_spec, self.config.length, n)
 
     def items_per_write(self, writer_id: int) -> int:
         """Sequences one segment completes per column, rounded up (a bound for the rate limiter)."""
         return -(-self.T // self.config.period) * self.ring.width(writer_id)
 
-    def can_write(self, writer_id: int) -> bool:
-        return True
-
     def write(self, writer_id: int, samples, bootstrap_value=None, bootstrap_observation=None):
         """Append a segment [T, B_w]; return (keys of sequences whose first step it overwrote,
         keys of sequences it completed)."""
         ring, L, P = self.ring, self.config.length, self.config.period
-        T = _check_segment(samples, self.step_spec, ring.width(writer_id), f"segment of writer {writer_id}")
-        if T + L > ring.live_rows:
-            raise ValueError(f"segment of writer {writer_id}: T={T} > rows - length = {ring.live_rows - L}")
+        T = self.check_write(writer_id, samples)
         s0, start = ring.written[writer_id], ring.traj_start[writer_id]
         overwritten, _ = ring.write(writer_id, samples)
         # Sequences [s, s + L) completed by this write: s + L - 1 in [s0, s0 + T), s >= start, s = start mod P.
@@ -136,7 +116,7 @@ class SequenceStorage:
         first = start + -(-(lo - start) // P) * P
         starts = np.arange(first, s0 + T - L + 1, P, dtype=np.int64)
         if starts.size == 0:
-            return overwritten, np.zeros(0, dtype=np.int64)
+            return overwritten, NO_KEYS
         keys = ring.keys(writer_id, starts).reshape(-1)  # time-major: [S, B_w]
         if ring.frames is not None:
             steps = (keys[None, :] + self._offsets) % self.num_slots  # [L, S * B_w]
@@ -145,24 +125,12 @@ class SequenceStorage:
             keys = keys[ok]
         return overwritten, keys
 
-    def reset_writer(self, writer_id: int) -> None:
-        self.ring.reset_writer(writer_id)
-
-    def cursor(self, writer_id: int) -> int:
-        return self.ring.cursor(writer_id)
-
-    def torn_write(self, writer_id: int, cursor: int) -> np.ndarray:
-        return self.ring.torn_write(writer_id, cursor, self.T, self.config.length)
-
     def restore(self, live: np.ndarray) -> np.ndarray:
         """Nothing to check: sequences never read final observations."""
-        return np.zeros(0, dtype=np.int64)
+        return NO_KEYS
 
     def check_dest(self, dest, n: int) -> None:
-        _check_like(spec_of(dest), self.batch_spec(n), "destination SequenceBatch")
-        for path, leaf in leaves(dest):
-            if not leaf.flags.c_contiguous:
-                raise ValueError(f"destination SequenceBatch.{path} must be C-contiguous (use from_spec)")
+        check_dest(dest, self.batch_spec(n), "destination SequenceBatch", contiguous=True)
 
     def gather(self, keys: np.ndarray, is_weights: np.ndarray, dest) -> None:
         ring, flat = self.ring, self.ring.flat
@@ -177,14 +145,7 @@ class SequenceStorage:
         for name, src in (("action", flat.action), ("reward", flat.reward), ("terminated", flat.terminated),
                           ("truncated", flat.truncated), ("failed", flat.failed), ("prev_action", memory.prev_action),
                           ("prev_reward", memory.prev_reward)):
-            _take_into(flat_view(getattr(dest, name)), src, steps)
-        _take_into(dest.start_state, memory.state, keys)
+            take_into(flat_view(getattr(dest, name)), src, steps)
+        take_into(dest.start_state, memory.state, keys)
         dest.is_weight[:] = is_weights
         np.take(flat.policy_version, keys, axis=0, out=dest.policy_version)
-
-    def release(self, keys: np.ndarray) -> None:
-        """No-op: the ring overwrites steps in order."""
-
-    def policy_version(self, keys: np.ndarray) -> np.ndarray:
-        """The first step's version (the oldest of the sequence)."""
-        return self.ring.flat.policy_version[keys].astype(np.int64)

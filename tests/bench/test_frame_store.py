@@ -22,7 +22,8 @@ from shared.data.layout import step_example
 from shared.data.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Uniform
-from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 
 pytestmark = pytest.mark.bench
 K, H, W, T, N_STEP, REPEAT = 4, 84, 84, 32, 3, 5

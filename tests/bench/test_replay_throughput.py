@@ -20,7 +20,8 @@ from shared.data.layout import step_example
 from shared.data.namedarraytuple import buffer_from_example, from_spec, leaves, spec_of, with_leading_dims
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized, PrioritizedConfig, Uniform
-from shared.replay.tables import Table, TransitionStorage, TransitionStorageConfig
+from shared.replay.tables import Table
+from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from shared.agents.config import QAgentInfo
 
 pytestmark = pytest.mark.bench
