@@ -19,7 +19,12 @@ import torch
 pytest.importorskip("pettingzoo")
 mpe2 = pytest.importorskip("mpe2")
 
-from services.build import env_probe, make_agent
+from services.build import agent_info, env_probe, make_agent
+from services.sampler.local import LocalActions
+from services.sampler.opponent import Opponent
+from services.sampler.sampler import Sampler
+from services.topology import topology
+from shared.agents.actor import Actor
 from services.sampler.opponent import opponent_columns
 from shared.config import loading
 from shared.config.schema import ConfigError
@@ -27,6 +32,7 @@ from shared.launch import api
 from shared.transport.params import ModuleState, field_name
 from shared.transport.pool import PoolFiles, Scores, draw
 from tests.pipeline import CONFIGS, metric_value, rlpipe, rlpipe_here
+from tests.test_memory import FixedParams
 from tests.test_pettingzoo import assert_beats_random
 
 torch.set_num_threads(1)
@@ -87,6 +93,58 @@ def test_draws_follow_the_rule_and_elo_moves_towards_the_winner():
 def test_opponent_columns_give_the_learner_first_seat_on_even_boards():
     assert opponent_columns(0, 8).tolist() == [False, True, True, False] * 2
     assert opponent_columns(8, 4).tolist() == [False, True, True, False]
+
+
+class Announced:
+    def __init__(self):
+        self.metas = []
+
+    def announce(self, index: int, meta: dict) -> None:
+        self.metas.append(meta)
+
+    def acquire(self, index: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games_name_it(tmp_path, both):
+    """A local sampler of 4 boards: the pool's only version (5) always takes the centre where it
+    may, the current policy is a fresh one. The opponent's columns play version 5's moves and are
+    failed steps (no loss trains on them) unless train_both_seats; the learner seat's episodes
+    alone are reported, each naming version 5."""
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=8", "sampler.horizon=16", "sampler.ring=2",
+                                                               f"selfplay.train_both_seats={str(both).lower()}"])
+    probe = env_probe(exp)
+    current, centre, holder = (make_agent(exp, probe) for _ in range(3))
+    probe.close()
+    with torch.no_grad():
+        centre.twin.weights[2][0].zero_()  # member 0 is the policy's head
+        centre.twin.biases[2][0, 0].copy_(torch.eye(9)[4] * 50.0)
+    files = PoolFiles(tmp_path, 8)
+    files.add(5, {field_name(k): t.numpy() for k, t in centre.state_dict().items()})
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
+    mask = opponent_columns(sampler.env_base, exp.sampler.envs)
+    opponent = Opponent(exp.selfplay, files, Actor(holder, np.random.SeedSequence(1)), ModuleState(holder), mask,
+                        exp.sampler.horizon, np.random.SeedSequence(2))
+    sampler.opponent = opponent
+    actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
+                           opponent)
+    sink = Announced()
+    sampler.start(actions)
+    for _ in range(3):
+        sampler.collect_segment(actions, sink)
+    samples = sampler.ring[0].samples
+    sampler.close()
+    assert opponent.version == 5
+    assert (not samples.failed.any()) if both else (samples.failed[:, mask].all() and not samples.failed[:, ~mask].any())
+    legal = samples.observation.action_mask
+    moving = legal.sum(-1) > 1  # not a pass
+    centre_free = moving & (legal[..., 4] == 1)
+    assert (samples.action[:, mask][centre_free[:, mask]] == 4).all() and centre_free[:, mask].sum() >= 4
+    assert (samples.action[:, ~mask][centre_free[:, ~mask]] != 4).any()  # the current policy plays elsewhere too
+    episodes = [e for meta in sink.metas for e in meta["episodes"]]
+    assert episodes and all(len(e) == 3 and e[2] == 5 for e in episodes)
 
 
 # ------------------------------------------------------------------ learning
