@@ -25,6 +25,7 @@ class PoolSnapshots:
     def start(self, version: int) -> None:
         """At the start of the training loop: an empty pool gets the current policy, so the
         opponent always has a past version to act with."""
+        self.files.drop_partial()
         held = self.files.versions()
         if held:
             log.info("self-play pool: %d version(s) held (%s), %s draws", len(held), ", ".join(map(str, held)),

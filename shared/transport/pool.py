@@ -81,6 +81,11 @@ class PoolFiles:
             if m and int(m.group(1)) not in kept:
                 (self.dir / name).unlink(missing_ok=True)
 
+    def drop_partial(self) -> None:
+        """Remove the temporary files of snapshots a killed learner did not finish."""
+        for tmp in self.dir.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+
     def load(self, version: int, target) -> bool:
         """Load ``version``'s snapshot into ``target`` (``params.ModuleState`` or ``StateArrays``:
         ``spec`` and ``load(list)``); False (logged) where it is gone (dropped from the pool
