@@ -20,6 +20,7 @@ with. Nothing goes to shared memory: samplers and table live on the heap.
 from __future__ import annotations
 
 import collections
+import copy
 import itertools
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from services.learner.learner import Learner, run_loop
 from services.replay.core import ReplayCore
 from services.replay.tables import make_table
 from services.sampler.local import LocalActions
+from services.sampler.opponent import Opponent, opponent_columns
 from services.sampler.sampler import Sampler
 from shared.agents.actor import Actor
 from shared.config.schema import ConfigError, Experiment
@@ -37,6 +39,8 @@ from shared.data.layout import segment_spec
 from shared.data.namedarraytuple import from_spec
 from shared.runtime.process import lock_service, torch_device
 from shared.config.topology import topology
+from shared.transport.params import ModuleState
+from shared.transport.pool import PoolFiles
 
 
 class SerialParams:
@@ -117,12 +121,23 @@ def train_serial(exp: Experiment, run_dir: Path | None = None) -> dict:
     if exp.learner.count > 1:
         raise ConfigError(f"learner.count = {exp.learner.count}: serial mode runs one learner in this process; "
                           "launch the run for data-parallel ranks")
+    if exp.selfplay.on and run_dir is None:
+        raise ConfigError(f"selfplay.pool = {exp.selfplay.pool!r}: the pool's versions live in the run directory; "
+                          "train in one (rlpipe train --serial, shared.launch.api.train_serial)")
     lock = None if run_dir is None else lock_service(run_dir, "learner")
     try:
         return _train(exp, run_dir)
     finally:
         if lock is not None:
             lock.close()
+
+
+def opponent(exp: Experiment, run_dir: Path, sampler: Sampler, agent) -> Opponent:
+    """The self-play pool's opponent seat of ``sampler``: a copy of ``agent`` that loads past versions."""
+    acting, drawing = topology(exp).acting_seed("opponent", sampler.instance).spawn(2)
+    other = copy.deepcopy(agent)
+    return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), Actor(other, acting), ModuleState(other),
+                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, drawing)
 
 
 def _train(exp: Experiment, run_dir: Path | None) -> dict:
@@ -150,7 +165,8 @@ def _train(exp: Experiment, run_dir: Path | None) -> dict:
                         shared_memory=False)
             samplers.append(s)
             act = Actor(agent, topo.acting_seed("sampler", i))
-            actions = LocalActions(act, s, params, topo.total_envs)
+            s.opponent = None if not exp.selfplay.on else opponent(exp, run_dir, s, agent)
+            actions = LocalActions(act, s, params, topo.total_envs, s.opponent)
             s.start(actions)
             parts.append((s, actions, LocalSink(core, i, s.ring)))
         source = SerialBatches(core, slots, items, on_policy(exp), parts)

@@ -215,8 +215,10 @@ def test_every_int_field_has_a_range():
 
 
 @pytest.mark.parametrize("mtype,field,value,message", [
-    ("segment", "episodes", [[1.0]], r"episodes\[0\] = \[1.0\] must be \[return, length\]"),
-    ("segment", "episodes", [[1.0, 2, 3]], r"episodes\[0\]"),
+    ("segment", "episodes", [[1.0]], r"episodes\[0\] = \[1.0\] must be \[return, length"),
+    ("segment", "episodes", [[1.0, 2, 3, 4]], r"episodes\[0\]"),
+    ("segment", "episodes", [[1.0, 2, -1]], r"episodes\[0\]"),  # a self-play opponent's version is >= 0
+    ("segment", "episodes", [[1.0, 2, 3.0]], r"episodes\[0\]"),
     ("segment", "episodes", [5.0], r"episodes\[0\] = 5.0"),
     ("segment", "episodes", [[1.0, 0]], r"episodes\[0\] = \[1.0, 0\]"),  # length must be positive
     ("segment", "episodes", [[1.0, 3], [float("nan"), 3]], r"episodes\[1\] = \[nan, 3\]"),

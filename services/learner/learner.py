@@ -39,6 +39,7 @@ from shared.algos.update import Update
 from services.learner.checkpoints import Checkpoints
 from services.learner.wandb_run import WandbRun
 from services.learner.progress import COUNTERS, PROGRESS_FIELDS, Progress  # noqa: F401
+from services.learner.snapshots import PoolSnapshots
 from services.learner.stopping import Stopping
 from shared.runtime.files import WriteErrors, publish
 from shared.runtime import heartbeat
@@ -95,7 +96,10 @@ class Learner:
         # Where the learner's time goes: Prometheus's counter where there are metrics, and the
         # progress rows' time/ scalars in any case (serial mode too).
         self.clock = Phases(PHASES["learner"]) if metrics is None else metrics.time
-        self.progress = Progress(exp.run.return_window, reports, wandb, self.errors, self.clock, exp.run)
+        # Self-play against a pool of past versions: rank 0 adds the snapshots and keeps the scores.
+        self.pool = PoolSnapshots(exp.selfplay, run_dir, agent) if exp.selfplay.on and reports is not None else None
+        self.progress = Progress(exp.run.return_window, reports, wandb, self.errors, self.clock, exp.run,
+                                 None if self.pool is None else self.pool.scores)
         self.stopping = Stopping(exp.run, self.progress, group)
         self.checkpoints = None if run_dir is None else Checkpoints(run_dir)
         self.identical_at: tuple[int, int] | None = None  # (update, checksum) of the ranks' last comparison
@@ -152,6 +156,8 @@ class Learner:
         self.last_stats = update.stats
         self.progress.record_update(update.stats, lag, skipped=bool(skipped) and not taken)
         self.version += 1
+        if self.pool is not None:
+            self.pool.after_update(self.version, self.progress.updates)
         if self.group is not None:
             updates = self.progress.updates
             if updates % CHECK_EVERY == 0:
@@ -210,6 +216,10 @@ class Learner:
             self.progress.diag_updates = 0
             return row
         self.progress.write(row)  # the evaluator writes its own scalars
+        if self.m is not None and self.pool is not None and self.progress.pool_outcomes:
+            for outcome in ("win", "draw", "loss"):
+                self.m.pool_outcome.labels(outcome=outcome).set(row[f"pool_{outcome}"])
+            self.m.pool_elo.set(row["pool_elo"])
         if self.identical_at is not None:
             log.info("parameters identical on %d ranks at update %d (crc32 %08x)", self.group.world, *self.identical_at)
             self.identical_at = None
@@ -235,6 +245,8 @@ class Learner:
                       self.version, ", ".join(bad[:3]))
             return
         heartbeat.phase("writing a checkpoint")
+        if self.pool is not None:
+            self.pool.save_scores()
         try:
             self.checkpoints.save({**state, "version": self.version, **self.progress.state()})
         except OSError as e:  # a full disk: the checkpoints so far stay, the next interval tries again
@@ -334,6 +346,8 @@ def run_loop(learner: Learner, slots: list, source: BatchSource, params: ParamSi
     heartbeat.phase("training")
     if learner.group is not None:
         learner.stopping.decide()
+    if learner.pool is not None:
+        learner.pool.start(learner.version)
     params.publish(learner.version, learner.env_steps)
     for i in range(len(slots)):
         source.request(i, learner.min_version())

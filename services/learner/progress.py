@@ -21,6 +21,7 @@ from shared.runtime import evaluation
 from shared.runtime.files import WriteErrors, append_csv
 from shared.runtime.metrics import Phases
 from shared.runtime.runfiles import PROGRESS, TB_DIR
+from shared.transport.pool import OUTCOMES, Scores
 from services.learner.wandb_run import WandbRun
 
 log = logging.getLogger("services.learner.learner")
@@ -30,6 +31,9 @@ PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates
                    *evaluation.PROGRESS_COLUMNS]
 ETA_ROWS = 10
 """Progress rows the ETA's env-step rate is measured over (the rows before it, this incarnation's)."""
+POOL_FIELDS = ["pool_win", "pool_draw", "pool_loss", "pool_elo"]
+"""Columns of a run that plays against a self-play pool: the learner seat's win / draw / loss rates
+over its last ``run.return_window`` games against the pool, and its Elo (``shared.transport.pool``)."""
 COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
 """The counters a checkpoint keeps (with the returns, lengths and wall time)."""
 
@@ -40,12 +44,14 @@ MAX_UNWRITTEN = 10_000
 
 class Progress:
     def __init__(self, return_window: int, run_dir: Path | None, wandb: WandbRun | None = None,
-                 errors: WriteErrors | None = None, clock: Phases | None = None, budget: RunConfig | None = None):
+                 errors: WriteErrors | None = None, clock: Phases | None = None, budget: RunConfig | None = None,
+                 scores: Scores | None = None):
         """``wandb``: where the scalars also go (None: TensorBoard only); ``errors``: how a file
         that cannot be written (a full disk) is reported; its rows and scalars are written at
         the next row that can be; ``clock``: the learner's time split, whose shares since the
         last row go to TensorBoard as ``time/<phase>``; ``budget``: the run's env-step and wall
-        budgets the ETA aims at (None: no ETA)."""
+        budgets the ETA aims at (None: no ETA); ``scores``: the learner's games against a self-play
+        pool, which the episodes tagged with an opponent version go to (None: no pool)."""
         self.run_dir, self.wandb, self.clock, self.budget = run_dir, wandb, clock, budget
         self.errors = WriteErrors() if errors is None else errors
         self.unwritten: list[dict] = []  # progress rows not in progress.csv yet, oldest first
@@ -60,6 +66,9 @@ class Progress:
         self.replay_size = 0  # items in replay's table at the last batch
         self.returns: collections.deque = collections.deque(maxlen=return_window)
         self.lengths: collections.deque = collections.deque(maxlen=return_window)
+        self.scores = scores
+        self.pool_outcomes: collections.deque = collections.deque(maxlen=return_window)
+        self.fields = PROGRESS_FIELDS + (POOL_FIELDS if scores is not None else [])
         self.wall_before = 0.0  # wall seconds of earlier incarnations (from the checkpoint)
         self.t_start = time.monotonic()
         self.last_lag = 0.0
@@ -75,9 +84,13 @@ class Progress:
         self.env_steps += meta["env_steps"]
         self.dropped += meta.get("dropped", 0)
         self.replay_size = meta.get("replay_size", self.replay_size)
-        for ret, length in meta["episodes"]:
+        for ret, length, *opponent in meta["episodes"]:
             self.returns.append(ret)
             self.lengths.append(length)
+            if opponent and self.scores is not None:
+                outcome = self.scores.record(opponent[0], ret)
+                if outcome is not None:
+                    self.pool_outcomes.append(outcome)
         self.episodes_seen += len(meta["episodes"])
 
     def record_update(self, stats: dict[str, float], lag: float, skipped: bool = False) -> None:
@@ -109,7 +122,17 @@ class Progress:
                 "episodes": self.episodes_seen, "mean_return": round(self.mean_return(), 2),
                 "mean_length": round(mean_length, 1), "policy_lag": round(self.last_lag, 2), "dropped": self.dropped,
                 "replay_size": self.replay_size, "eta_s": round(self.eta_s(now), 1),
-                "skipped_updates": self.skipped_updates}
+                "skipped_updates": self.skipped_updates, **self.pool_columns()}
+
+    def pool_columns(self) -> dict:
+        """POOL_FIELDS now (none without a pool; NaN rates before its first game)."""
+        if self.scores is None:
+            return {}
+        games = len(self.pool_outcomes)
+        row = {f"pool_{o}": round(sum(x == o for x in self.pool_outcomes) / games, 3) if games else float("nan")
+               for o in OUTCOMES}
+        row["pool_elo"] = round(self.scores.learner_elo, 1)
+        return row
 
     def eta_s(self, now: float) -> float:
         """Seconds until the env-step budget at the env-step rate since the last ETA_ROWS rows of this
@@ -154,6 +177,11 @@ class Progress:
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f, eta %.0f s",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
                  len(self.returns), row["policy_lag"], row["eta_s"])
+        if self.scores is not None and self.pool_outcomes:
+            log.info("against the self-play pool: wins %.0f%% draws %.0f%% losses %.0f%% over %d games, Elo %.0f "
+                     "(versions: %s)", 100 * row["pool_win"], 100 * row["pool_draw"], 100 * row["pool_loss"],
+                     len(self.pool_outcomes), row["pool_elo"],
+                     ", ".join(f"v{v} {s['elo']:.0f}" for v, s in sorted(self.scores.versions.items())))
 
     def _tensorboard(self, scalars: dict) -> None:
         """The scalars to TensorBoard; a writer that failed (a full disk) is dropped and the
@@ -182,7 +210,7 @@ class Progress:
         """The rows not yet in progress.csv, oldest first, each whole or not at all."""
         while self.unwritten:
             try:
-                append_csv(self.run_dir / PROGRESS, PROGRESS_FIELDS, self.unwritten[0])
+                append_csv(self.run_dir / PROGRESS, self.fields, self.unwritten[0])
             except OSError as e:
                 self.errors.failed(PROGRESS, e)
                 return

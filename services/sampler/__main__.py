@@ -32,8 +32,10 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
     published a numpy acting plan (``shared.agents.acting``), the sampler acts in numpy on its own
     copy of the state and never imports torch; else it builds the torch agent."""
     from services.sampler.local import LocalActions
+    from services.sampler.opponent import Opponent, opponent_columns
     from shared.agents.acting import numpy_actor, read_acting_file
-    from shared.transport.params import ParamFollower, ParamStream, StateArrays
+    from shared.transport.params import ModuleState, ParamFollower, ParamStream, StateArrays
+    from shared.transport.pool import PoolFiles
 
     seed = topo.acting_seed("sampler", sampler.instance)
     segment, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
@@ -47,11 +49,17 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
 
     limit_s = exp.run.watchdog_startup_s or ACTING_WAIT_S
     published = wait_for("the learner's acting.json", lambda: read_acting_file(run_dir), limit_s)
+    # Self-play against a pool: a second copy of the agent acts for the opponent seat with a past version.
+    opponent_seeds = topo.acting_seed("opponent", sampler.instance).spawn(2) if exp.selfplay.on else None
     if published["plan"] is not None:
         state = StateArrays(published["spec"])
         act = numpy_actor(published["plan"], state.arrays, exp.agent, np.random.default_rng(seed))
         params = follow(state)
         wait_for("the learner's first parameter version", params.poll, limit_s)  # it follows acting.json at once
+        if opponent_seeds is not None:
+            past = StateArrays(published["spec"])
+            opponent_act = numpy_actor(published["plan"], past.arrays, exp.agent,
+                                       np.random.default_rng(opponent_seeds[0]))
     else:
         from shared.agents.actor import Actor, seed_torch
 
@@ -60,7 +68,16 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
         seed_torch(seed)  # make_agent seeded it with run.seed
         act = Actor(agent, seed)
         params = follow(agent)
-    return LocalActions(act, sampler, params, topo.total_envs)
+        if opponent_seeds is not None:
+            other = make_agent(exp, env_probe(exp)).eval()
+            past, opponent_act = ModuleState(other), Actor(other, opponent_seeds[0])
+    opponent = None
+    if opponent_seeds is not None:
+        opponent = Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), opponent_act, past,
+                            opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon,
+                            opponent_seeds[1])
+        sampler.opponent = opponent
+    return LocalActions(act, sampler, params, topo.total_envs, opponent)
 
 
 def wait_for(what: str, ready, limit_s: float):

@@ -30,8 +30,10 @@ class ParamSource(Protocol):
 class LocalActions:
     """ActionSource that runs ``act`` (an ``Actor`` or ``NumpyActor``) on a sampler's step slots right away."""
 
-    def __init__(self, act, sampler, params: ParamSource, envs_total: int):
-        self.act = act
+    def __init__(self, act, sampler, params: ParamSource, envs_total: int, opponent=None):
+        """``opponent``: the self-play pool's opponent seat (``services.sampler.opponent.Opponent``),
+        which replaces its columns' actions, or None."""
+        self.act, self.opponent = act, opponent
         self.slots, self.params, self.envs_total = sampler.slots, params, envs_total
         self.env_index = [np.arange(g.start, g.stop) + sampler.env_base for g in sampler.groups]
         self.versions = [0] * len(sampler.groups)
@@ -43,6 +45,8 @@ class LocalActions:
                                 self.params.env_steps, self.envs_total)
         slot.action[:] = action
         slot.agent_info[:] = info
+        if self.opponent is not None:
+            self.opponent.act(slot, self.env_index[group], self.params.env_steps, self.envs_total)
         self.versions[group] = max(self.params.version, 0)
 
     def wait(self, group: int) -> int:

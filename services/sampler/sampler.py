@@ -114,6 +114,9 @@ class Sampler:
         self.episodes: list[list[float]] = []  # [return, length] finished in the current segment
         self.pending: int | None = None  # segment waiting for its bootstrap values
         self.bad_returns = 0  # finished episodes whose return was not reported (not finite or huge)
+        self.opponent = None
+        """Self-play against a pool: the opponent seat (``services.sampler.opponent.Opponent``: its
+        columns ``mask``, the ``version`` it holds, ``train_both``), set with the acting side."""
 
     # ------------------------------------------------------------ loop
 
@@ -186,7 +189,7 @@ class Sampler:
             self.metrics.segments.inc()
             self.metrics.env_steps.inc(self.cfg.horizon * self.cfg.envs)
             if episodes:
-                rets = np.array(episodes)
+                rets = np.array([e[:2] for e in episodes])  # without a self-play opponent's version
                 self.metrics.episodes.inc(len(episodes))
                 self.metrics.episode_return.set(float(rets[:, 0].mean()))
                 self.metrics.episode_length.set(float(rets[:, 1].mean()))
@@ -217,12 +220,19 @@ class Sampler:
             ended = e.finished
         # A multi-agent env's column whose agent left the episode is padding: no transition, as a failed step.
         np.logical_or(step.failed, env.padding, out=step.failed)
+        opponent = self.opponent
+        if opponent is not None and not opponent.train_both:  # the past version's moves train nothing
+            np.logical_or(step.failed, opponent.mask[self.groups[g]], out=step.failed)
         # Envs reset themselves at an episode's end (and recreated ones count as truncated).
         np.logical_or(step.terminated, step.truncated, out=slot.first)
         slot.reward[:] = step.reward
         for i, ret, length in ended:
             if abs(ret) <= MAX_RETURN:  # False for NaN; replay's wire check would refuse the whole segment
-                self.episodes.append([float(ret), int(length)])
+                if opponent is None:
+                    self.episodes.append([float(ret), int(length)])
+                elif not opponent.mask[self.groups[g].start + i]:  # the learner seat's games, by opponent
+                    tag = [opponent.version] if opponent.version >= 0 else []
+                    self.episodes.append([float(ret), int(length), *tag])
                 continue
             if self.metrics is not None:
                 self.metrics.bad_returns.inc()

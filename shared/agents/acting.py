@@ -49,9 +49,9 @@ _ACTIVATIONS = {"tanh": lambda x: np.tanh(x, out=x), "relu": lambda x: np.maximu
 
 
 def acting_seed(run_seed: int, service: str, instance: int) -> np.random.SeedSequence:
-    """The seed of one acting process's exploration noise (a local-inference sampler, an
-    action-server): distinct for every process, and apart from the envs' seeds."""
-    return np.random.SeedSequence([run_seed, ("sampler", "action_server").index(service), instance])
+    """The seed of one actor's exploration noise (a local-inference sampler, an action-server,
+    the self-play opponent seat of a sampler): distinct for every one, and apart from the envs' seeds."""
+    return np.random.SeedSequence([run_seed, ("sampler", "action_server", "opponent").index(service), instance])
 
 
 class _Mlp:

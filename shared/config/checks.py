@@ -10,12 +10,13 @@ import math
 import os
 from pathlib import Path
 from shared.envs.backends import columns_per_env, validate_env_config
+from shared.envs.pettingzoo_backend import not_zero_sum_game
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
 from shared.algos.hparams import PQNConfig
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
-from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, WANDB_MODES
+from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, POOLS, WANDB_MODES
 from shared.config.topology import SAMPLER_SEED_STRIDE, topology
 
 
@@ -125,6 +126,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_agent_columns(exp)
+    _check_selfplay(exp)
     if check_ports:
         ports = {"network.metrics_port": net.metrics_port} if net.metrics_port else {}
         if net.transport == "tcp":
@@ -197,6 +199,29 @@ def _check_placement(exp: Experiment) -> None:
                           f"and parameters from its node ({place.learner!r})")
 
 
+def _check_selfplay(exp: Experiment) -> None:
+    """A pool of past versions needs a two-player zero-sum game (``not_zero_sum_game``: the rule)
+    and samplers that act themselves (the opponent's version is loaded in the sampler)."""
+    sp = exp.selfplay
+    if not sp.on:
+        return
+    if sp.pool not in POOLS:
+        raise ConfigError(f"selfplay.pool = {sp.pool!r}: allowed: {', '.join(POOLS)}, or empty (off)")
+    for name, value in (("selfplay.size", sp.size), ("selfplay.snapshot_every", sp.snapshot_every)):
+        if value < 1:
+            raise ConfigError(f"{name} = {value}: must be >= 1")
+    if exp.sampler.inference == "server":
+        raise ConfigError("sampler.inference = 'server': the self-play pool's opponent acts in the samplers; set "
+                          "sampler.inference = 'local' (or 'auto') with selfplay.pool")
+    if exp.model.lstm_size:
+        raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: the self-play pool's opponent keeps no "
+                          "recurrent state; use a feed-forward agent with selfplay.pool")
+    why = not_zero_sum_game(exp.env)
+    if why is not None:
+        raise ConfigError(f"selfplay.pool = {sp.pool!r}: needs a two-player zero-sum turn-based game; "
+                          f"env.id = {exp.env.id!r} {why}")
+
+
 def _check_eval(exp: Experiment) -> None:
     e = exp.eval
     if not (math.isfinite(e.every_s) and e.every_s >= 0):
@@ -237,6 +262,9 @@ def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:
     chosen = exp.sampler.inference
     if chosen != "auto":
         return exp, f"inference {chosen}"
+    if exp.selfplay.on:  # the pool's opponent acts in the samplers
+        return dataclasses.replace(exp, sampler=dataclasses.replace(exp.sampler, inference="local")), \
+            "inference local (auto: the self-play pool's opponent acts in the samplers)"
     cuda = exp.run.device.startswith("cuda") or (exp.run.device == "auto" and Path("/proc/driver/nvidia/version").exists())
     chosen = "server" if cuda else "local"
     why = "a CUDA device is present" if cuda else "no CUDA device"

@@ -11,7 +11,11 @@ from shared.config.schema import Experiment, most_count
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether our services could bind ``host:port``. With SO_REUSEADDR, as they bind (the metrics
+    endpoint's HTTPServer, ZeroMQ): a port that a stopped run's connections hold in TIME_WAIT
+    (a scrape of its metrics, say) is free to them, one a process listens on is not."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

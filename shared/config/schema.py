@@ -289,6 +289,33 @@ class LoggingConfig:
         return self.wandb and self.mode != "disabled"
 
 
+@dataclass(frozen=True)
+class SelfPlayConfig:
+    """Self-play against a pool of past versions in a two-player zero-sum game
+    (``shared.transport.pool``, docs/architecture.md, "Self-play against a pool of past versions"):
+    on each board one seat acts with the learner's current policy and the other with a past
+    version drawn from the pool; only the learner's seat is trained unless ``train_both_seats``."""
+    pool: str = ""
+    """How the opponent's version is drawn (POOLS): latest (the newest snapshot), uniform (over
+    the last ``size`` snapshots), prioritised (over them, weighted by how often each beats the
+    learner); empty: off (both seats act with the current policy and both are trained)."""
+    size: int = 8
+    """K: the snapshots the pool keeps (in the run directory's pool/) and draws from."""
+    snapshot_every: int = 20
+    """N: the learner adds its policy to the pool every N updates (and version 0 at the start)."""
+    train_both_seats: bool = False
+    """Also train on the opponent seat's moves (acted by the drawn past version: off-policy data,
+    its behaviour log-probabilities and values are the snapshot's); for symmetric games whose two
+    seats one shared policy plays. False: the opponent's columns are masked out of every loss."""
+
+    @property
+    def on(self) -> bool:
+        """Whether the opponent seat acts with past versions."""
+        return bool(self.pool)
+
+
+POOLS = ("latest", "uniform", "prioritised")
+"""How ``selfplay.pool`` draws the opponent's version."""
 OPPONENTS = ("random", "heuristic", "latest")
 """The opponents a policy plays two-player games against (services/evaluator/matches.py):
 ``eval.opponents``, ``rlpipe evaluate --opponent``."""
@@ -315,6 +342,7 @@ class Experiment:
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    selfplay: SelfPlayConfig = field(default_factory=SelfPlayConfig)
 
     @property
     def algo_spec(self) -> AlgoSpec:
@@ -334,6 +362,7 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "placement": PlacementConfig,
     "logging": LoggingConfig,
+    "selfplay": SelfPlayConfig,
 }
 
 

@@ -68,7 +68,8 @@ class Topology:
         return sampler % self.action_servers
 
     def acting_seed(self, service: str, instance: int) -> np.random.SeedSequence:
-        """The seed of the exploration draws of ``service`` ``instance`` (sampler or action_server)."""
+        """The seed of the exploration draws of ``service`` ``instance`` (sampler, action_server, or
+        opponent: a sampler's self-play opponent seat, whose version draws it also seeds)."""
         return acting_seed(self.seed, service, instance)
 
 

@@ -149,6 +149,43 @@ def check_two_player_game(cfg: EnvConfig, what: str) -> None:
         raise ValueError(f"{what}: needs a two-player turn-based PettingZoo game; env.id = {cfg.id!r} {why}")
 
 
+ZERO_SUM_GAMES = 4
+ZERO_SUM_MOVES = 2000
+"""The random games (and the most moves over them) ``not_zero_sum_game`` plays."""
+
+
+def not_zero_sum_game(cfg: EnvConfig) -> str | None:
+    """Why ``cfg`` is no two-player zero-sum turn-based game, in words that follow "env.id = ...",
+    or None when it may be one. PettingZoo declares no zero-sum flag, so the rule is: a two-player
+    turn-based game (``not_two_player_game``) whose two agents' rewards sum to 0 after every move
+    of ``ZERO_SUM_GAMES`` uniformly random games (at most ``ZERO_SUM_MOVES`` moves in all). A
+    probe can show that a game is not zero-sum, not that it is: a game whose rewards only differ
+    from zero-sum in positions random play does not reach passes."""
+    why = not_two_player_game(cfg)
+    if why is not None:
+        return why
+    raw, _ = _make_raw(cfg, check_common(cfg)[0])
+    rng = np.random.default_rng(0)
+    moves = 0
+    try:
+        for game in range(ZERO_SUM_GAMES):
+            raw.reset(seed=game)
+            while raw.agents and moves < ZERO_SUM_MOVES:
+                mover = raw.agent_selection
+                if raw.terminations.get(mover) or raw.truncations.get(mover):
+                    raw.step(None)
+                else:
+                    raw.step(int(rng.choice(np.flatnonzero(raw.observe(mover)[MASK_KEY]))))
+                    moves += 1
+                total = float(sum(raw.rewards.values()))
+                if abs(total) > 1e-6:
+                    return (f"is not zero-sum: its agents' rewards summed to {total:g} after move {moves} of random "
+                            "play")
+    finally:
+        raw.close()
+    return None
+
+
 def columns_per_env(cfg: EnvConfig) -> int:
     """The batch columns one env of ``cfg`` takes: its N agents (1 for a single-agent env)."""
     if not is_pettingzoo(cfg):

@@ -96,6 +96,9 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "skipped_steps": ("counter", "skipped_steps_total", "Gradient steps skipped: loss or gradient norm not finite", ()),
         "write_errors": ("counter", "write_errors_total", "Files of the run directory not written (a full disk), by file; tried again later", ("file",)),
         "phase": ("counter", "phase_seconds_total", "Wall seconds of the process, by what it was doing (PHASES)", ("phase",)),
+        "pool_outcome": ("gauge", "pool_outcome_ratio", "Share of the learner seat's recent self-play games against the "
+                         "pool's past versions that ended in an outcome (win, draw, loss)", ("outcome",)),
+        "pool_elo": ("gauge", "pool_elo", "Elo rating of the learner from its self-play games against the pool", ()),
     },
     "evaluator": {
         "mean_return": ("gauge", "mean_return", "Mean return of the latest evaluation's greedy episodes", ()),

@@ -112,14 +112,14 @@ class StateArrays:
     def __init__(self, spec) -> None:
         validate_spec(spec, "parameter segment spec")
         self.spec = spec
-        self.arrays = {f: np.zeros(leaf["shape"][1:], np.dtype(leaf["dtype"])) for f, leaf in _state_fields(spec)}
+        self.arrays = {f: np.zeros(leaf["shape"][1:], np.dtype(leaf["dtype"])) for f, leaf in state_fields(spec)}
 
     def load(self, staged: list[np.ndarray]) -> None:
         for arr, new in zip(self.arrays.values(), staged):
             np.copyto(arr, new)
 
 
-def _state_fields(spec) -> list:
+def state_fields(spec) -> list:
     """[(field, leaf spec)] of the state entries in a (validated) ParamSlot spec."""
     state = dict((spec or {}).get("fields") or [])
     fields = (state.get("tensors") or {}).get("fields")
@@ -280,7 +280,7 @@ class ParamStream:
 
     def __init__(self, target, sub):
         self.state = target if isinstance(target, StateArrays) else ModuleState(target)
-        self.layout = [(tuple(leaf["shape"][1:]), np.dtype(leaf["dtype"])) for _, leaf in _state_fields(self.state.spec)]
+        self.layout = [(tuple(leaf["shape"][1:]), np.dtype(leaf["dtype"])) for _, leaf in state_fields(self.state.spec)]
         self.sub = sub
         self.version = -1
         self.env_steps = 0

@@ -79,9 +79,11 @@ INT_RANGES: dict[str, tuple[int, int]] = {
 
 
 def _episode(x) -> bool:
-    """[finite return, positive length]."""
-    return (isinstance(x, list) and len(x) == 2 and isinstance(x[0], _NUM) and not isinstance(x[0], bool)
-            and abs(x[0]) <= MAX_RETURN and type(x[1]) is int and 1 <= x[1] <= _I63)
+    """[finite return, positive length], and in self-play against a pool the opponent's version
+    (``shared.transport.pool``): [return, length, version >= 0]."""
+    return (isinstance(x, list) and len(x) in (2, 3) and isinstance(x[0], _NUM) and not isinstance(x[0], bool)
+            and abs(x[0]) <= MAX_RETURN and type(x[1]) is int and 1 <= x[1] <= _I63
+            and (len(x) == 2 or type(x[2]) is int and 0 <= x[2] <= _I63))
 
 
 def _key(x) -> bool:
@@ -99,7 +101,8 @@ def _priority(x) -> bool:
 # list field -> (what each element must be, test, fewest and most elements)
 LISTS: dict[str, tuple[str, object, int, int]] = {
     "slots": ("a descriptor map", lambda x: isinstance(x, dict), 1, MAX_DESCRIPTORS),
-    "episodes": (f"[return, length] with |return| <= {MAX_RETURN:g} and length >= 1", _episode, 0, MAX_EPISODES),
+    "episodes": (f"[return, length(, opponent version)] with |return| <= {MAX_RETURN:g}, length >= 1, version >= 0",
+                 _episode, 0, MAX_EPISODES),
     "keys": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
     "generations": ("an int in 0..2**63-1", _key, 0, MAX_ITEMS),
     "priorities": ("a finite number >= 0", _priority, 0, MAX_ITEMS),

@@ -1,0 +1,220 @@
+"""Self-play against a pool of past versions (``[selfplay]``, shared/transport/pool.py,
+services/sampler/opponent.py): a config that cannot have one is one config-error line; the pool's
+files round-trip into an agent and refuse what does not fit; draws and Elo follow the scores; the
+learner seat learns to beat a random player in serial mode and through the pipeline, where the
+pool holds and serves its past versions after a learner ``kill -9`` and after ``launch --resume``."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("pettingzoo")
+mpe2 = pytest.importorskip("mpe2")
+
+from services.build import agent_info, env_probe, make_agent
+from services.sampler.local import LocalActions
+from services.sampler.opponent import Opponent
+from services.sampler.sampler import Sampler
+from shared.config.topology import topology
+from shared.agents.actor import Actor
+from services.sampler.opponent import opponent_columns
+from shared.config import loading
+from shared.config.schema import ConfigError
+from shared.launch import api
+from shared.transport.params import ModuleState, field_name
+from shared.transport.pool import PoolFiles, Scores, draw
+from tests.pipeline import CONFIGS, metric_value, rlpipe, rlpipe_here
+from tests.test_memory import FixedParams
+from tests.test_pettingzoo import assert_beats_random
+
+torch.set_num_threads(1)
+POOL = ["selfplay.pool='uniform'", "selfplay.snapshot_every=10"]
+
+
+@pytest.mark.parametrize("overrides, mentions", [
+    (["env.id='CartPole-v1'", "model.action_mask=''"], "is a single-agent env"),
+    (["env.id='pettingzoo:mpe2.simple_spread_v3'", "sampler.envs=6", "model.action_mask=''"], "has 3 agents"),
+    (["env.id='pettingzoo:tests.cooperative_game_for_tests'"], "is not zero-sum"),
+    (["sampler.inference='server'"], "sampler.inference = 'server'"),
+    (["selfplay.pool='best'"], "allowed: latest, uniform, prioritised"),
+    (["selfplay.size=0"], "selfplay.size = 0"),
+])
+def test_a_pool_where_there_can_be_none_is_one_config_error_line(overrides, mentions):
+    with pytest.raises(ConfigError) as e:
+        loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + overrides)
+    assert mentions in str(e.value) and "\n" not in str(e.value), e.value
+
+
+def test_pool_files_round_trip_into_an_agent_and_refuse_what_does_not_fit(tmp_path):
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL)
+    a, b = (make_agent(exp, env_probe(exp)) for _ in range(2))
+    with torch.no_grad():
+        for p in a.parameters():
+            p.add_(1.0)
+    pool = PoolFiles(tmp_path, size=2)
+    for version in (3, 7, 12):
+        pool.add(version, {field_name(k): t.numpy() for k, t in a.state_dict().items()})
+    assert pool.versions() == [7, 12] and sorted(os.listdir(tmp_path / "pool")) == ["v000000000007.npz",
+                                                                                     "v000000000012.npz"]
+    assert pool.load(12, ModuleState(b))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not pool.load(3, ModuleState(b))  # dropped from the pool
+    other = make_agent(loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["model.hidden_sizes=[8]"]), env_probe(exp))
+    assert not pool.load(7, ModuleState(other))  # another agent's state: refused, not loaded
+    (tmp_path / "pool" / "v000000000007.npz").write_bytes(b"not a zip")
+    assert not pool.load(7, ModuleState(b))
+
+
+def test_draws_follow_the_rule_and_elo_moves_towards_the_winner():
+    scores = Scores()
+    for v in (1, 2):
+        scores.enter(v)
+    for _ in range(20):
+        scores.record(1, 1.0)  # the learner beats version 1...
+        scores.record(2, -1.0)  # ...and loses to version 2
+    assert scores.versions[1]["win"] == 20 and scores.versions[2]["loss"] == 20
+    assert scores.versions[2]["elo"] > 1000 > scores.versions[1]["elo"]
+    assert scores.record(9, 1.0) is None  # a version the pool does not hold counts nowhere
+    rng = np.random.default_rng(0)
+    assert draw("latest", [1, 2], {}, rng) == 2
+    assert {draw("uniform", [1, 2], {}, rng) for _ in range(50)} == {1, 2}
+    drawn = [draw("prioritised", [1, 2], scores.state(), rng) for _ in range(2000)]
+    assert drawn.count(2) > 0.95 * len(drawn) > drawn.count(1) > 0  # weights (21/22)^2 : (1/22)^2
+
+
+def test_opponent_columns_give_the_learner_first_seat_on_even_boards():
+    assert opponent_columns(0, 8).tolist() == [False, True, True, False] * 2
+    assert opponent_columns(8, 4).tolist() == [False, True, True, False]
+
+
+class Announced:
+    def __init__(self):
+        self.metas = []
+
+    def announce(self, index: int, meta: dict) -> None:
+        self.metas.append(meta)
+
+    def acquire(self, index: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games_name_it(tmp_path, both):
+    """A local sampler of 4 boards: the pool's only version (5) always takes the centre where it
+    may, the current policy is a fresh one. The opponent's columns play version 5's moves and are
+    failed steps (no loss trains on them) unless train_both_seats; the learner seat's episodes
+    alone are reported, each naming version 5."""
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=8", "sampler.horizon=16", "sampler.ring=2",
+                                                               f"selfplay.train_both_seats={str(both).lower()}"])
+    probe = env_probe(exp)
+    current, centre, holder = (make_agent(exp, probe) for _ in range(3))
+    probe.close()
+    with torch.no_grad():
+        centre.twin.weights[2][0].zero_()  # member 0 is the policy's head
+        centre.twin.biases[2][0, 0].copy_(torch.eye(9)[4] * 50.0)
+    files = PoolFiles(tmp_path, 8)
+    files.add(5, {field_name(k): t.numpy() for k, t in centre.state_dict().items()})
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
+    mask = opponent_columns(sampler.env_base, exp.sampler.envs)
+    opponent = Opponent(exp.selfplay, files, Actor(holder, np.random.SeedSequence(1)), ModuleState(holder), mask,
+                        exp.sampler.horizon, np.random.SeedSequence(2))
+    sampler.opponent = opponent
+    actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
+                           opponent)
+    sink = Announced()
+    sampler.start(actions)
+    for _ in range(3):
+        sampler.collect_segment(actions, sink)
+    samples = sampler.ring[0].samples
+    sampler.close()
+    assert opponent.version == 5
+    assert (not samples.failed.any()) if both else (samples.failed[:, mask].all() and not samples.failed[:, ~mask].any())
+    legal = samples.observation.action_mask
+    moving = legal.sum(-1) > 1  # not a pass
+    centre_free = moving & (legal[..., 4] == 1)
+    assert (samples.action[:, mask][centre_free[:, mask]] == 4).all() and centre_free[:, mask].sum() >= 4
+    assert (samples.action[:, ~mask][centre_free[:, ~mask]] != 4).any()  # the current policy plays elsewhere too
+    episodes = [e for meta in sink.metas for e in meta["episodes"]]
+    assert episodes and all(len(e) == 3 and e[2] == 5 for e in episodes)
+
+
+# ------------------------------------------------------------------ learning
+
+
+def pool_rows(run_dir: Path) -> list[dict]:
+    from shared.launch import rundirs
+
+    return [r for r in rundirs.read_progress(run_dir) if r.get("pool_win") not in (None, "", "nan")]
+
+
+def scores(run_dir: Path) -> dict:
+    return json.loads((run_dir / "pool" / "scores.json").read_text())["versions"]
+
+
+@pytest.mark.learning
+def test_the_learner_seat_beats_a_random_player_against_a_pool_in_serial_mode(tmp_path):
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", [f"run.runs_dir='{tmp_path}'", "run.max_env_steps=40000",
+                                                        "selfplay.pool='prioritised'"])
+    result = api.train_serial(exp, out=io.StringIO())
+    assert result["reason"] == "budget", result
+    run_dir = Path(result["run_dir"])
+    held = PoolFiles(run_dir, 8).versions()
+    assert held == list(range(0, 20 * len(held), 20)) and len(held) >= 3  # version 0, then one every 20 updates
+    assert set(scores(run_dir)) == set(map(str, held))
+    row = pool_rows(run_dir)[-1]
+    assert sum(float(row[f"pool_{o}"]) for o in ("win", "draw", "loss")) == pytest.approx(1, abs=0.01), row
+    assert float(row["pool_elo"]) > 1000  # it beat its past versions more often than it lost
+    assert_beats_random(exp, run_dir)
+
+
+@pytest.mark.learning
+def test_pool_self_play_through_the_pipeline_survives_a_learner_kill_and_a_resume(runs):
+    """Local inference, a snapshot every 10 updates, uniform draws over the last 8. The learner is
+    killed with SIGKILL once the pool holds 3 versions: the restarted one finds them, and the
+    samplers go on playing them (their games against versions of before the kill still count).
+    Stopped, then resumed with ``launch --resume``: the pool is there, the run ends at its budget,
+    and the learner seat beats a random player."""
+    run = runs("tictactoe_ppo.toml", *POOL, "learner.checkpoint_interval_s=1.0", "sampler.inference=local")
+    pool = PoolFiles(run.dir, 8)
+    run.wait_for(lambda: len(pool.versions()) >= 3 and (run.dir / "checkpoints" / "latest.pt").exists()
+                 and pool_rows(run.dir), 60, "3 pool versions, a checkpoint and a row of games against the pool")
+    run.wait_for(lambda: "rlpipe_learner_pool_outcome_ratio" in run.metrics(), 10, "the pool outcome gauge")
+    assert metric_value(run.metrics(), "rlpipe_learner_pool_outcome_ratio", outcome="win") > 0
+    before = pool.versions()
+    played = scores(run.dir)
+    learner_pid = run.pid("learner0")
+    os.kill(learner_pid, signal.SIGKILL)
+    run.wait_for(lambda: run.status().get("learner0", ("", None))[1] not in (None, learner_pid), 30,
+                 "supervisord to restart the learner")
+    run.wait_for(lambda: "self-play pool: " in run.logs("learner0") and "version(s) held" in run.logs("learner0"),
+                 30, "the restarted learner to find the pool")
+
+    def old_versions_played_again() -> bool:
+        now = scores(run.dir)
+        return any(str(v) in now and sum(now[str(v)][o] for o in ("win", "draw", "loss")) >
+                   sum(played[str(v)][o] for o in ("win", "draw", "loss")) for v in before if str(v) in played)
+    run.wait_for(old_versions_played_again, 60, "games against versions of before the kill")
+
+    out = rlpipe("stop", str(run.dir))
+    assert out.returncode == 0, out.stdout + out.stderr
+    held = pool.versions()
+    out = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = run.wait_result(120)
+    assert result["reason"] == "budget", result
+    assert run.logs("learner0").count("version(s) held") >= 2
+    assert pool.versions()[-1] > held[-1]  # it went on adding versions after those it held
+    # Against its own recent versions a learner that wins as first player wins about half its games.
+    last = pool_rows(run.dir)[-1]
+    assert sum(float(last[f"pool_{o}"]) for o in ("win", "draw", "loss")) == pytest.approx(1, abs=0.01), last
+    assert_beats_random(loading.load(CONFIGS / "tictactoe_ppo.toml"), run.dir, first_win=0.68, first_loss=0.22,
+                        second_win=0.36)
