@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import socket
+import tomllib
 
 import pytest
 
 from shared.config import endpoints, loading, schema
+from shared.replay.rate_limiter import RateLimiterConfig
+from shared.replay.selectors import PrioritizedConfig
+from shared.replay.sequences import SequenceStorageConfig
+from shared.replay.storage import StorageConfig
+from shared.replay.transitions import TransitionStorageConfig
 from tests.pipeline import CONFIGS, rlpipe
 
 DEFAULT = CONFIGS / "cartpole_ppo.toml"
@@ -28,6 +34,8 @@ DEFAULT = CONFIGS / "cartpole_ppo.toml"
     ("bogus.key=1", "bogus"),
     ("learner.batch_segments=3", "learner.batch_segments"),
     ("replay.store_steps=true", "replay.store_steps"),  # PPO learns from segments, not n-step windows
+    ("replay.alpha=\"high\"", "replay.alpha"),  # a key of a part's config (PrioritizedConfig.alpha)
+    ("replay.sequence_length=true", "replay.sequence_length"),
 ])
 def test_bad_value_is_one_line_naming_the_field(override, names):
     with pytest.raises(schema.ConfigError) as err:
@@ -83,9 +91,34 @@ def test_missing_file_and_bad_toml(tmp_path):
 def test_overrides_and_resolved_config_round_trip():
     exp = loading.load(DEFAULT, ["sampler.count=3", "algo.lr=3e-4", "model.hidden_sizes=[32, 32]"])
     assert exp.sampler.count == 3 and exp.algo.lr == 3e-4 and exp.model.hidden_sizes == (32, 32)
-    import tomllib
-
     assert loading.from_dict(tomllib.loads(loading.dumps(exp))) == exp
+
+
+def test_replay_keys_set_their_parts_configs_and_round_trip():
+    # [replay] stays flat: each key sets one field of one part's config (ReplayConfig.KEYS).
+    exp = loading.load(CONFIGS / "cartpole_rainbow.toml", [
+        "replay.capacity=50000", "replay.n_step=2", "replay.gamma=0.9", "replay.store_steps=true",
+        "replay.sequence_length=20", "replay.sequence_period=10", "replay.alpha=0.5", "replay.beta0=0.5",
+        "replay.beta_final=0.9", "replay.beta_steps=7", "replay.weight_norm='table_min'",
+        "replay.samples_per_insert=4", "replay.min_size_to_sample=500", "replay.error_buffer=100"])
+    r = exp.replay
+    assert r.storage == StorageConfig(capacity=50000)
+    assert r.transitions == TransitionStorageConfig(n_step=2, gamma=0.9, store_steps=True)
+    assert r.sequences == SequenceStorageConfig(length=20, period=10)
+    assert r.prioritized == PrioritizedConfig(alpha=0.5, beta0=0.5, beta_final=0.9, beta_steps=7, weight_norm="table_min")
+    assert r.rate_limiter == RateLimiterConfig(samples_per_insert=4.0, min_size_to_sample=500, error_buffer=100.0)
+    assert loading.from_dict(tomllib.loads(loading.dumps(exp))) == exp
+    assert list(r.flat()) == list(schema.ReplayConfig.KEYS)
+
+
+def test_unknown_replay_key_lists_the_flat_keys():
+    with pytest.raises(schema.ConfigError) as e:
+        loading.load(DEFAULT, ["replay.capcity=4"])
+    assert str(e.value) == (
+        "unknown key replay.capcity (did you mean 'capacity'?) (allowed: table, capacity, n_step, gamma, "
+        "store_steps, frame_store, sequence_length, sequence_period, alpha, beta0, beta_final, beta_steps, "
+        "weight_norm, samples_per_insert, min_size_to_sample, error_buffer, max_policy_lag, release_on_sample, "
+        "peer_timeout_s, persist, snapshot_interval_s)")
 
 
 def test_tcp_endpoints_bind_loopback_by_default(tmp_path):
