@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import tomllib
 
@@ -94,21 +95,59 @@ def test_overrides_and_resolved_config_round_trip():
     assert loading.from_dict(tomllib.loads(loading.dumps(exp))) == exp
 
 
-def test_replay_keys_set_their_parts_configs_and_round_trip():
+def test_every_replay_key_sets_its_parts_config_and_round_trips():
     # [replay] stays flat: each key sets one field of one part's config (ReplayConfig.KEYS).
-    exp = loading.load(CONFIGS / "cartpole_rainbow.toml", [
-        "replay.capacity=50000", "replay.n_step=2", "replay.gamma=0.9", "replay.store_steps=true",
-        "replay.sequence_length=20", "replay.sequence_period=10", "replay.alpha=0.5", "replay.beta0=0.5",
-        "replay.beta_final=0.9", "replay.beta_steps=7", "replay.weight_norm='table_min'",
-        "replay.samples_per_insert=4", "replay.min_size_to_sample=500", "replay.error_buffer=100"])
+    keys = {"table": "prioritized", "capacity": 50000, "n_step": 2, "gamma": 0.9, "store_steps": True,
+            "frame_store": True, "sequence_length": 20, "sequence_period": 10, "alpha": 0.5, "beta0": 0.5,
+            "beta_final": 0.9, "beta_steps": 7, "weight_norm": "table_min", "samples_per_insert": 4.0,
+            "min_size_to_sample": 500, "error_buffer": 100.0, "max_policy_lag": 3, "release_on_sample": True,
+            "peer_timeout_s": 5.0, "persist": True, "snapshot_interval_s": 60.0}
+    exp = loading.load(CONFIGS / "cartpole_rainbow.toml",
+                       [f"replay.{k}={json.dumps(v)}" for k, v in keys.items()])
     r = exp.replay
-    assert r.storage == StorageConfig(capacity=50000)
+    assert r.flat() == keys
+    assert r.storage == StorageConfig(capacity=50000, frame_store=True)
     assert r.transitions == TransitionStorageConfig(n_step=2, gamma=0.9, store_steps=True)
     assert r.sequences == SequenceStorageConfig(length=20, period=10)
     assert r.prioritized == PrioritizedConfig(alpha=0.5, beta0=0.5, beta_final=0.9, beta_steps=7, weight_norm="table_min")
     assert r.rate_limiter == RateLimiterConfig(samples_per_insert=4.0, min_size_to_sample=500, error_buffer=100.0)
     assert loading.from_dict(tomllib.loads(loading.dumps(exp))) == exp
-    assert list(r.flat()) == list(schema.ReplayConfig.KEYS)
+
+
+SAVED_REPLAY = """[replay]
+table = "uniform"
+capacity = 100000
+n_step = 5
+gamma = 0.99
+store_steps = false
+frame_store = false
+sequence_length = 80
+sequence_period = 40
+alpha = 0.6
+beta0 = 0.4
+beta_final = 1.0
+beta_steps = 100000
+weight_norm = "batch_max"
+samples_per_insert = 8.0
+min_size_to_sample = 1000
+error_buffer = 0.0
+max_policy_lag = 4
+release_on_sample = false
+peer_timeout_s = 10.0
+persist = true
+snapshot_interval_s = 300.0
+"""
+"""cartpole_dqn's [replay] as a run directory's config.toml holds it (``dumps``)."""
+
+
+def test_a_run_directorys_replay_section_loads_and_is_written_back_the_same():
+    exp = loading.load(CONFIGS / "cartpole_dqn.toml")
+    text = loading.dumps(exp)
+    start = text.index("[replay]\n")
+    assert text[start:start + len(SAVED_REPLAY) + 2] == SAVED_REPLAY + "\n["
+    raw = tomllib.loads(loading.dumps(exp))
+    raw["replay"] = tomllib.loads(SAVED_REPLAY)["replay"]
+    assert loading.from_dict(raw) == exp
 
 
 def test_unknown_replay_key_lists_the_flat_keys():
