@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import tomllib
 
 import pytest
 
 from shared.config import endpoints, loading, schema
+from shared.replay.rate_limiter import RateLimiterConfig
+from shared.replay.selectors import PrioritizedConfig
+from shared.replay.sequences import SequenceStorageConfig
+from shared.replay.storage import StorageConfig
+from shared.replay.transitions import TransitionStorageConfig
 from tests.pipeline import CONFIGS, rlpipe
 
 DEFAULT = CONFIGS / "cartpole_ppo.toml"
@@ -28,6 +35,8 @@ DEFAULT = CONFIGS / "cartpole_ppo.toml"
     ("bogus.key=1", "bogus"),
     ("learner.batch_segments=3", "learner.batch_segments"),
     ("replay.store_steps=true", "replay.store_steps"),  # PPO learns from segments, not n-step windows
+    ("replay.alpha=\"high\"", "replay.alpha"),  # a key of a part's config (PrioritizedConfig.alpha)
+    ("replay.sequence_length=true", "replay.sequence_length"),
 ])
 def test_bad_value_is_one_line_naming_the_field(override, names):
     with pytest.raises(schema.ConfigError) as err:
@@ -83,9 +92,72 @@ def test_missing_file_and_bad_toml(tmp_path):
 def test_overrides_and_resolved_config_round_trip():
     exp = loading.load(DEFAULT, ["sampler.count=3", "algo.lr=3e-4", "model.hidden_sizes=[32, 32]"])
     assert exp.sampler.count == 3 and exp.algo.lr == 3e-4 and exp.model.hidden_sizes == (32, 32)
-    import tomllib
-
     assert loading.from_dict(tomllib.loads(loading.dumps(exp))) == exp
+
+
+def test_every_replay_key_sets_its_parts_config_and_round_trips():
+    # [replay] stays flat: each key sets one field of one part's config (ReplayConfig.KEYS).
+    keys = {"table": "prioritized", "capacity": 50000, "n_step": 2, "gamma": 0.9, "store_steps": True,
+            "frame_store": True, "sequence_length": 20, "sequence_period": 10, "alpha": 0.5, "beta0": 0.5,
+            "beta_final": 0.9, "beta_steps": 7, "weight_norm": "table_min", "samples_per_insert": 4.0,
+            "min_size_to_sample": 500, "error_buffer": 100.0, "max_policy_lag": 3, "release_on_sample": True,
+            "peer_timeout_s": 5.0, "persist": True, "snapshot_interval_s": 60.0}
+    exp = loading.load(CONFIGS / "cartpole_rainbow.toml",
+                       [f"replay.{k}={json.dumps(v)}" for k, v in keys.items()])
+    r = exp.replay
+    assert r.flat() == keys
+    assert r.storage == StorageConfig(capacity=50000, frame_store=True)
+    assert r.transitions == TransitionStorageConfig(n_step=2, gamma=0.9, store_steps=True)
+    assert r.sequences == SequenceStorageConfig(length=20, period=10)
+    assert r.prioritized == PrioritizedConfig(alpha=0.5, beta0=0.5, beta_final=0.9, beta_steps=7, weight_norm="table_min")
+    assert r.rate_limiter == RateLimiterConfig(samples_per_insert=4.0, min_size_to_sample=500, error_buffer=100.0)
+    assert loading.from_dict(tomllib.loads(loading.dumps(exp))) == exp
+
+
+SAVED_REPLAY = """[replay]
+table = "uniform"
+capacity = 100000
+n_step = 5
+gamma = 0.99
+store_steps = false
+frame_store = false
+sequence_length = 80
+sequence_period = 40
+alpha = 0.6
+beta0 = 0.4
+beta_final = 1.0
+beta_steps = 100000
+weight_norm = "batch_max"
+samples_per_insert = 8.0
+min_size_to_sample = 1000
+error_buffer = 0.0
+max_policy_lag = 4
+release_on_sample = false
+peer_timeout_s = 10.0
+persist = true
+snapshot_interval_s = 300.0
+"""
+"""cartpole_dqn's [replay] as a run directory's config.toml holds it (``dumps``)."""
+
+
+def test_a_run_directorys_replay_section_loads_and_is_written_back_the_same():
+    exp = loading.load(CONFIGS / "cartpole_dqn.toml")
+    text = loading.dumps(exp)
+    start = text.index("[replay]\n")
+    assert text[start:start + len(SAVED_REPLAY) + 2] == SAVED_REPLAY + "\n["
+    raw = tomllib.loads(loading.dumps(exp))
+    raw["replay"] = tomllib.loads(SAVED_REPLAY)["replay"]
+    assert loading.from_dict(raw) == exp
+
+
+def test_unknown_replay_key_lists_the_flat_keys():
+    with pytest.raises(schema.ConfigError) as e:
+        loading.load(DEFAULT, ["replay.capcity=4"])
+    assert str(e.value) == (
+        "unknown key replay.capcity (did you mean 'capacity'?) (allowed: table, capacity, n_step, gamma, "
+        "store_steps, frame_store, sequence_length, sequence_period, alpha, beta0, beta_final, beta_steps, "
+        "weight_norm, samples_per_insert, min_size_to_sample, error_buffer, max_policy_lag, release_on_sample, "
+        "peer_timeout_s, persist, snapshot_interval_s)")
 
 
 def test_tcp_endpoints_bind_loopback_by_default(tmp_path):

@@ -22,6 +22,7 @@ from shared.envs.backends import make_env_group, validate_env_config
 from shared.envs.envpool_backend import EnvPoolGroup
 from shared.envs.group import EnvConfig, EnvError
 from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
+from shared.replay.storage import StorageConfig
 from tests.pipeline import CONFIGS
 from tests.test_envs import Buffers
 
@@ -341,7 +342,8 @@ def test_r2d1_sequences_of_pong_frames_come_back_exactly_from_the_frame_store():
     example = step_example(group.example_observation(), action,
                            info_example("q", ModelConfig(lstm_size=4, lstm_prev_action=True), action))
     spec = with_leading_dims(spec_of(example), [T, B])
-    storage = SequenceStorage(spec, {0: B}, SequenceStorageConfig(capacity=B * 64, length=L, period=P, frame_store=True))
+    storage = SequenceStorage(spec, {0: B}, StorageConfig(B * 64, frame_store=True),
+                              SequenceStorageConfig(length=L, period=P))
     obs = buffer_from_example(example.observation, [B])
     group.reset(obs)
     rng = np.random.default_rng(0)

@@ -16,6 +16,7 @@ from shared.config import loading
 from shared.data.namedarraytuple import from_spec, map_leaves, spec_of
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from tests.test_memory import local_segments
@@ -87,7 +88,7 @@ def test_a_failed_step_has_no_weight_in_pqn_or_recurrent_ppo():
 def test_a_failed_step_is_in_no_sampled_transition(n_step):
     exp, _, segs = collect("cartpole_ppo.toml")
     storage = TransitionStorage(spec_of(segs[0].samples), {0: B},
-                                TransitionStorageConfig(capacity=B * 4 * T, n_step=n_step, gamma=0.5))
+                                StorageConfig(capacity=B * 4 * T), TransitionStorageConfig(n_step=n_step, gamma=0.5))
     table = Table(storage, Fifo(), RateLimiter())
     for seg in segs:
         table.insert(0, map_leaves(lambda x: x.numpy(), seg.samples))

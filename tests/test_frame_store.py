@@ -23,6 +23,7 @@ from shared.data.namedarraytuple import buffer_from_example, from_spec, leaves, 
 from shared.replay.arena import ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from tests.pipeline import CONFIGS
@@ -97,9 +98,10 @@ def test_frame_store_returns_the_stacks_a_naive_store_returns(K, T, n, widths, e
     envs = {w: FakeEnvs(b, K, rng, lambda: next(counter)) for w, b in widths.items()}
     spec = spec_of(FakeEnvs(1, K, rng, lambda: 0).segment(T, 0.0))
     capacity = (T + n + extra_rows) * sum(widths.values())
-    cfg = TransitionStorageConfig(capacity=capacity, n_step=n, gamma=0.9, store_steps=store_steps)
-    naive = Table(TransitionStorage(spec, widths, cfg), Fifo(), RateLimiter())
-    store = TransitionStorage(spec, widths, dataclasses.replace(cfg, frame_store=True, final_frames=1))
+    cfg = TransitionStorageConfig(n_step=n, gamma=0.9, store_steps=store_steps)
+    naive = Table(TransitionStorage(spec, widths, StorageConfig(capacity), cfg), Fifo(), RateLimiter())
+    store = TransitionStorage(spec, widths, StorageConfig(capacity, frame_store=True),
+                              dataclasses.replace(cfg, final_frames=1))
     frames = Table(store, Fifo(), RateLimiter())
     F = store.ring.frames.F
     seen = {(w, b): set() for w in widths for b in range(widths[w])}  # frame ids replay got since the seam
@@ -177,14 +179,14 @@ def test_pong_stacks_come_back_exactly_also_from_a_table_reattached_in_shared_me
     T, B = 16, 2
     example, segments = _pong_segments(T, B, 12, backend)  # 384 steps, a truncation every 45
     spec = with_leading_dims(spec_of(example), [T, B])
-    cfg = TransitionStorageConfig(capacity=B * 150, n_step=3, gamma=0.99, frame_store=True)
-    naive = Table(TransitionStorage(spec, {0: B}, TransitionStorageConfig(capacity=B * 150, n_step=3, gamma=0.99)),
-                  Fifo(), RateLimiter())
+    cfg = TransitionStorageConfig(n_step=3, gamma=0.99)
+    naive = Table(TransitionStorage(spec, {0: B}, StorageConfig(B * 150), cfg), Fifo(), RateLimiter())
     run_id = f"framestore{os.getpid()}"
 
     def shm_table():
-        arena = ShmArena(run_id, 0, fingerprint("pong", cfg.capacity))
-        return Table(TransitionStorage(spec, {0: B}, cfg, arena), Fifo(), RateLimiter(arena=arena), arena=arena)
+        arena = ShmArena(run_id, 0, fingerprint("pong", B * 150))
+        return Table(TransitionStorage(spec, {0: B}, StorageConfig(B * 150, frame_store=True), cfg, arena), Fifo(),
+                     RateLimiter(arena=arena), arena=arena)
 
     table = shm_table()
     try:

@@ -7,6 +7,7 @@ from shared.data.namedarraytuple import from_spec, namedarraytuple, spec_of
 from shared.replay.nstep import nstep_targets
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 
@@ -102,7 +103,7 @@ def test_ring_wraparound_and_seam_reference():
     # rows = capacity / columns = 5 steps; T = 2, n = 2, gamma = 0.5; termination at
     # step 3, truncation at step 7; the writer restarts after step 9.
     storage = TransitionStorage(
-        spec_of(_segment([0, 1])), {0: 1}, TransitionStorageConfig(capacity=5, n_step=2, gamma=0.5)
+        spec_of(_segment([0, 1])), {0: 1}, StorageConfig(capacity=5), TransitionStorageConfig(n_step=2, gamma=0.5)
     )
     table = Table(storage, Fifo(), RateLimiter())
     ev = dict(term=[3], trunc=[7])
@@ -148,7 +149,7 @@ def test_a_failed_step_is_in_no_sampled_transition():
     """The table serves no item at a failed step, and the items before it bootstrap from the
     observation it was taken in, one step sooner than a truncation would."""
     storage = TransitionStorage(
-        spec_of(_segment([0, 1])), {0: 1}, TransitionStorageConfig(capacity=50, n_step=2, gamma=0.5)
+        spec_of(_segment([0, 1])), {0: 1}, StorageConfig(capacity=50), TransitionStorageConfig(n_step=2, gamma=0.5)
     )
     table = Table(storage, Fifo(), RateLimiter())
     for t0 in (0, 2, 4, 6):

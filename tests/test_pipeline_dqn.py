@@ -36,7 +36,7 @@ def test_rainbow_minus_noisy_cartpole_reaches_400_within_100k_steps_through_a_sc
                  30, "sampler 2's segments")
     before = run.stop_replay_between_operations()
     exp = run.config()
-    cols = check_nstep(run.replay_table(), exp.replay.gamma, exp.replay.n_step)
+    cols = check_nstep(run.replay_table(), exp.replay.transitions.gamma, exp.replay.transitions.n_step)
     assert set(cols // exp.sampler.envs) == {0, 1, 2}  # items of every sampler, the added one too
     os.kill(before["pid"], signal.SIGKILL)
     line = run.wait_for(lambda: re.search(r"re-attached after a restart: (\{.*\})", run.logs("replay")), 30,

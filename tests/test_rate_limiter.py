@@ -10,10 +10,10 @@ from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 def test_random_interleaving_stays_in_band(seed):
     rng = np.random.default_rng(seed)
     k, n, spi, min_size = 64, 32, 4.0, 520  # items per insert, per sample
-    error_buffer = (k * spi + n) / 2  # the narrowest band that cannot deadlock
-    lim = RateLimiter(RateLimiterConfig(samples_per_insert=spi, min_size_to_sample=min_size,
-                                        error_buffer=error_buffer))
-    lim.check_no_deadlock(k, n)
+    error_buffer = (k * spi + n) / 2  # the narrowest band that cannot deadlock: error_buffer=0's
+    lim = RateLimiter(RateLimiterConfig(samples_per_insert=spi, min_size_to_sample=min_size),
+                      insert_size=k, sample_size=n)
+    assert lim.error_buffer == error_buffer
     bias = rng.uniform(0.05, 0.95)  # how often the producer gets the turn
     settled, peak = False, 0.0
     for _ in range(20_000):
@@ -61,7 +61,7 @@ def test_narrow_band_is_reported_and_really_deadlocks():
 
 
 def test_unthrottled_waits_only_for_min_size():
-    lim = RateLimiter(RateLimiterConfig(samples_per_insert=None, min_size_to_sample=100))
+    lim = RateLimiter(RateLimiterConfig(min_size_to_sample=100))
     assert not lim.can_sample(1)
     lim.on_insert(99)
     assert not lim.can_sample(1) and lim.can_insert(10**6)
@@ -74,6 +74,6 @@ def test_unthrottled_waits_only_for_min_size():
 
 def test_rejects_bad_config():
     with pytest.raises(ValueError, match="samples_per_insert"):
-        RateLimiter(RateLimiterConfig(samples_per_insert=0.0))
+        RateLimiter(RateLimiterConfig(samples_per_insert=-1.0))
     with pytest.raises(ValueError, match="min_size_to_sample"):
         RateLimiter(RateLimiterConfig(min_size_to_sample=0))

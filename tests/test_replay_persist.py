@@ -21,14 +21,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.replay.tables import table_fingerprint
+from shared.config import loading
 from shared.data.namedarraytuple import from_spec, spec_of
 from shared.replay.arena import HEAP, ShmArena, fingerprint
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from shared.transport import shm
-from tests.pipeline import rlpipe_here
+from tests.pipeline import CONFIGS, rlpipe_here
 from tests.test_tables import Reference, _check_batch, _segment
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +42,8 @@ LAYOUT = fingerprint("persist-test", WIDTHS, T, N)
 
 
 def _table(arena):
-    cfg = TransitionStorageConfig(capacity=ROWS * sum(WIDTHS.values()), n_step=N, gamma=GAMMA)
-    return Table(TransitionStorage(SPEC, WIDTHS, cfg, arena), Prioritized(),
+    storage = StorageConfig(capacity=ROWS * sum(WIDTHS.values()))
+    return Table(TransitionStorage(SPEC, WIDTHS, storage, TransitionStorageConfig(n_step=N, gamma=GAMMA), arena), Prioritized(),
                  RateLimiter(RateLimiterConfig(min_size_to_sample=2), arena), seed=3, arena=arena)
 
 
@@ -341,3 +344,15 @@ def test_a_replay_killed_in_the_middle_of_a_restore_comes_back_with_the_snapshot
     if cut == "header not complete":
         assert "not used (its construction did not finish): restoring the snapshot" in caplog.text, caplog.text
     again.arena.unlink()
+
+
+@pytest.mark.parametrize("name, layout", [
+    ("cartpole_ppo", 7136360145029826335),
+    ("cartpole_dqn", 2510746420567625973),
+    ("atari_pong_r2d1", 7853954154802421992),
+])
+def test_a_shipped_configs_table_fingerprint_holds(name, layout):
+    # A table persisted (or snapshotted) by a run re-attaches only to the same fingerprint: these
+    # were taken with rlpipe's earlier versions, whose runs must still resume.
+    exp = loading.load(CONFIGS / f"{name}.toml")
+    assert table_fingerprint(exp.replay, {0: 4}, None) == layout

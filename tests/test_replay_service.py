@@ -274,7 +274,8 @@ def test_episodes_waiting_for_the_learner_are_bounded_the_oldest_dropped_and_cou
 
 def test_store_steps_fills_the_learners_slot_with_each_step_of_every_window(exp_and_example, run_id, tmp_path):
     exp, example = exp_and_example
-    exp = dataclasses.replace(exp, replay=dataclasses.replace(exp.replay, store_steps=True))
+    exp = dataclasses.replace(exp, replay=dataclasses.replace(
+        exp.replay, transitions=dataclasses.replace(exp.replay.transitions, store_steps=True)))
     hub = Hub(exp, example, run_id, tmp_path)
     try:
         sampler, learner = hub.client("sampler0"), hub.client("learner0")
@@ -295,7 +296,7 @@ def test_store_steps_fills_the_learners_slot_with_each_step_of_every_window(exp_
             [[t], [b]] = np.nonzero(reward == slot.steps.reward[i, 0])
             assert slot.steps.reward[i].tolist() == reward[t:t + N_STEP, b].tolist()
             assert slot.steps.action[i].tolist() == action[t:t + N_STEP, b].tolist()
-            assert slot.steps.discount[i].tolist() == pytest.approx(exp.replay.gamma ** np.arange(N_STEP))
+            assert slot.steps.discount[i].tolist() == pytest.approx(exp.replay.transitions.gamma ** np.arange(N_STEP))
             assert slot.return_[i] == pytest.approx(float((slot.steps.discount[i] * slot.steps.reward[i]).sum()))
         assert np.all(slot.steps.observation == 0.5) and hub.bad == []
     finally:

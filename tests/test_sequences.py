@@ -11,6 +11,7 @@ from shared.data.namedarraytuple import buffer_from_example, from_spec
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized, Uniform
 from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.data.layout import segment_spec
 
@@ -48,7 +49,7 @@ def _segment(writer: int, s0: int, B: int, done_at=()):
 def _storage(L=6, P=3, capacity=2 * 40, columns=None):
     columns = columns or {0: 2}
     spec = segment_spec(_example(), T, max(columns.values()))["fields"][0][1]
-    return SequenceStorage(spec, columns, SequenceStorageConfig(capacity=capacity, length=L, period=P))
+    return SequenceStorage(spec, columns, StorageConfig(capacity), SequenceStorageConfig(length=L, period=P))
 
 
 def _decode(key, storage):
@@ -117,7 +118,7 @@ def test_no_sequence_spans_a_writer_seam_and_starts_realign_after_it():
 def test_writers_own_their_columns_and_sequences_leave_when_their_first_step_is_overwritten():
     columns = {0: 2, 1: 1}
     spec = segment_spec(_example(), T, 2)["fields"][0][1]
-    st = SequenceStorage(spec, columns, SequenceStorageConfig(capacity=3 * 12, length=6, period=3))
+    st = SequenceStorage(spec, columns, StorageConfig(3 * 12), SequenceStorageConfig(length=6, period=3))
     assert st.ring.rows == 12
     table = Table(st, Uniform(), RateLimiter(RateLimiterConfig(min_size_to_sample=1)))
     for k in range(3):
@@ -141,7 +142,7 @@ def test_config_rejects_a_capacity_below_one_sequence_and_a_non_recurrent_layout
         _storage(L=30, capacity=2 * 20)
     ff = step_example(np.zeros(2, np.float32), np.int64(0), info_example("q"))
     with pytest.raises(ValueError, match="lstm_size"):
-        SequenceStorage(segment_spec(ff, T, 2)["fields"][0][1], {0: 2}, SequenceStorageConfig(capacity=80, length=6, period=3))
+        SequenceStorage(segment_spec(ff, T, 2)["fields"][0][1], {0: 2}, StorageConfig(80), SequenceStorageConfig(length=6, period=3))
 
 
 def test_prioritized_sequences_take_the_learners_priorities():

@@ -7,7 +7,8 @@ from shared.data.namedarraytuple import from_spec, leaves, namedarraytuple, spec
 from shared.data.batches import OnPolicyBatch, Transition
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Uniform
-from shared.replay.segments import SegmentStorage, SegmentStorageConfig
+from shared.replay.segments import SegmentStorage
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 
@@ -106,9 +107,9 @@ def test_three_writers_interleaved_are_retrievable_and_correct():
     widths, lengths = {0: 2, 1: 3, 2: 2}, {0: 4, 1: 5, 2: 7}
     n, gamma, rows = 3, 0.9, 23
     spec = spec_of(_segment(0, np.arange(5), 2, rng))
-    cfg = TransitionStorageConfig(capacity=rows * sum(widths.values()), n_step=n, gamma=gamma)
-    uniform = Table(TransitionStorage(spec, widths, cfg), Uniform(), RateLimiter())
-    fifo = Table(TransitionStorage(spec, widths, cfg), Fifo(), RateLimiter())
+    size, cfg = StorageConfig(capacity=rows * sum(widths.values())), TransitionStorageConfig(n_step=n, gamma=gamma)
+    uniform = Table(TransitionStorage(spec, widths, size, cfg), Uniform(), RateLimiter())
+    fifo = Table(TransitionStorage(spec, widths, size, cfg), Fifo(), RateLimiter())
     ref = Reference(widths, rows, n, gamma)
     written = {w: 0 for w in widths}
     dest = from_spec(uniform.storage.batch_spec(64))
@@ -147,13 +148,14 @@ def test_window_steps_are_the_steps_the_env_produced_up_to_a_done_and_sum_to_the
     rng = np.random.default_rng(2)
     widths, n, gamma, rows = {0: 3, 1: 2}, 4, 0.9, 40
     spec = spec_of(_segment(0, np.arange(6), 3, rng))
-    cfg = TransitionStorageConfig(capacity=rows * 5, n_step=n, gamma=gamma, store_steps=True)
-    table = Table(TransitionStorage(spec, widths, cfg), Uniform(), RateLimiter())
+    size = StorageConfig(capacity=rows * 5)
+    table = Table(TransitionStorage(spec, widths, size, TransitionStorageConfig(n_step=n, gamma=gamma, store_steps=True)),
+                  Uniform(), RateLimiter())
     ref = Reference(widths, rows, n, gamma)
     dest = from_spec(table.storage.batch_spec(64))
     assert dest.steps.reward.shape == (64, n) and dest.steps.observation.img.shape == (64, n, 2)
     # Off (the default), a batch is what it was: the same fields, steps None, not a byte more.
-    off = dict(TransitionStorage(spec, widths, TransitionStorageConfig(cfg.capacity, n, gamma)).batch_spec(64)["fields"])
+    off = dict(TransitionStorage(spec, widths, size, TransitionStorageConfig(n, gamma)).batch_spec(64)["fields"])
     assert off == {**dict(table.storage.batch_spec(64)["fields"]), "steps": None}
     ends = {"termination": 0, "truncation": 0, "window": 0}
     for t0 in range(0, 120, 6):
@@ -182,7 +184,8 @@ def test_priority_updates_ignore_items_overwritten_since_sampled():
     rng = np.random.default_rng(1)
     widths = {0: 2}
     spec = spec_of(_segment(0, np.arange(4), 2, rng))
-    storage = TransitionStorage(spec, widths, TransitionStorageConfig(capacity=2 * 12, n_step=1, gamma=0.9))
+    size = StorageConfig(capacity=2 * 12)
+    storage = TransitionStorage(spec, widths, size, TransitionStorageConfig(n_step=1, gamma=0.9))
     sel = Prioritized(PrioritizedConfig(alpha=1.0, eps=1e-6))
     table = Table(storage, sel, RateLimiter())
     for t0 in range(0, 12, 4):
@@ -201,7 +204,7 @@ def test_priority_updates_ignore_items_overwritten_since_sampled():
     # step 3's key stays empty: its new item, step 15, waits for observation 16
     np.testing.assert_allclose(values[~kept], np.where(steps[~kept] == 3, 0.0, 1.0 + 1e-6))
     # an item sampled, dropped from a queue and never replaced is ignored too
-    q = Table(TransitionStorage(spec, widths, storage.config), Fifo(), RateLimiter())
+    q = Table(TransitionStorage(spec, widths, size, storage.config), Fifo(), RateLimiter())
     q.insert(0, _segment(0, np.arange(4), 2, rng))
     qi = q.sample_into(from_spec(q.storage.batch_spec(2)), 2)
     assert q.update_priorities(qi["keys"], qi["generations"], np.ones(2)) == 0
@@ -211,7 +214,7 @@ def test_on_policy_queue_order_backpressure_and_policy_lag():
     rng = np.random.default_rng(2)
     T, B = 4, 2
     spec = spec_of(_segment(0, np.arange(T), B, rng))
-    storage = SegmentStorage(spec, {0: B, 1: B}, SegmentStorageConfig(capacity=3))
+    storage = SegmentStorage(spec, {0: B, 1: B}, StorageConfig(capacity=3))
     table = Table(storage, Fifo(), RateLimiter())
     segs = [_segment(i % 2, np.arange(7 * i, 7 * i + T), B, rng) for i in range(5)]
     for i in range(3):
@@ -246,7 +249,7 @@ def test_bad_input_is_rejected_without_changing_the_table():
     rng = np.random.default_rng(3)
     spec = spec_of(_segment(0, np.arange(4), 2, rng))
     table = Table(
-        TransitionStorage(spec, {0: 2, 1: 3}, TransitionStorageConfig(capacity=50, n_step=2)),
+        TransitionStorage(spec, {0: 2, 1: 3}, StorageConfig(capacity=50), TransitionStorageConfig(n_step=2)),
         Fifo(),
         RateLimiter(),
     )
@@ -270,6 +273,6 @@ def test_bad_input_is_rejected_without_changing_the_table():
         table.sample_into(from_spec(table.storage.batch_spec(3)), 2)
     assert table.size == before[0]
     with pytest.raises(ValueError, match="capacity=20"):
-        TransitionStorage(spec, {0: 2, 1: 3}, TransitionStorageConfig(capacity=20, n_step=2))
+        TransitionStorage(spec, {0: 2, 1: 3}, StorageConfig(capacity=20), TransitionStorageConfig(n_step=2))
     with pytest.raises(ValueError, match="same B"):
         SegmentStorage(spec, {0: 2, 1: 3})

@@ -36,7 +36,7 @@ def run(exp, run_dir, instance: int) -> None:
                             ranks=exp.learner.count, remote_writers=exp.placement.crosses("sampler", "replay"),
                             remote_readers=exp.placement.crosses("learner", "replay"))
     m.healthy.set(1)
-    log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.capacity, router.address)
+    log.info("replay: %s table of %d items on %s", exp.replay.table, exp.replay.storage.capacity, router.address)
     try:
         service.run()
     finally:

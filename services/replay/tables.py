@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from shared.config.schema import ReplayConfig
@@ -31,12 +30,7 @@ def _compose(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec
         # Each segment once, in order; back-pressure comes from the queue's capacity.
         return Table(storage, selector(cfg), RateLimiter(RateLimiterConfig(), arena), seed=seed, arena=arena)
     insert_size = max(storage.items_per_write(w) for w in columns_per_writer)
-    spi = cfg.samples_per_insert or None
-    # The narrowest band in which one insert and one sample can never block each other.
-    error_buffer = cfg.error_buffer or ((insert_size * spi + sample_size) / 2 if spi else 0.0)
-    limiter = RateLimiter(RateLimiterConfig(samples_per_insert=spi, min_size_to_sample=cfg.min_size_to_sample,
-                                            error_buffer=error_buffer), arena)
-    limiter.check_no_deadlock(insert_size, sample_size)
+    limiter = RateLimiter(cfg.rate_limiter, arena, insert_size, sample_size)
     return Table(storage, selector(cfg), limiter, seed=seed, arena=arena)
 
 
@@ -47,6 +41,11 @@ def table_arena(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_s
     is; the heap otherwise."""
     if not cfg.persist:
         return HEAP
-    layout = fingerprint(dataclasses.asdict(cfg), sorted(columns_per_writer.items()), segment_spec)
-    return ShmArena(run_id, instance, layout, snapshot)
+    return ShmArena(run_id, instance, table_fingerprint(cfg, columns_per_writer, segment_spec), snapshot)
+
+
+def table_fingerprint(cfg: ReplayConfig, columns_per_writer: dict[int, int], segment_spec) -> int:
+    """What a persisted table must match to be re-attached: taken over the section's TOML keys
+    (``ReplayConfig.flat``), so that where a key's field lives never discards a table."""
+    return fingerprint(cfg.flat(), sorted(columns_per_writer.items()), segment_spec)
 

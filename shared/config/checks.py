@@ -26,7 +26,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
         "sampler.count": exp.sampler.count, "sampler.envs": exp.sampler.envs, "sampler.horizon": exp.sampler.horizon,
         "sampler.ring": exp.sampler.ring, "sampler.timeout_ms": exp.sampler.timeout_ms,
         "action_server.count": exp.action_server.count, "action_server.max_batch": exp.action_server.max_batch,
-        "replay.capacity": exp.replay.capacity, "learner.batch_segments": exp.learner.batch_segments,
+        "replay.capacity": exp.replay.storage.capacity, "learner.batch_segments": exp.learner.batch_segments,
         "learner.prefetch": exp.learner.prefetch, "learner.timeout_ms": exp.learner.timeout_ms,
         "learner.count": exp.learner.count, "learner.threads": exp.learner.threads,
         "run.max_env_steps": exp.run.max_env_steps, "run.return_window": exp.run.return_window,
@@ -59,30 +59,31 @@ def check(exp: Experiment, check_ports: bool) -> None:
         raise ConfigError(f"learner.batch_segments = {exp.learner.batch_segments}: at most sampler.count * sampler.ring "
                           f"= {exp.sampler.count * exp.sampler.ring} while replay.release_on_sample holds the samplers' "
                           "ring slots until a batch is sampled")
-    if on_policy and exp.replay.capacity < exp.learner.batch_segments:
-        raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
+    capacity, transitions = exp.replay.storage.capacity, exp.replay.transitions
+    if on_policy and capacity < exp.learner.batch_segments:
+        raise ConfigError(f"replay.capacity = {capacity}: must be >= learner.batch_segments ({exp.learner.batch_segments})")
     columns = exp.sampler.envs * exp.learner.batch_segments
     if on_policy and columns % exp.learner.count:
         raise ConfigError(f"learner.count = {exp.learner.count}: each rank trains on an equal share of a batch's "
                           f"sampler.envs * learner.batch_segments = {columns} env columns; pick a divisor of {columns}")
     if spec.batch_kind.recurrent:
         _check_sequences(exp)
-    elif not on_policy and exp.replay.capacity < topology(exp).total_envs * (exp.sampler.horizon + exp.replay.n_step):
-        raise ConfigError(f"replay.capacity = {exp.replay.capacity}: must hold at least (horizon + n_step) steps "
+    elif not on_policy and capacity < topology(exp).total_envs * (exp.sampler.horizon + transitions.n_step):
+        raise ConfigError(f"replay.capacity = {capacity}: must hold at least (horizon + n_step) steps "
                           f"of all {topology(exp).total_envs} envs (sampler.max_count)")
     if exp.replay.snapshot_interval_s and not (exp.replay.persist and exp.replay.snapshot_interval_s >= 1):
         raise ConfigError(f"replay.snapshot_interval_s = {exp.replay.snapshot_interval_s}: snapshots need "
                           "replay.persist = true and at least 1 s between them (0 = none; with replay.persist = false "
                           "set it to 0)")
-    if exp.replay.frame_store and on_policy:
+    if exp.replay.storage.frame_store and on_policy:
         raise ConfigError("replay.frame_store = true: only the off-policy tables (uniform, prioritized, sequence) store "
                           "frames once; the on-policy queue keeps whole segments, set it to false")
-    if exp.replay.store_steps and not spec.batch_kind.window_steps:
+    if transitions.store_steps and not spec.batch_kind.window_steps:
         raise ConfigError(f"replay.store_steps = true: only n-step transitions carry their steps; {spec.name} learns from "
                           f"{spec.batch}, set it to false")
-    if exp.replay.weight_norm not in WEIGHT_NORMS:
-        raise ConfigError(f"replay.weight_norm = {exp.replay.weight_norm!r}: allowed: {', '.join(WEIGHT_NORMS)}")
-    if exp.replay.samples_per_insert < 0 or exp.replay.n_step < 1 or not 0 <= exp.replay.gamma <= 1:
+    if exp.replay.prioritized.weight_norm not in WEIGHT_NORMS:
+        raise ConfigError(f"replay.weight_norm = {exp.replay.prioritized.weight_norm!r}: allowed: {', '.join(WEIGHT_NORMS)}")
+    if exp.replay.rate_limiter.samples_per_insert < 0 or transitions.n_step < 1 or not 0 <= transitions.gamma <= 1:
         raise ConfigError("replay: need samples_per_insert >= 0, n_step >= 1 and 0 <= gamma <= 1")
     if exp.model.lstm_size and not spec.recurrent:
         raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: {spec.name} has no recurrent agent; "
@@ -170,17 +171,17 @@ def _check_watchdog(exp: Experiment) -> None:
 
 
 def _check_sequences(exp: Experiment) -> None:
-    r, burn_in = exp.replay, getattr(exp.algo, "burn_in", 0)
-    if r.sequence_length < 2 or not 1 <= r.sequence_period <= r.sequence_length:
-        raise ConfigError(f"replay.sequence_period = {r.sequence_period}: need 1 <= sequence_period <= "
-                          f"sequence_length ({r.sequence_length}) and sequence_length >= 2")
-    if burn_in > r.sequence_length - 2:
-        raise ConfigError(f"algo.burn_in = {burn_in}: at most replay.sequence_length - 2 = {r.sequence_length - 2} "
+    seq, capacity, burn_in = exp.replay.sequences, exp.replay.storage.capacity, getattr(exp.algo, "burn_in", 0)
+    if seq.length < 2 or not 1 <= seq.period <= seq.length:
+        raise ConfigError(f"replay.sequence_period = {seq.period}: need 1 <= sequence_period <= "
+                          f"sequence_length ({seq.length}) and sequence_length >= 2")
+    if burn_in > seq.length - 2:
+        raise ConfigError(f"algo.burn_in = {burn_in}: at most replay.sequence_length - 2 = {seq.length - 2} "
                           "(a sequence must keep steps to train on)")
     envs = topology(exp).total_envs
-    need = envs * (exp.sampler.horizon + r.sequence_length)
-    if r.capacity < need:
-        raise ConfigError(f"replay.capacity = {r.capacity}: the sequence table needs at least (horizon + "
+    need = envs * (exp.sampler.horizon + seq.length)
+    if capacity < need:
+        raise ConfigError(f"replay.capacity = {capacity}: the sequence table needs at least (horizon + "
                           f"sequence_length) steps of all {envs} envs = {need}")
 
 

@@ -87,17 +87,20 @@ def _drop_retired(raw: dict) -> dict:
 
 
 def _build(section: str, cls: type, values) -> Any:
+    """``cls`` from a TOML table: its fields' keys, or a flat section's ``KEYS`` (ReplayConfig:
+    its parts' fields under one key each)."""
     if not isinstance(values, dict):
         raise ConfigError(f"[{section}] must be a table, got {type(values).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
+    flat = hasattr(cls, "KEYS")
+    hints = {key: cls.key_type(key) for key in cls.KEYS} if flat else typing.get_type_hints(cls)
+    names = list(cls.KEYS) if flat else [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
             raise ConfigError(f"unknown key {section}.{key}{_suggest(key, names)} (allowed: {', '.join(names)})")
         kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
     try:
-        return cls(**kwargs)
+        return cls.from_flat(kwargs) if flat else cls(**kwargs)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"[{section}]: {e}") from None
 
@@ -138,7 +141,7 @@ def dumps(exp: Experiment) -> str:
 def _section_toml(name: str, obj, extra: Optional[dict] = None) -> str:
     lines = [f"[{name}]"]
     items = dict(extra or {})
-    items.update({f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
+    items.update(obj.flat() if hasattr(obj, "KEYS") else {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)})
     for key, value in items.items():
         if value is not None:
             lines.append(f"{key} = {_toml_value(value)}")

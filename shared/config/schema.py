@@ -9,13 +9,20 @@ addresses: ``shared.config.endpoints``.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 from shared.agents.config import ModelConfig, PgAgentConfig
 from shared.algos import registry
 from shared.algos.hparams import PPOConfig
 from shared.algos.registry import AlgoSpec
 from shared.envs.group import EnvConfig
+from shared.replay.rate_limiter import RateLimiterConfig
+from shared.replay.selectors import PrioritizedConfig
+from shared.replay.sequences import SequenceStorageConfig
+from shared.replay.storage import StorageConfig
+from shared.replay.transitions import TransitionStorageConfig
 
 
 class ConfigError(ValueError):
@@ -113,45 +120,22 @@ class ActionServerConfig:
 
 @dataclass(frozen=True)
 class ReplayConfig:
+    """The replay service's section: its table's parts, each with the config its part declares
+    (``shared.replay``), and the service's own settings. The ``[replay]`` TOML section is flat:
+    ``KEYS`` names the field each key sets (``flat``, ``from_flat``)."""
     table: str = "queue"
     """queue (on-policy FIFO, each segment sampled once), uniform or prioritized (n-step transitions),
     sequence (R2D1: prioritized sequences of sequence_length steps)."""
-    capacity: int = 2
-    """Items held: segments for the queue (one per sampler keeps policy lag at 1), else transitions
-    (the sequence table: env steps; it holds about capacity / sequence_period sequences)."""
-    n_step: int = 1
-    """Off-policy: rewards summed per transition before bootstrapping."""
-    gamma: float = 0.99
-    """Off-policy: discount per step used for n-step returns."""
-    store_steps: bool = False
-    """Transitions (uniform, prioritized): a batch also carries each step of its n-step window
-    (Transition.steps: observation, action, reward and discount of every step, docs/extending.md),
-    for corrections at every step rather than the first; n_step times the observation bytes a batch."""
-    frame_store: bool = False
-    """Off-policy: store each frame of [K, H, W] uint8 frame-stack observations once and rebuild
-    the stacks at sample time (Atari: ~8 KB a transition instead of ~56 KB)."""
-    sequence_length: int = 80
-    """Sequence table: L, steps per sequence including the learner's burn-in."""
-    sequence_period: int = 40
-    """Sequence table: a new sequence starts every this many steps of an env (< sequence_length: overlap)."""
-    alpha: float = 0.6
-    """Prioritized: priority exponent (0 = uniform)."""
-    beta0: float = 0.4
-    """Prioritized: initial importance-sampling exponent, annealed to beta_final."""
-    beta_final: float = 1.0
-    """Prioritized: final importance-sampling exponent."""
-    beta_steps: int = 100_000
-    """Prioritized: samples over which beta anneals linearly."""
-    weight_norm: str = "batch_max"
-    """Prioritized: importance weights divided by the batch's largest (batch_max: rlpyt, Acme's
-    R2D2, Dopamine) or by the largest any item could have, from the table's smallest priority
-    (table_min: the paper's formula; one unrelated low-priority item shrinks every weight)."""
-    samples_per_insert: float = 0.0
-    """Off-policy replay ratio: items sampled per item inserted, kept in a band (0 = unthrottled)."""
-    min_size_to_sample: int = 1000
-    """Off-policy: items the table must hold before the learner may sample."""
-    error_buffer: float = 0.0
-    """Half-width of the samples-per-insert band in items (0 = the narrowest band that cannot deadlock)."""
+    storage: StorageConfig = field(default_factory=lambda: StorageConfig(capacity=2))
+    """Every table's storage: capacity, frame_store."""
+    transitions: TransitionStorageConfig = field(default_factory=TransitionStorageConfig)
+    """The uniform and prioritized tables' n-step transitions: n_step, gamma, store_steps."""
+    sequences: SequenceStorageConfig = field(default_factory=SequenceStorageConfig)
+    """The sequence table's sequences: sequence_length, sequence_period."""
+    prioritized: PrioritizedConfig = field(default_factory=PrioritizedConfig)
+    """The prioritized and sequence tables' selector: alpha, beta0, beta_final, beta_steps, weight_norm."""
+    rate_limiter: RateLimiterConfig = field(default_factory=lambda: RateLimiterConfig(min_size_to_sample=1000))
+    """The off-policy tables' rate limiter: samples_per_insert, min_size_to_sample, error_buffer."""
     max_policy_lag: int = 4
     """On-policy: segments older than this many policy versions are dropped, not trained on."""
     release_on_sample: bool = True
@@ -167,6 +151,61 @@ class ReplayConfig:
     the learner's checkpoint, so a stop loses at most this much of the table (0 = none; needs
     ``persist``). A copy costs the table's size on disk twice and a pause of replay while it is
     written: raise it for tables of gigabytes (an Atari frame store)."""
+
+    KEYS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "table": ("table",),
+        "capacity": ("storage", "capacity"),
+        "n_step": ("transitions", "n_step"),
+        "gamma": ("transitions", "gamma"),
+        "store_steps": ("transitions", "store_steps"),
+        "frame_store": ("storage", "frame_store"),
+        "sequence_length": ("sequences", "length"),
+        "sequence_period": ("sequences", "period"),
+        "alpha": ("prioritized", "alpha"),
+        "beta0": ("prioritized", "beta0"),
+        "beta_final": ("prioritized", "beta_final"),
+        "beta_steps": ("prioritized", "beta_steps"),
+        "weight_norm": ("prioritized", "weight_norm"),
+        "samples_per_insert": ("rate_limiter", "samples_per_insert"),
+        "min_size_to_sample": ("rate_limiter", "min_size_to_sample"),
+        "error_buffer": ("rate_limiter", "error_buffer"),
+        "max_policy_lag": ("max_policy_lag",),
+        "release_on_sample": ("release_on_sample",),
+        "peer_timeout_s": ("peer_timeout_s",),
+        "persist": ("persist",),
+        "snapshot_interval_s": ("snapshot_interval_s",),
+    }
+    """TOML key -> the field it sets: a field of its own, or (part, the part config's field).
+    The order is the section's in ``dumps`` and in the unknown-key error."""
+
+    def flat(self) -> dict[str, Any]:
+        """The section as its TOML keys (what ``dumps`` writes; what the persisted table's
+        fingerprint is taken over, so a snapshot re-attaches whatever the parts' layout)."""
+        return {key: functools.reduce(getattr, path, self) for key, path in self.KEYS.items()}
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> ReplayConfig:
+        """The section from TOML keys (each one of ``KEYS``; the others keep their defaults)."""
+        parts: dict[str, dict[str, Any]] = {}
+        own = {}
+        for key, value in values.items():
+            path = cls.KEYS[key]
+            if len(path) == 1:
+                own[path[0]] = value
+            else:
+                parts.setdefault(path[0], {})[path[1]] = value
+        defaults = cls()
+        return cls(**own, **{part: dataclasses.replace(getattr(defaults, part), **fields)
+                             for part, fields in parts.items()})
+
+    @classmethod
+    def key_type(cls, key: str) -> Any:
+        """The type hint of the field TOML key ``key`` sets."""
+        *parts, name = cls.KEYS[key]
+        owner = cls
+        for part in parts:
+            owner = typing.get_type_hints(owner)[part]
+        return typing.get_type_hints(owner)[name]
 
 
 @dataclass(frozen=True)

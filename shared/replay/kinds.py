@@ -5,7 +5,8 @@ that serve it and the selector each composes, its storage, the layout of a learn
 slot, and the items one batch holds. Everything else reads these attributes, so a new kind
 is one entry of ``BATCH_KINDS`` (and its storage module). The config objects passed in are
 the run's sections (``ReplayConfig``, ``LearnerConfig``, the ``[algo]`` dataclass), read by
-field: this layer sits below the config package.
+field: this layer sits below the config package. A replay section holds each part's own config
+(``storage``, ``transitions``, ``sequences``, ``prioritized``), handed to the part as it is.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from typing import Any, Callable
 from shared.data.layout import segments_spec
 from shared.data.namedarraytuple import leaf_specs
 from shared.replay.arena import Arena
-from shared.replay.segments import SegmentStorage, SegmentStorageConfig
-from shared.replay.selectors import Fifo, Prioritized, PrioritizedConfig, Selector, Uniform
-from shared.replay.sequences import SequenceStorage, SequenceStorageConfig, sequence_batch_spec
+from shared.replay.segments import SegmentStorage
+from shared.replay.selectors import Fifo, Prioritized, Selector, Uniform
+from shared.replay.sequences import SequenceStorage, sequence_batch_spec
 from shared.replay.storage import Storage, segment_dims
-from shared.replay.transitions import TransitionStorage, TransitionStorageConfig, transition_batch_spec
+from shared.replay.transitions import TransitionStorage, transition_batch_spec
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,12 @@ class BatchKind:
 
 
 def _prioritized(cfg) -> Prioritized:
-    return Prioritized(PrioritizedConfig(alpha=cfg.alpha, beta0=cfg.beta0, beta_final=cfg.beta_final,
-                                         beta_steps=cfg.beta_steps, weight_norm=cfg.weight_norm))
+    return Prioritized(cfg.prioritized)
 
 
 def _window(cfg) -> int:
     """The steps a Transition batch carries per item: the n-step window with ``store_steps``."""
-    return cfg.n_step if cfg.store_steps else 0
+    return cfg.transitions.n_step if cfg.transitions.store_steps else 0
 
 
 def _segments_batch(segment_spec, cfg, n: int, ranks: int) -> Any:
@@ -67,24 +67,20 @@ def _segments_batch(segment_spec, cfg, n: int, ranks: int) -> Any:
 BATCH_KINDS: dict[str, BatchKind] = {kind.name: kind for kind in (
     BatchKind(
         "segments", {"queue": lambda cfg: Fifo()},
-        lambda spec, columns, cfg, arena: SegmentStorage(spec, columns, SegmentStorageConfig(capacity=cfg.capacity), arena),
+        lambda spec, columns, cfg, arena: SegmentStorage(spec, columns, cfg.storage, arena),
         _segments_batch,
         lambda learner, algo: learner.batch_segments,
         on_policy=True),
     BatchKind(
         "transitions", {"uniform": lambda cfg: Uniform(), "prioritized": _prioritized},
-        lambda spec, columns, cfg, arena: TransitionStorage(spec, columns, TransitionStorageConfig(
-            capacity=cfg.capacity, n_step=cfg.n_step, gamma=cfg.gamma, frame_store=cfg.frame_store,
-            store_steps=cfg.store_steps), arena),
+        lambda spec, columns, cfg, arena: TransitionStorage(spec, columns, cfg.storage, cfg.transitions, arena),
         lambda spec, cfg, n, ranks: transition_batch_spec(segment_dims(spec)[1], n, _window(cfg)),
         lambda learner, algo: algo.batch_size,
         window_steps=True),
     BatchKind(
         "sequences", {"sequence": _prioritized},
-        lambda spec, columns, cfg, arena: SequenceStorage(spec, columns, SequenceStorageConfig(
-            capacity=cfg.capacity, length=cfg.sequence_length, period=cfg.sequence_period,
-            frame_store=cfg.frame_store), arena),
-        lambda spec, cfg, n, ranks: sequence_batch_spec(segment_dims(spec)[1], cfg.sequence_length, n),
+        lambda spec, columns, cfg, arena: SequenceStorage(spec, columns, cfg.storage, cfg.sequences, arena),
+        lambda spec, cfg, n, ranks: sequence_batch_spec(segment_dims(spec)[1], cfg.sequences.length, n),
         lambda learner, algo: algo.batch_size,
         recurrent=True),
 )}

@@ -19,36 +19,40 @@ first time it is back under max_diff, i.e. samples / inserts stays within
 s +- error_buffer / inserts. The band must be wide enough for one insert and one sample to
 fit (``check_no_deadlock``), or both sides can block each other forever.
 
-``samples_per_insert=None`` is unthrottled: inserts are always allowed, samples once the
-table holds ``min_size_to_sample`` items.
+``samples_per_insert=0`` is unthrottled: inserts are always allowed, samples once the
+table holds ``min_size_to_sample`` items. ``error_buffer=0`` is the narrowest band in which
+one insert and one sample of the table's sizes can never block each other.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from shared.replay.arena import HEAP, Arena, Cells
 
 
 @dataclass(frozen=True)
 class RateLimiterConfig:
-    samples_per_insert: Optional[float] = None
-    """Target items sampled per item inserted (replay ratio); None = unthrottled."""
+    samples_per_insert: float = 0.0
+    """Off-policy replay ratio: items sampled per item inserted, kept in a band (0 = unthrottled)."""
     min_size_to_sample: int = 1
-    """Items the table must hold before the first sample is allowed."""
-    error_buffer: float = 1000.0
-    """Half-width of the allowed band of error = inserts * samples_per_insert - samples, in items."""
+    """Items the table must hold before the learner may sample."""
+    error_buffer: float = 0.0
+    """Half-width of the samples-per-insert band (error = inserts * samples_per_insert - samples)
+    in items (0 = the narrowest band that cannot deadlock)."""
 
 
 class RateLimiter:
     """Gate inserts and samples of one table; the table reports what actually happened."""
 
-    def __init__(self, config: RateLimiterConfig = RateLimiterConfig(), arena: Arena = HEAP):
-        """``arena``: where the counters live (they persist with the table's state)."""
+    def __init__(self, config: RateLimiterConfig = RateLimiterConfig(), arena: Arena = HEAP,
+                 insert_size: int = 1, sample_size: int = 1):
+        """``arena``: where the counters live (they persist with the table's state);
+        ``insert_size``, ``sample_size``: items one insert and one sample of the table move
+        (what the band must hold: ``check_no_deadlock``)."""
         spi = config.samples_per_insert
-        if spi is not None and spi <= 0:
-            raise ValueError(f"RateLimiterConfig.samples_per_insert must be > 0 or None, got {spi}")
+        if spi < 0:
+            raise ValueError(f"RateLimiterConfig.samples_per_insert must be >= 0 (0: unthrottled), got {spi}")
         if config.min_size_to_sample < 1:
             raise ValueError(
                 f"RateLimiterConfig.min_size_to_sample must be >= 1, got {config.min_size_to_sample}"
@@ -56,9 +60,11 @@ class RateLimiter:
         if config.error_buffer < 0:
             raise ValueError(f"RateLimiterConfig.error_buffer must be >= 0, got {config.error_buffer}")
         self.config = config
-        offset = (spi or 0.0) * config.min_size_to_sample
-        self.min_diff = offset - config.error_buffer
-        self.max_diff = offset + config.error_buffer
+        self.error_buffer = config.error_buffer or (insert_size * spi + sample_size) / 2
+        offset = spi * config.min_size_to_sample
+        self.min_diff = offset - self.error_buffer
+        self.max_diff = offset + self.error_buffer
+        self.check_no_deadlock(insert_size, sample_size)
         self.counts = Cells(arena, "limiter", inserts=0, samples=0, deletes=0)
 
     @property
@@ -81,19 +87,18 @@ class RateLimiter:
     @property
     def error(self) -> float:
         """inserts * samples_per_insert - samples (0 when unthrottled)."""
-        spi = self.config.samples_per_insert
-        return 0.0 if spi is None else self.inserts * spi - self.samples
+        return self.inserts * self.config.samples_per_insert - self.samples if self.config.samples_per_insert else 0.0
 
     def can_insert(self, n: int) -> bool:
         spi = self.config.samples_per_insert
-        if spi is None or self.size < self.config.min_size_to_sample:
+        if not spi or self.size < self.config.min_size_to_sample:
             return True
         return self.error + n * spi <= self.max_diff
 
     def can_sample(self, n: int) -> bool:
         if self.size < self.config.min_size_to_sample:
             return False
-        if self.config.samples_per_insert is None:
+        if not self.config.samples_per_insert:
             return True
         return self.error - n >= self.min_diff
 
@@ -115,12 +120,12 @@ class RateLimiter:
         """Raise ValueError unless inserts of ``insert_size`` and samples of ``sample_size``
         items can never block each other: needs 2 * error_buffer >= insert_size * s + sample_size."""
         spi = self.config.samples_per_insert
-        if spi is None:
+        if not spi:
             return
         need = (insert_size * spi + sample_size) / 2
-        if self.config.error_buffer < need:
+        if self.error_buffer < need:
             raise ValueError(
-                f"RateLimiterConfig.error_buffer={self.config.error_buffer} is too small for inserts "
+                f"RateLimiterConfig.error_buffer={self.error_buffer} is too small for inserts "
                 f"of {insert_size} items and samples of {sample_size} at samples_per_insert={spi}: "
                 f"set it to at least {need}"
             )

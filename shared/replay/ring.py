@@ -10,7 +10,7 @@ import numpy as np
 from shared.data.namedarraytuple import leading_len, map_leaves, spec_field, spec_nbytes, with_leading_dims
 from shared.replay.arena import HEAP, Arena
 from shared.replay.frames import FrameStacks, frame_stack_shape
-from shared.replay.storage import NO_KEYS, check_segment, segment_dims, take_into
+from shared.replay.storage import NO_KEYS, StorageConfig, check_segment, segment_dims, take_into
 
 
 class ColumnRing:
@@ -171,23 +171,22 @@ class RingStorage:
     ``window``: the steps an item spans (n_step, a sequence's length): a torn write drops the
     items of the ``window`` steps before it too, and a segment must leave ``window`` rows."""
 
-    def __init__(self, segment_spec, columns_per_writer: dict[int, int], capacity: int, window: int,
-                 window_name: str, arena: Arena, frame_store: bool, final_slots: int | None = None):
+    def __init__(self, segment_spec, columns_per_writer: dict[int, int], storage: StorageConfig, window: int,
+                 window_name: str, arena: Arena, final_slots: int | None = None):
         """segment_spec: spec of a Samples segment (leaves lead with [T, B]; B is ignored,
-        ``columns_per_writer`` gives each writer's); capacity: steps held in total, split
+        ``columns_per_writer`` gives each writer's); storage.capacity: steps held in total, split
         evenly over the columns; window_name: the config field ``window`` comes from, for
         errors (``TransitionStorageConfig.n_step``); final_slots: frame_store only, final frames kept (None: one write's)."""
         self.T, self.step_spec = segment_dims(segment_spec)
         self.window, self.window_name = int(window), window_name
         B_total = sum(columns_per_writer.values())
-        rows = capacity // max(B_total, 1)
+        rows = storage.capacity // max(B_total, 1)
         if rows < self.T + self.window:
-            config = window_name.partition(".")[0]
-            raise ValueError(f"{config}.capacity={capacity} gives {rows} steps per column for {B_total} columns; "
-                             f"need >= T + {window_name} = {self.T + self.window}: raise capacity")
+            raise ValueError(f"StorageConfig.capacity={storage.capacity} gives {rows} steps per column for {B_total} "
+                             f"columns; need >= T + {window_name} = {self.T + self.window}: raise capacity")
         # A write never drops the final frames it adds itself.
         one_write = self.T * max(columns_per_writer.values())
-        self.ring = ColumnRing(self.step_spec, columns_per_writer, rows, arena, frame_stack=frame_store,
+        self.ring = ColumnRing(self.step_spec, columns_per_writer, rows, arena, frame_stack=storage.frame_store,
                                final_slots=max(final_slots or 0, one_write))
         self.writer_ids = sorted(columns_per_writer)
         self.num_slots = self.ring.rows * self.ring.B_total

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -10,13 +9,7 @@ import numpy as np
 from shared.data.namedarraytuple import leaves, spec_field, spec_nbytes
 from shared.data.layout import segments_spec
 from shared.replay.arena import HEAP, Arena
-from shared.replay.storage import NO_KEYS, check_dest, check_segment, segment_dims
-
-
-@dataclass(frozen=True)
-class SegmentStorageConfig:
-    capacity: int = 4
-    """Segments the queue holds; when full, inserts wait (the sampler blocks on its segment)."""
+from shared.replay.storage import NO_KEYS, StorageConfig, check_dest, check_segment, segment_dims
 
 
 class SegmentStorage:
@@ -31,7 +24,7 @@ class SegmentStorage:
         self,
         segment_spec,
         columns_per_writer: dict[int, int],
-        config: SegmentStorageConfig = SegmentStorageConfig(),
+        config: StorageConfig = StorageConfig(capacity=4),
         arena: Arena = HEAP,
     ):
         """segment_spec: spec of a Samples segment (leaves lead with [T, B]); arena: where
@@ -42,7 +35,7 @@ class SegmentStorage:
         if len(widths) != 1:
             raise ValueError(f"SegmentStorage needs the same B for every writer, got {columns_per_writer}")
         if config.capacity < 1:
-            raise ValueError(f"SegmentStorageConfig.capacity must be >= 1, got {config.capacity}")
+            raise ValueError(f"StorageConfig.capacity must be >= 1, got {config.capacity}")
         self.B = widths.pop()
         self.writer_ids = sorted(columns_per_writer)
         self.num_slots = config.capacity

@@ -28,24 +28,16 @@ from shared.data.namedarraytuple import drop_leading_dims, map_leaves, spec_fiel
 from shared.data.batches import SequenceBatch
 from shared.replay.arena import HEAP, Arena, Cells
 from shared.replay.ring import RingStorage
-from shared.replay.storage import F32, NO_KEYS, check_dest, take_into
+from shared.replay.storage import F32, NO_KEYS, StorageConfig, check_dest, take_into
 
 
 @dataclass(frozen=True)
 class SequenceStorageConfig:
-    capacity: int = 100_000
-    """Steps held in total (each env column keeps capacity // columns); sequences held ~ capacity / period."""
+    """What a sequence is (its size is the ``StorageConfig``'s)."""
     length: int = 80
-    """L: steps per sequence, burn-in included."""
+    """Sequence table: L, steps per sequence including the learner's burn-in."""
     period: int = 40
-    """A new sequence starts every this many steps of a column (period < length: overlap)."""
-    frame_store: bool = False
-    """Keep each frame of [K, H, W] uint8 frame-stack observations once (Atari; see frames.py)."""
-
-    def __post_init__(self) -> None:
-        if self.length < 2 or not 1 <= self.period <= self.length:
-            raise ValueError(f"SequenceStorageConfig: need length >= 2 and 1 <= period <= length, got "
-                             f"length={self.length}, period={self.period}")
+    """Sequence table: a new sequence starts every this many steps of an env (< length: overlap)."""
 
 
 def _memory_spec(step_spec):
@@ -81,14 +73,17 @@ class SequenceStorage(RingStorage):
     """Items are sequences of ``config.length`` steps, keyed by their first step's ring key."""
 
     def __init__(self, segment_spec, columns_per_writer: dict[int, int],
-                 config: SequenceStorageConfig = SequenceStorageConfig(), arena: Arena = HEAP):
+                 storage: StorageConfig = StorageConfig(), config: SequenceStorageConfig = SequenceStorageConfig(),
+                 arena: Arena = HEAP):
         """segment_spec: spec of a Samples segment [T, B] of a recurrent agent (agent_info.memory).
         arena: where the ring lives (shared/replay/arena.py)."""
+        if config.length < 2 or not 1 <= config.period <= config.length:
+            raise ValueError(f"SequenceStorageConfig: need length >= 2 and 1 <= period <= length, got "
+                             f"length={config.length}, period={config.period}")
         _memory_spec(drop_leading_dims(segment_spec, 2))
         # Final observations are never read (windows closed by a truncation are masked), so
         # the frame store keeps only the one write's worth the ring requires.
-        super().__init__(segment_spec, columns_per_writer, config.capacity, config.length, "SequenceStorageConfig.length",
-                         arena, config.frame_store)
+        super().__init__(segment_spec, columns_per_writer, storage, config.length, "SequenceStorageConfig.length", arena)
         self.config = config
         self._offsets = np.arange(config.length, dtype=np.int64)[:, None] * self.ring.B_total  # [L, 1]
         # frame_store: sequences never made live because a stack did not rebuild

@@ -3,6 +3,7 @@ of the segments written to it and the destinations gathered into."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -12,6 +13,18 @@ from shared.data.namedarraytuple import check_spec, drop_leading_dims, leaves, s
 F32 = np.dtype(np.float32).str
 NO_KEYS = np.zeros(0, dtype=np.int64)
 """No item keys (int64)."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """What every storage is given, whatever its items."""
+    capacity: int = 100_000
+    """Items held: segments for the queue (one per sampler keeps policy lag at 1), else steps, of
+    which each env column keeps capacity // (total columns) (transitions: one item a step; the
+    sequence table holds about capacity / sequence_period sequences)."""
+    frame_store: bool = False
+    """Off-policy: store each frame of [K, H, W] uint8 frame-stack observations once and rebuild
+    the stacks at sample time (Atari: ~8 KB a transition instead of ~56 KB; frames.py)."""
 
 
 def segment_dims(segment_spec) -> tuple[int, Any]:

@@ -12,26 +12,24 @@ from shared.data.namedarraytuple import leaves, map_leaves, spec_field, with_lea
 from shared.replay.arena import HEAP, Arena, Cells
 from shared.replay.nstep import nstep_targets
 from shared.replay.ring import RingStorage
-from shared.replay.storage import F32, NO_KEYS, check_dest, take_into
+from shared.replay.storage import F32, NO_KEYS, StorageConfig, check_dest, take_into
 
 
 @dataclass(frozen=True)
 class TransitionStorageConfig:
-    capacity: int = 100_000
-    """Transitions held in total; each env column keeps capacity // (total columns) steps."""
+    """What a transition is (its size is the ``StorageConfig``'s)."""
     n_step: int = 1
-    """Rewards summed per transition before bootstrapping."""
+    """Off-policy: rewards summed per transition before bootstrapping."""
     gamma: float = 0.99
-    """Discount per step."""
-    frame_store: bool = False
-    """Keep each frame of [K, H, W] uint8 frame-stack observations once and rebuild the stacks
-    at sample time (Atari; see frames.py)."""
+    """Off-policy: discount per step used for n-step returns."""
+    store_steps: bool = False
+    """Transitions (uniform, prioritized): a batch also carries each step of its n-step window
+    (Transition.steps: WindowSteps [n, n_step] of observation, action, reward and discount of every
+    step, docs/extending.md), for corrections at every step rather than the first; n_step times the
+    observation bytes a batch. Nothing more is stored: the steps are gathered from the ring at sample time."""
     final_frames: int = 0
     """frame_store: final-observation frames kept for done steps; 0 = capacity // 32 (at least
     one segment's steps). When they wrap, items bootstrapping from a dropped one leave early."""
-    store_steps: bool = False
-    """Batches carry each step of the n-step window (Transition.steps: WindowSteps [n, n_step]);
-    nothing more is stored, the steps are gathered from the ring at sample time."""
 
 
 def transition_batch_spec(step_spec, n: int, window: int = 0) -> Any:
@@ -72,7 +70,7 @@ class TransitionStorage(RingStorage):
     that no done had closed never become live, since their windows would cross it.
 
     Memory: the whole Samples structure is stored per step, final_observation included
-    (it is only valid on done steps), unless ``config.frame_store``: then the ring keeps one
+    (it is only valid on done steps), unless ``storage.frame_store``: then the ring keeps one
     frame per step and final frames of done steps only, and rebuilds the stacks (frames.py);
     an item becomes live only if its stacks rebuild exactly, and leaves when the final frame
     it bootstraps from is dropped.
@@ -82,6 +80,7 @@ class TransitionStorage(RingStorage):
         self,
         segment_spec,
         columns_per_writer: dict[int, int],
+        storage: StorageConfig = StorageConfig(),
         config: TransitionStorageConfig = TransitionStorageConfig(),
         arena: Arena = HEAP,
     ):
@@ -90,8 +89,8 @@ class TransitionStorage(RingStorage):
         (shared/replay/arena.py: shared memory that outlives the process, or the heap)."""
         if config.n_step < 1 or not 0 <= config.gamma <= 1:
             raise ValueError(f"TransitionStorageConfig: need n_step >= 1 and 0 <= gamma <= 1, got {config}")
-        super().__init__(segment_spec, columns_per_writer, config.capacity, config.n_step, "TransitionStorageConfig.n_step",
-                         arena, config.frame_store, config.final_frames or config.capacity // 32)
+        super().__init__(segment_spec, columns_per_writer, storage, config.n_step, "TransitionStorageConfig.n_step",
+                         arena, config.final_frames or storage.capacity // 32)
         for name in ("observation", "action", "reward", "terminated", "truncated",
                      "final_observation", "policy_version", "failed"):
             spec_field(self.step_spec, name)

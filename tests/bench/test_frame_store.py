@@ -22,6 +22,7 @@ from shared.data.layout import step_example
 from shared.data.namedarraytuple import buffer_from_example, from_spec, spec_of, with_leading_dims
 from shared.replay.rate_limiter import RateLimiter
 from shared.replay.selectors import Uniform
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 
@@ -32,8 +33,8 @@ EXAMPLE = step_example(np.zeros((K, H, W), np.uint8), np.int64(0), QAgentInfo(va
 SPEC = with_leading_dims(spec_of(EXAMPLE), [T, 4])
 
 
-def _config(capacity: int, frame_store: bool) -> TransitionStorageConfig:
-    return TransitionStorageConfig(capacity=capacity, n_step=N_STEP, gamma=0.99, frame_store=frame_store)
+def _storage(capacity: int, frame_store: bool) -> TransitionStorage:
+    return TransitionStorage(SPEC, WIDTHS, StorageConfig(capacity, frame_store), TransitionStorageConfig(n_step=N_STEP, gamma=0.99))
 
 
 class Stacks:
@@ -73,9 +74,9 @@ def _rate(fn, items: int, calls: int) -> float:
 def test_frame_store_memory_and_throughput():
     per_transition = {}
     for name, fs in (("naive", False), ("frame store", True)):
-        s = TransitionStorage(SPEC, WIDTHS, _config(8 * 2000, fs))
+        s = _storage(8 * 2000, fs)
         per_transition[name] = s.nbytes / s.config.capacity
-    big = TransitionStorage(SPEC, WIDTHS, _config(1_000_000, True))  # np.empty frames: pages untouched
+    big = _storage(1_000_000, True)  # np.empty frames: pages untouched
     heap = (big.return_.nbytes + big.discount.nbytes + big.bootstrap_key.nbytes + big.bootstrap_final.nbytes)
     print()
     print(f"bytes/transition: naive {per_transition['naive']:,.0f}, frame store {per_transition['frame store']:,.0f} "
@@ -90,7 +91,7 @@ def test_frame_store_memory_and_throughput():
     capacity = 16_000
     streams = {w: Stacks(b, rng) for w, b in WIDTHS.items()}
     segments = [(w, streams[w].segment()) for _ in range(capacity // (T * 8) + 4) for w in WIDTHS]
-    tables = {name: Table(TransitionStorage(SPEC, WIDTHS, _config(capacity, fs)), Uniform(), RateLimiter())
+    tables = {name: Table(_storage(capacity, fs), Uniform(), RateLimiter())
               for name, fs in (("naive", False), ("frame store", True))}
     rates = {(name, what): [] for name in tables for what in ("insert", 32, 256)}
     for _ in range(REPEAT):

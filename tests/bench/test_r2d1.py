@@ -24,6 +24,7 @@ from shared.data.namedarraytuple import buffer_from_example, from_spec
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized
 from shared.replay.sequences import SequenceStorage, SequenceStorageConfig
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 
 pytestmark = pytest.mark.bench
@@ -47,7 +48,7 @@ def test_sequence_table_sampling_throughput():
     rng = np.random.default_rng(0)
     example, seg = _segment(rng)
     storage = SequenceStorage(segment_spec(example, T, B)["fields"][0][1], {0: B},
-                              SequenceStorageConfig(capacity=CAPACITY, length=L, period=P))
+                              StorageConfig(CAPACITY), SequenceStorageConfig(length=L, period=P))
     table = Table(storage, Prioritized(), RateLimiter(RateLimiterConfig(min_size_to_sample=1)))
     for _ in range(CAPACITY // (T * B) // 2):
         table.insert(0, seg)
@@ -112,7 +113,7 @@ def pong_r2d1_update_s(batch_size: int, device: torch.device, repeats: int = 3, 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]), exp.replay.sequence_length
+    return statistics.median(times[1:]), exp.replay.sequences.length
 
 
 def test_r2d1_pong_updates_per_second():

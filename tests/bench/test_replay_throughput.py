@@ -20,6 +20,7 @@ from shared.data.layout import step_example
 from shared.data.namedarraytuple import buffer_from_example, from_spec, leaves, spec_of, with_leading_dims
 from shared.replay.rate_limiter import RateLimiter, RateLimiterConfig
 from shared.replay.selectors import Prioritized, PrioritizedConfig, Uniform
+from shared.replay.storage import StorageConfig
 from shared.replay.tables import Table
 from shared.replay.transitions import TransitionStorage, TransitionStorageConfig
 from shared.agents.config import QAgentInfo
@@ -86,7 +87,7 @@ def test_replay_tables_vs_numpy_ring():
         results["numpy ring"].append(_fill_and_time(ring.insert, lambda: ring.sample(rng), seg, rng, fill, 50, 500))
         for name, selector in (("uniform", Uniform()), ("prioritized", Prioritized(PrioritizedConfig()))):
             storage = TransitionStorage(with_leading_dims(spec_of(example), [T, B]), {0: B},
-                                        TransitionStorageConfig(capacity=CAPACITY, n_step=3, gamma=0.99))
+                                        StorageConfig(CAPACITY), TransitionStorageConfig(n_step=3, gamma=0.99))
             table = Table(storage, selector, RateLimiter(RateLimiterConfig()))
             dest = from_spec(storage.batch_spec(BATCH))
 
@@ -124,7 +125,7 @@ def test_prioritized_batches_vs_numpy_ring():
     selector.insert(np.arange(CAPACITY))
     selector.update(np.arange(CAPACITY), rng.random(CAPACITY))
     storage = TransitionStorage(with_leading_dims(spec_of(example), [T, B]), {0: B},
-                                TransitionStorageConfig(capacity=CAPACITY, n_step=3, gamma=0.99))
+                                StorageConfig(CAPACITY), TransitionStorageConfig(n_step=3, gamma=0.99))
     table = Table(storage, Prioritized(PrioritizedConfig()), RateLimiter(RateLimiterConfig()))
     for _ in range(fill):
         table.insert(0, seg)
