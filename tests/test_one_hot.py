@@ -15,7 +15,7 @@ from shared.agents.q import QAgent
 from shared.algos.dqn import DQN, DQNConfig
 from shared.config import loading
 from shared.data.batches import Transition
-from shared.envs.group import _example
+from shared.envs.group import space_example
 
 torch.set_num_threads(1)
 
@@ -62,7 +62,7 @@ def test_a_frozenlake_observation_reaches_the_network_one_hot():
 def test_multidiscrete_and_discrete_with_start_in_a_dict():
     space = gym.spaces.Dict({"pos": gym.spaces.MultiDiscrete([3, 2]), "room": gym.spaces.Discrete(4, start=-1),
                              "x": gym.spaces.Box(-1, 1, (2,), np.float32)})
-    example = _example(space, "Observation", "Observation")  # as EnvGroup lays it out
+    example = space_example(space, "Observation", "Observation")  # as EnvGroup lays it out
     encoder, width = make_encoder(example, ModelConfig(hidden_sizes=()), space)
     assert width == 3 + 2 + 4 + 2
     obs = type(example)(pos=torch.tensor([[2, 1], [0, 0]]), room=torch.tensor([-1, 2]),

@@ -67,8 +67,8 @@ from typing import Any, Callable
 import numpy as np
 from gymnasium import spaces
 
-from shared.envs.group import (MAX_ABS_REWARD, EnvConfig, EnvError, _example, _first_line, _leaf_arrays, _leaf_dtype,
-                               check_common)
+from shared.envs.group import (MAX_ABS_REWARD, EnvConfig, EnvError, check_common, first_line, leaf_arrays,
+                               leaf_dtype, space_example)
 
 ALE_PREFIX = "ALE/"
 ALE_V5_STICKY = 0.25
@@ -170,7 +170,7 @@ def validate_envpool(cfg: EnvConfig) -> None:
     try:
         spec = envpool.make_spec(task, **options)
     except (AssertionError, TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"env.kwargs: EnvPool refuses the options of {task}: {_first_line(e)}") from None
+        raise ValueError(f"env.kwargs: EnvPool refuses the options of {task}: {first_line(e)}") from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # EnvPool's float64 bounds cast to float32 Boxes
         obs_space, act_space = spec.gymnasium_observation_space, spec.gymnasium_action_space
@@ -211,11 +211,11 @@ class EnvPoolGroup:
             warnings.simplefilter("ignore")
             self.observation_space: spaces.Space = self._pool.observation_space
             self.action_space: spaces.Space = self._pool.action_space
-        self._example_obs = _example(self.observation_space, "Observation", "Observation")
-        self._example_act = _example(self.action_space, "Action", "Action")
+        self._example_obs = space_example(self.observation_space, "Observation", "Observation")
+        self._example_act = space_example(self.action_space, "Action", "Action")
         self._float_obs = self._example_obs.dtype.kind == "f"
         self._ids = np.arange(n_envs, dtype=np.int32)
-        act_shape, act_dtype = _leaf_dtype(self.action_space, "Action")
+        act_shape, act_dtype = leaf_dtype(self.action_space, "Action")
         self._act_batch = ((n_envs,) + act_shape, act_dtype)
         self._discrete = isinstance(self.action_space, spaces.Discrete)
         if self._discrete:
@@ -311,13 +311,13 @@ class EnvPoolGroup:
         The first call starts env i from seed ``base_seed + i``; later calls continue the envs'
         random streams. Raises EnvError naming the envs that failed.
         """
-        dst = _leaf_arrays(obs_out, self.n_envs, 1, "obs_out")[0]
+        dst = leaf_arrays(obs_out, self.n_envs, 1, "obs_out")[0]
         self._return[:] = 0.0
         self._length[:] = 0
         try:
             obs, info = self._pool.reset()
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
-            self._pool_failed(f"reset raised {_first_line(e)}", [])
+            self._pool_failed(f"reset raised {first_line(e)}", [])
         (obs,) = self._in_order(info, obs)
         dst[:] = obs
         bad = self._bad_rows(obs)
@@ -359,7 +359,7 @@ class EnvPoolGroup:
         try:
             self._pool.send(self._env_actions, self._ids)
         except Exception as e:  # noqa: BLE001 - any env failure is reported (by recv), not fatal
-            raised = f"step raised {_first_line(e)}"
+            raised = f"step raised {first_line(e)}"
         self._sent = (failures, raised)
 
     def recv(self, obs_out, reward_out, terminated_out, truncated_out, final_obs_out) -> list[tuple[int, float, int]]:
@@ -370,13 +370,13 @@ class EnvPoolGroup:
             raise RuntimeError("EnvPoolGroup.recv: no step was sent")
         (failures, raised), self._sent = self._sent, None
         B = self.n_envs
-        obs_dst = _leaf_arrays(obs_out, B, 1, "obs_out")[0]
-        final_dst = _leaf_arrays(final_obs_out, B, 1, "final_obs_out")[0]
+        obs_dst = leaf_arrays(obs_out, B, 1, "obs_out")[0]
+        final_dst = leaf_arrays(final_obs_out, B, 1, "final_obs_out")[0]
         if raised is None:
             try:
                 obs, reward, terminated, truncated, info = self._pool.recv(reset=False, return_info=True)
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
-                raised = f"step raised {_first_line(e)}"
+                raised = f"step raised {first_line(e)}"
         if raised is not None:
             final_dst[:] = obs_dst
             reward_out[:], terminated_out[:], truncated_out[:] = 0.0, False, True
@@ -431,7 +431,7 @@ class EnvPoolGroup:
             obs, _, _, _, info = self._pool.recv(reset=False, return_info=True)
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
             for i in ended:
-                failures[int(i)] = f"reset raised {_first_line(e)}"
+                failures[int(i)] = f"reset raised {first_line(e)}"
             return
         ids = info["env_id"]
         bad = self._bad_rows(obs)
@@ -452,7 +452,7 @@ class EnvPoolGroup:
         seeded ``base_seed + j + k * B`` on the k-th rebuild, and each ``recreate(j)`` writes
         env j's new first observation. Raises EnvError if that fails too.
         """
-        dst = _leaf_arrays(obs_out, self.n_envs, 1, "obs_out")[0]
+        dst = leaf_arrays(obs_out, self.n_envs, 1, "obs_out")[0]
         self._return[i], self._length[i] = 0.0, 0
         if self._pool is None:
             self._generation += 1
@@ -461,7 +461,7 @@ class EnvPoolGroup:
                 obs, info = self._pool.reset()
             except Exception as e:  # noqa: BLE001 - reported as the env's failure
                 self._pool = None
-                raise EnvError(self._describe(i, f"after recreate: rebuilding the pool raised {_first_line(e)}"),
+                raise EnvError(self._describe(i, f"after recreate: rebuilding the pool raised {first_line(e)}"),
                                (i,), []) from None
             (self._fresh,) = self._in_order(info, obs)
             self._unclaimed = set(range(self.n_envs))
@@ -472,7 +472,7 @@ class EnvPoolGroup:
             try:
                 obs, _ = self._pool.reset(np.array([i], np.int32))
             except Exception as e:  # noqa: BLE001 - reported as the env's failure
-                raise EnvError(self._describe(i, f"after recreate: reset raised {_first_line(e)}"), (i,), []) from None
+                raise EnvError(self._describe(i, f"after recreate: reset raised {first_line(e)}"), (i,), []) from None
         if self._bad_rows(obs) is not None:
             raise EnvError(self._describe(i, "after recreate: observation contains NaN or an infinity"), (i,), [])
         dst[i] = obs[0]

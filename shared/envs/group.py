@@ -120,7 +120,7 @@ _ARG_WRAPPERS = ("frame_stack",)
 _KNOWN_WRAPPERS = "atari, episodic_life, clip_reward, frame_stack:N (N >= 1)"
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
@@ -345,7 +345,7 @@ def _children(space: spaces.Space, where: str) -> list[tuple[str, Any, spaces.Sp
     return [(f"f{j}", j, sub) for j, sub in enumerate(space.spaces)]
 
 
-def _leaf_dtype(space: spaces.Space, role: str) -> tuple[tuple[int, ...], np.dtype]:
+def leaf_dtype(space: spaces.Space, role: str) -> tuple[tuple[int, ...], np.dtype]:
     if isinstance(space, spaces.Box):
         kind = space.dtype.kind
         if kind == "f":
@@ -365,39 +365,39 @@ def _leaf_dtype(space: spaces.Space, role: str) -> tuple[tuple[int, ...], np.dty
     )
 
 
-def _example(space: spaces.Space, typename: str, role: str):
+def space_example(space: spaces.Space, typename: str, role: str):
     """Zeros shaped and typed as one value of ``space`` (nested namedarraytuple for Dict/Tuple)."""
     if isinstance(space, (spaces.Dict, spaces.Tuple)):
         fields = _children(space, role.lower())
         cls = namedarraytuple(typename, [f for f, _, _ in fields])
-        return cls(*(_example(sub, f"{typename}_{f}", role) for f, _, sub in fields))
-    shape, dtype = _leaf_dtype(space, role)
+        return cls(*(space_example(sub, f"{typename}_{f}", role) for f, _, sub in fields))
+    shape, dtype = leaf_dtype(space, role)
     return np.zeros(shape, dtype=dtype)
 
 
-def _obs_leaves(space: spaces.Space, name: str = "observation", path: tuple = ()) -> list[_Leaf]:
+def obs_leaves(space: spaces.Space, name: str = "observation", path: tuple = ()) -> list[_Leaf]:
     """The leaves of an observation in namedarraytuple field order (as ``leaves()`` walks)."""
     if isinstance(space, (spaces.Dict, spaces.Tuple)):
         return [
             leaf
             for f, key, sub in _children(space, "observation")
-            for leaf in _obs_leaves(sub, f"{name}.{f}", path + (key,))
+            for leaf in obs_leaves(sub, f"{name}.{f}", path + (key,))
         ]
-    shape, dtype = _leaf_dtype(space, "Observation")
+    shape, dtype = leaf_dtype(space, "Observation")
     return [_Leaf(name, path, shape, dtype, set())]
 
 
-def _action_converter(space: spaces.Space, B: int, name: str = "action") -> Callable[[Any], list]:
+def action_converter(space: spaces.Space, B: int, name: str = "action") -> Callable[[Any], list]:
     """A function from a ``[B, ...]`` action batch to the B values the envs expect."""
     if isinstance(space, (spaces.Dict, spaces.Tuple)):
         fields = _children(space, "action")
-        convs = [_action_converter(sub, B, f"{name}.{f}") for f, _, sub in fields]
+        convs = [action_converter(sub, B, f"{name}.{f}") for f, _, sub in fields]
         if isinstance(space, spaces.Dict):
             keys = [key for _, key, _ in fields]
             return lambda a: [dict(zip(keys, vals)) for vals in zip(*(c(x) for c, x in zip(convs, a)))]
         return lambda a: [tuple(vals) for vals in zip(*(c(x) for c, x in zip(convs, a)))]
 
-    shape, dtype = _leaf_dtype(space, "Action")
+    shape, dtype = leaf_dtype(space, "Action")
     batch_shape = (B,) + shape
 
     def checked(a) -> np.ndarray:
@@ -449,10 +449,10 @@ def reward_problem(reward: float) -> str | None:
     return None
 
 
-def check_observation(obs_leaves: list[_Leaf], obs) -> list[np.ndarray] | str:
-    """The leaves (``_obs_leaves``) of one env observation as arrays, or what is wrong with it."""
+def check_observation(leaves: list[_Leaf], obs) -> list[np.ndarray] | str:
+    """The leaves (``obs_leaves``) of one env observation as arrays, or what is wrong with it."""
     arrays = []
-    for leaf in obs_leaves:
+    for leaf in leaves:
         x = obs
         try:
             for key in leaf.path:
@@ -473,7 +473,7 @@ def check_observation(obs_leaves: list[_Leaf], obs) -> list[np.ndarray] | str:
     return arrays
 
 
-def _leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
+def leaf_arrays(tree, B: int, n_leaves: int, what: str) -> list[np.ndarray]:
     arrays = [tree] if isinstance(tree, np.ndarray) else [x for _, x in leaves(tree)] if is_nat(tree) else []
     if len(arrays) != n_leaves or any(x.shape[:1] != (B,) for x in arrays):
         raise ValueError(f"EnvGroup: {what} must be a [B={B}, ...] buffer shaped like example_observation()")
@@ -528,10 +528,10 @@ class EnvGroup(SplitStep):
         # The gymnasium spaces of the wrapped env (Atari: the stacked frames, not the screen).
         self.observation_space: spaces.Space = self._envs[0].observation_space
         self.action_space: spaces.Space = self._envs[0].action_space
-        self._example_obs = _example(self.observation_space, "Observation", "Observation")
-        self._example_act = _example(self.action_space, "Action", "Action")
-        self._obs_leaves = _obs_leaves(self.observation_space)
-        self._to_env_actions = _action_converter(self.action_space, n_envs)
+        self._example_obs = space_example(self.observation_space, "Observation", "Observation")
+        self._example_act = space_example(self.action_space, "Action", "Action")
+        self._obs_leaves = obs_leaves(self.observation_space)
+        self._to_env_actions = action_converter(self.action_space, n_envs)
         self._generation = [0] * n_envs
         self._seeded = False
         self._limit = StepLimit(cfg.step_timeout_s) if cfg.step_timeout_s else None
@@ -568,7 +568,7 @@ class EnvGroup(SplitStep):
         try:
             obs, _ = self._call(functools.partial(self._envs[i].reset, seed=seed))
         except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
-            return f"reset raised {_first_line(e)}"
+            return f"reset raised {first_line(e)}"
         except StepTimeout:
             return limit.problem("reset")
         return check_observation(self._obs_leaves, obs)
@@ -589,7 +589,7 @@ class EnvGroup(SplitStep):
         The first call seeds env i with ``base_seed + i``; later calls continue the envs'
         random streams. Raises EnvError naming the envs that failed (the others are reset).
         """
-        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        dst = leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
         failures = []
         with self._limited():
             for i in range(self.n_envs):
@@ -636,8 +636,8 @@ class EnvGroup(SplitStep):
     def _step(self, actions, obs_out, reward_out, terminated_out, truncated_out, final_obs_out):
         B = self.n_envs
         n_leaves = len(self._obs_leaves)
-        obs_dst = _leaf_arrays(obs_out, B, n_leaves, "obs_out")
-        final_dst = _leaf_arrays(final_obs_out, B, n_leaves, "final_obs_out")
+        obs_dst = leaf_arrays(obs_out, B, n_leaves, "obs_out")
+        final_dst = leaf_arrays(final_obs_out, B, n_leaves, "final_obs_out")
         env_actions = self._to_env_actions(actions)
         finished: list[tuple[int, float, int]] = []
         failures: list[tuple[int, str]] = []
@@ -651,7 +651,7 @@ class EnvGroup(SplitStep):
                     obs, reward, terminated, truncated, _ = limit.call(env.step, env_actions[i])
                 reward = float(reward)
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
-                got = f"step raised {_first_line(e)}"
+                got = f"step raised {first_line(e)}"
             except StepTimeout:
                 got = limit.problem("step")
             else:
@@ -700,13 +700,13 @@ class EnvGroup(SplitStep):
             try:
                 env, tracker = self._call(self._make, self.cfg)
             except Exception as e:  # noqa: BLE001 - reported as the env's failure
-                raise EnvError(self._describe(i, f"after recreate: make raised {_first_line(e)}"), (i,), []) from None
+                raise EnvError(self._describe(i, f"after recreate: make raised {first_line(e)}"), (i,), []) from None
             except StepTimeout:
                 raise EnvError(self._describe(i, f"after recreate: {self._limit.problem('make')}"), (i,), []) from None
             self._envs[i], self._trackers[i] = env, tracker
             got = self._reset_env(i, self.base_seed + i + self._generation[i] * self.n_envs)
         if isinstance(got, str):
             raise EnvError(self._describe(i, f"after recreate: {got}"), (i,), [])
-        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        dst = leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
         for d, x in zip(dst, got):
             d[i] = x

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-from shared.envs.group import (EnvConfig, EnvError, SplitStep, _action_converter, _example, _first_line,
-                               _leaf_arrays, _obs_leaves, check_common, check_observation, reward_problem)
+from shared.envs.group import (EnvConfig, EnvError, SplitStep, action_converter, check_common, check_observation,
+                               first_line, leaf_arrays, obs_leaves, reward_problem, space_example)
 
 PREFIX = "pettingzoo:"
 MASK_KEY = "action_mask"
@@ -61,7 +61,7 @@ def _module(cfg: EnvConfig):
     try:
         module = importlib.import_module(name)
     except Exception as e:  # noqa: BLE001 - whatever the import raises, it is this field's error
-        raise ValueError(f"env.id = {cfg.id!r}: cannot import module {name!r} ({_first_line(e)}); "
+        raise ValueError(f"env.id = {cfg.id!r}: cannot import module {name!r} ({first_line(e)}); "
                          "give a PettingZoo env module such as 'pettingzoo.classic.tictactoe_v3'") from None
     if not (callable(getattr(module, "parallel_env", None)) or callable(getattr(module, "env", None))):
         raise ValueError(f"env.id = {cfg.id!r}: module {name!r} has neither parallel_env() nor env(); "
@@ -76,7 +76,7 @@ def _make_raw(cfg: EnvConfig, kwargs: dict[str, Any]):
     try:
         return (module.parallel_env if parallel else module.env)(**kwargs), parallel
     except Exception as e:  # noqa: BLE001 - a bad kwarg or a broken env: this config's error
-        raise ValueError(f"env.kwargs: {cfg.id!r} cannot be built with {kwargs} ({_first_line(e)})") from None
+        raise ValueError(f"env.kwargs: {cfg.id!r} cannot be built with {kwargs} ({first_line(e)})") from None
 
 
 def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Space, spaces.Space, bool]:
@@ -215,10 +215,10 @@ class PettingZooGroup(SplitStep):
             raise ValueError(f"sampler.envs: {cfg.id!r} has {N} agents, each one column; a group of {n_envs} columns "
                              f"is no multiple of {N}")
         self._raws = [first] + [_make_raw(cfg, self._kwargs)[0] for _ in range(n_envs // N - 1)]
-        self._example_obs = _example(self.observation_space, "Observation", "Observation")
-        self._example_act = _example(self.action_space, "Action", "Action")
-        self._obs_leaves = _obs_leaves(self.observation_space)
-        self._to_env_actions = _action_converter(self.action_space, n_envs)
+        self._example_obs = space_example(self.observation_space, "Observation", "Observation")
+        self._example_act = space_example(self.action_space, "Action", "Action")
+        self._obs_leaves = obs_leaves(self.observation_space)
+        self._to_env_actions = action_converter(self.action_space, n_envs)
         self._one_hot = np.eye(N, dtype=np.float32)
         if self._masked:
             self._pass_mask = np.zeros(int(self.action_space.n), np.int8)
@@ -356,14 +356,14 @@ class PettingZooGroup(SplitStep):
     def reset(self, obs_out) -> None:
         """Reset every env and write the B initial observations into ``obs_out[B, ...]``; the first
         call seeds env k with ``base_seed + k * N``. Raises EnvError naming the envs that failed."""
-        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        dst = leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
         self._last_obs: list[dict] = [{} for _ in self._raws]
         failures = []
         for k in range(len(self._raws)):
             try:
                 self._reset_env(k, None if self._seeded else self.base_seed + self._columns(k).start, dst)
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
-                failures.append((k, f"reset raised {_first_line(e)}"))
+                failures.append((k, f"reset raised {first_line(e)}"))
         self._seeded = True
         self._raise(failures, [])
 
@@ -377,8 +377,8 @@ class PettingZooGroup(SplitStep):
         bad value fails all its columns (``EnvError``: its first column in ``env_indices``,
         ``recreate`` rebuilds the whole env; all its columns in ``failed_steps``)."""
         B, n_leaves = self.n_envs, len(self._obs_leaves)
-        dst = _leaf_arrays(obs_out, B, n_leaves, "obs_out")
-        final_dst = _leaf_arrays(final_obs_out, B, n_leaves, "final_obs_out")
+        dst = leaf_arrays(obs_out, B, n_leaves, "obs_out")
+        final_dst = leaf_arrays(final_obs_out, B, n_leaves, "final_obs_out")
         env_actions = self._to_env_actions(actions)
         self.padding[:] = False
         finished: list[tuple[int, float, int]] = []
@@ -389,7 +389,7 @@ class PettingZooGroup(SplitStep):
                 self._step_env(k, env_actions, dst, final_dst, reward_out, terminated_out, truncated_out, finished)
             except Exception as e:  # noqa: BLE001 - any env failure is reported, not fatal
                 del finished[done_before:]
-                failures.append((k, f"step raised {_first_line(e)}" if not isinstance(e, _Broken) else str(e)))
+                failures.append((k, f"step raised {first_line(e)}" if not isinstance(e, _Broken) else str(e)))
                 for i in self._columns(k):
                     reward_out[i], terminated_out[i], truncated_out[i] = 0.0, False, True
                     for d, f in zip(dst, final_dst):
@@ -408,11 +408,11 @@ class PettingZooGroup(SplitStep):
             pass
         self._generation[k] += 1
         self._raws[k] = _make_raw(self.cfg, self._kwargs)[0]
-        dst = _leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
+        dst = leaf_arrays(obs_out, self.n_envs, len(self._obs_leaves), "obs_out")
         try:
             self._reset_env(k, self.base_seed + k * N + self._generation[k] * self.n_envs, dst)
         except Exception as e:  # noqa: BLE001 - the new env fails too: the sampler's error
-            raise EnvError(self._describe(k, f"after recreate: {_first_line(e)}"), (i,), []) from None
+            raise EnvError(self._describe(k, f"after recreate: {first_line(e)}"), (i,), []) from None
 
     def _describe(self, k: int, problem: str) -> str:
         return f"env {self.cfg.id!r} #{k} (columns {self._columns(k).start}..{self._columns(k).stop - 1}): {problem}"
