@@ -23,6 +23,7 @@ from services.build import agent_info, env_probe, make_agent
 from services.sampler.local import LocalActions
 from services.sampler.opponent import Opponent
 from services.sampler.sampler import Sampler
+from services.serial import opponent
 from shared.config.topology import topology
 from shared.agents.actor import Actor
 from services.sampler.opponent import opponent_columns
@@ -125,8 +126,8 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
     topo = topology(exp)
     sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
     mask = opponent_columns(sampler.env_base, exp.sampler.envs)
-    opponent = Opponent(exp.selfplay, files, Actor(holder, np.random.SeedSequence(1)), ModuleState(holder), mask,
-                        exp.sampler.horizon, np.random.SeedSequence(2))
+    opponent = Opponent(exp.selfplay, files, lambda: (Actor(holder, np.random.SeedSequence(1)), ModuleState(holder)),
+                        mask, exp.sampler.horizon, np.random.SeedSequence(2))
     sampler.opponent = opponent
     actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
                            opponent)
@@ -136,7 +137,7 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
         sampler.collect_segment(actions, sink)
     samples = sampler.ring[0].samples
     sampler.close()
-    assert opponent.version == 5
+    assert opponent.loaded == [5]
     assert (not samples.failed.any()) if both else (samples.failed[:, mask].all() and not samples.failed[:, ~mask].any())
     legal = samples.observation.action_mask
     moving = legal.sum(-1) > 1  # not a pass
@@ -145,6 +146,58 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
     assert (samples.action[:, ~mask][centre_free[:, ~mask]] != 4).any()  # the current policy plays elsewhere too
     episodes = [e for meta in sink.metas for e in meta["episodes"]]
     assert episodes and all(len(e) == 3 and e[2] == 5 for e in episodes)
+
+
+def test_a_board_keeps_the_version_it_drew_until_its_game_ends_and_its_games_score_that_version(tmp_path):
+    """Versions 3, 5 and 7 in a uniform pool, each valuing every position at its own number, so
+    the opponent columns' values name the version that acted. Segments of 4 steps, shorter than a
+    game: each game's opponent moves are one version's, several versions play, the games the
+    learner seat reports name the versions their boards played, and they score once each."""
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=8", "sampler.horizon=4", "sampler.ring=12"])
+    probe = env_probe(exp)
+    current, past = make_agent(exp, probe), make_agent(exp, probe)
+    probe.close()
+    files = PoolFiles(tmp_path, 8)
+    for version in (3, 5, 7):
+        with torch.no_grad():
+            past.twin.weights[2][1].zero_()  # member 1 is the value head
+            past.twin.biases[2][1].fill_(float(version))
+        files.add(version, {field_name(k): t.numpy() for k, t in past.state_dict().items()})
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
+    serial_opponent = opponent(exp, tmp_path, sampler, make_agent(exp, env_probe(exp)))
+    sampler.opponent = serial_opponent
+    actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
+                           serial_opponent)
+    sink = Announced()
+    sampler.start(actions)
+    for _ in range(exp.sampler.ring):
+        sampler.collect_segment(actions, sink)
+    samples = sampler.ring.samples  # [ring, T, B]: the segments in order
+    episodes = [e for meta in sink.metas for e in meta["episodes"]] + sampler.pending[3]  # the last one's too
+    sampler.close()
+    mask = serial_opponent.mask
+    value = samples.agent_info.value.reshape(-1, 8)[:, mask]
+    ended = (samples.terminated | samples.truncated).reshape(-1, 8)[:, mask]
+    played = []  # the version of each game that ended, by board
+    for board in range(4):
+        game = []
+        for v, end in zip(value[:, board], ended[:, board]):
+            game.append(v)
+            if end:
+                assert len(set(game)) == 1, f"board {board}: one game against versions {sorted(set(game))}"
+                played.append(int(game[0]))
+                game = []
+    assert set(played) == {3, 5, 7} and len(played) >= 12
+    reported = [e[2] for e in episodes]
+    assert sorted(reported) == sorted(played)  # each board's learner seat ends its games with the opponent's
+    scores = Scores()
+    for v in (3, 5, 7):
+        scores.enter(v)
+    for ret, _, version in episodes:
+        scores.record(version, ret)
+    assert {v: sum(s[o] for o in ("win", "draw", "loss")) for v, s in scores.versions.items()} == \
+        {v: reported.count(v) for v in (3, 5, 7)}
 
 
 # ------------------------------------------------------------------ learning
