@@ -200,6 +200,20 @@ def test_a_board_keeps_the_version_it_drew_until_its_game_ends_and_its_games_sco
         {v: reported.count(v) for v in (3, 5, 7)}
 
 
+def test_progress_rows_name_the_pools_best_version_and_its_elo():
+    from services.learner.progress import Progress
+
+    scores = Scores()
+    progress = Progress(10, None, scores=scores)
+    assert np.isnan(progress.pool_columns()["pool_best_elo"])  # no version yet
+    for v in (1, 2):
+        scores.enter(v)
+    progress.record_batch({"env_steps": 9, "episodes": [[1.0, 5, 1], [-1.0, 5, 2], [-1.0, 6, 2]]})
+    row = progress.pool_columns()
+    assert row["pool_best_version"] == 2 and row["pool_best_elo"] == round(scores.versions[2]["elo"], 1) > 1000
+    assert row["pool_win"] == 0.333
+
+
 # ------------------------------------------------------------------ learning
 
 
@@ -207,6 +221,12 @@ def pool_rows(run_dir: Path) -> list[dict]:
     from shared.launch import rundirs
 
     return [r for r in rundirs.read_progress(run_dir) if r.get("pool_win") not in (None, "", "nan")]
+
+
+def scores_versions(run_dir: Path) -> list[int]:
+    """The versions pool/scores.json has rated: the pool's now and, for a row written a moment
+    earlier, those it held then."""
+    return [int(v) for v in scores(run_dir)]
 
 
 def scores(run_dir: Path) -> dict:
@@ -242,6 +262,7 @@ def test_pool_self_play_through_the_pipeline_survives_a_learner_kill_and_a_resum
                  and pool_rows(run.dir), 60, "3 pool versions, a checkpoint and a row of games against the pool")
     run.wait_for(lambda: "rlpipe_learner_pool_outcome_ratio" in run.metrics(), 10, "the pool outcome gauge")
     assert metric_value(run.metrics(), "rlpipe_learner_pool_outcome_ratio", outcome="win") > 0
+    assert metric_value(run.metrics(), "rlpipe_learner_pool_best_version") in scores_versions(run.dir)
     before = pool.versions()
     played = scores(run.dir)
     learner_pid = run.pid("learner0")
