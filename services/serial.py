@@ -133,10 +133,13 @@ def train_serial(exp: Experiment, run_dir: Path | None = None) -> dict:
 
 
 def opponent(exp: Experiment, run_dir: Path, sampler: Sampler, agent) -> Opponent:
-    """The self-play pool's opponent seat of ``sampler``: a copy of ``agent`` that loads past versions."""
+    """The self-play pool's opponent seat of ``sampler``: copies of ``agent`` that load past versions."""
     acting, drawing = topology(exp).acting_seed("opponent", sampler.instance).spawn(2)
-    other = copy.deepcopy(agent)
-    return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), Actor(other, acting), ModuleState(other),
+
+    def make_copy():
+        other = copy.deepcopy(agent)
+        return Actor(other, acting.spawn(1)[0]), ModuleState(other)
+    return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
                     opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, drawing)
 
 

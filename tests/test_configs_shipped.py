@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.serial import train_serial
@@ -13,6 +15,13 @@ from tests.pipeline import CONFIGS
 def test_shipped_config_is_valid(path):
     exp = config.load(path)
     assert exp.sampler.count >= 1 and exp.run.max_env_steps > 0
+
+
+def test_the_connect_four_pool_config_is_connect_four_ppo_with_a_pool():
+    """TOML has no include: the pool config copies connect_four_ppo.toml, and must stay a copy."""
+    pool, plain = (config.load(CONFIGS / f"{name}.toml") for name in ("connect_four_pool_ppo", "connect_four_ppo"))
+    assert pool.selfplay.pool == "prioritised" and not plain.selfplay.on
+    assert replace(pool, selfplay=plain.selfplay, run=replace(pool.run, name=plain.run.name)) == plain
 
 
 def test_atari_pong_ppo_runs_one_update_in_serial_mode():

@@ -23,6 +23,7 @@ from services.build import agent_info, env_probe, make_agent
 from services.sampler.local import LocalActions
 from services.sampler.opponent import Opponent
 from services.sampler.sampler import Sampler
+from services.serial import opponent
 from shared.config.topology import topology
 from shared.agents.actor import Actor
 from services.sampler.opponent import opponent_columns
@@ -125,8 +126,8 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
     topo = topology(exp)
     sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
     mask = opponent_columns(sampler.env_base, exp.sampler.envs)
-    opponent = Opponent(exp.selfplay, files, Actor(holder, np.random.SeedSequence(1)), ModuleState(holder), mask,
-                        exp.sampler.horizon, np.random.SeedSequence(2))
+    opponent = Opponent(exp.selfplay, files, lambda: (Actor(holder, np.random.SeedSequence(1)), ModuleState(holder)),
+                        mask, exp.sampler.horizon, np.random.SeedSequence(2))
     sampler.opponent = opponent
     actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
                            opponent)
@@ -136,7 +137,7 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
         sampler.collect_segment(actions, sink)
     samples = sampler.ring[0].samples
     sampler.close()
-    assert opponent.version == 5
+    assert opponent.loaded == [5]
     assert (not samples.failed.any()) if both else (samples.failed[:, mask].all() and not samples.failed[:, ~mask].any())
     legal = samples.observation.action_mask
     moving = legal.sum(-1) > 1  # not a pass
@@ -147,6 +148,72 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
     assert episodes and all(len(e) == 3 and e[2] == 5 for e in episodes)
 
 
+def test_a_board_keeps_the_version_it_drew_until_its_game_ends_and_its_games_score_that_version(tmp_path):
+    """Versions 3, 5 and 7 in a uniform pool, each valuing every position at its own number, so
+    the opponent columns' values name the version that acted. Segments of 4 steps, shorter than a
+    game: each game's opponent moves are one version's, several versions play, the games the
+    learner seat reports name the versions their boards played, and they score once each."""
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=8", "sampler.horizon=4", "sampler.ring=12"])
+    probe = env_probe(exp)
+    current, past = make_agent(exp, probe), make_agent(exp, probe)
+    probe.close()
+    files = PoolFiles(tmp_path, 8)
+    for version in (3, 5, 7):
+        with torch.no_grad():
+            past.twin.weights[2][1].zero_()  # member 1 is the value head
+            past.twin.biases[2][1].fill_(float(version))
+        files.add(version, {field_name(k): t.numpy() for k, t in past.state_dict().items()})
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
+    serial_opponent = opponent(exp, tmp_path, sampler, make_agent(exp, env_probe(exp)))
+    sampler.opponent = serial_opponent
+    actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
+                           serial_opponent)
+    sink = Announced()
+    sampler.start(actions)
+    for _ in range(exp.sampler.ring):
+        sampler.collect_segment(actions, sink)
+    samples = sampler.ring.samples  # [ring, T, B]: the segments in order
+    episodes = [e for meta in sink.metas for e in meta["episodes"]] + sampler.pending[3]  # the last one's too
+    sampler.close()
+    mask = serial_opponent.mask
+    value = samples.agent_info.value.reshape(-1, 8)[:, mask]
+    ended = (samples.terminated | samples.truncated).reshape(-1, 8)[:, mask]
+    played = []  # the version of each game that ended, by board
+    for board in range(4):
+        game = []
+        for v, end in zip(value[:, board], ended[:, board]):
+            game.append(v)
+            if end:
+                assert len(set(game)) == 1, f"board {board}: one game against versions {sorted(set(game))}"
+                played.append(int(game[0]))
+                game = []
+    assert set(played) == {3, 5, 7} and len(played) >= 12
+    reported = [e[2] for e in episodes]
+    assert sorted(reported) == sorted(played)  # each board's learner seat ends its games with the opponent's
+    scores = Scores()
+    for v in (3, 5, 7):
+        scores.enter(v)
+    for ret, _, version in episodes:
+        scores.record(version, ret)
+    assert {v: sum(s[o] for o in ("win", "draw", "loss")) for v, s in scores.versions.items()} == \
+        {v: reported.count(v) for v in (3, 5, 7)}
+
+
+def test_progress_rows_name_the_pools_best_version_and_its_elo():
+    from services.learner.progress import Progress
+
+    scores = Scores()
+    progress = Progress(10, None, scores=scores)
+    assert np.isnan(progress.pool_columns()["pool_best_elo"])  # no version yet
+    for v in (1, 2):
+        scores.enter(v)
+    progress.record_batch({"env_steps": 9, "episodes": [[1.0, 5, 1], [-1.0, 5, 2], [-1.0, 6, 2]]})
+    row = progress.pool_columns()
+    assert row["pool_best_version"] == 2 and row["pool_best_elo"] == round(scores.versions[2]["elo"], 1) > 1000
+    assert row["pool_win"] == 0.333
+
+
 # ------------------------------------------------------------------ learning
 
 
@@ -154,6 +221,12 @@ def pool_rows(run_dir: Path) -> list[dict]:
     from shared.launch import rundirs
 
     return [r for r in rundirs.read_progress(run_dir) if r.get("pool_win") not in (None, "", "nan")]
+
+
+def scores_versions(run_dir: Path) -> list[int]:
+    """The versions pool/scores.json has rated: the pool's now and, for a row written a moment
+    earlier, those it held then."""
+    return [int(v) for v in scores(run_dir)]
 
 
 def scores(run_dir: Path) -> dict:
@@ -189,6 +262,7 @@ def test_pool_self_play_through_the_pipeline_survives_a_learner_kill_and_a_resum
                  and pool_rows(run.dir), 60, "3 pool versions, a checkpoint and a row of games against the pool")
     run.wait_for(lambda: "rlpipe_learner_pool_outcome_ratio" in run.metrics(), 10, "the pool outcome gauge")
     assert metric_value(run.metrics(), "rlpipe_learner_pool_outcome_ratio", outcome="win") > 0
+    assert metric_value(run.metrics(), "rlpipe_learner_pool_best_version") in scores_versions(run.dir)
     before = pool.versions()
     played = scores(run.dir)
     learner_pid = run.pid("learner0")

@@ -171,6 +171,33 @@ def test_evaluate_against_an_opponent_reports_and_records_rates_per_seat(trained
     assert row["opponent"] == opponent and float(row["loss_second"]) == recorded["loss_second"]
 
 
+@pytest.fixture(scope="module")
+def rival(tmp_path_factory) -> Path:
+    """Another serial run of tic-tac-toe, shorter (4,096 env steps, ~2 s), with another network."""
+    runs_dir = tmp_path_factory.mktemp("rival")
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", [f"run.runs_dir='{runs_dir}'", "run.max_env_steps=4096",
+                                                        "model.hidden_sizes=[32]"])
+    return Path(api.train_serial(exp, out=io.StringIO())["run_dir"])
+
+
+def test_evaluate_against_another_run_plays_its_greedy_checkpoint_in_both_seats(trained, rival):
+    """Greedy against greedy in a game without chance: what one run scores as first player the other
+    scores as second, with the signs swapped, and both evaluations are recorded in their runs."""
+    out = rlpipe_here("evaluate", str(trained), "--opponent", str(rival), "--episodes", "20")
+    assert out.returncode == 0, out.stderr
+    ours = evaluation.latest(trained)
+    theirs_version = torch.load(rival / runfiles.CHECKPOINT, weights_only=False)["version"]
+    assert (ours["opponent"], ours["opponent_version"], ours["episodes"]) == (rival.name, theirs_version, 20)
+    assert f"against {rival.name}: as first player wins {100 * ours['win_first']:.1f}%" in out.stdout
+    assert evaluation.read_rows(trained)[-1]["opponent"] == rival.name
+    out = rlpipe_here("evaluate", str(rival), "--opponent", str(trained), "--episodes", "20")
+    assert out.returncode == 0, out.stderr
+    theirs = evaluation.latest(rival)
+    for outcome, mirrored in (("win", "loss"), ("draw", "draw"), ("loss", "win")):
+        assert ours[f"{outcome}_first"] == theirs[f"{mirrored}_second"]
+        assert ours[f"{outcome}_second"] == theirs[f"{mirrored}_first"]
+
+
 def test_evaluate_plays_the_same_games_on_the_held_out_seeds(trained):
     """Seeded: the random opponent's games repeat exactly."""
     rows = []
@@ -228,10 +255,21 @@ def test_the_evaluator_reports_rates_against_the_opponents_during_training(runs)
 
 def test_a_wrong_opponent_is_one_error_line(tmp_path, trained):
     single = checkpointed_run(tmp_path, "CartPole-v1")
+    other_game = checkpointed_run(tmp_path / "c4", "pettingzoo:pettingzoo.classic.connect_four_v3")
+    unplayed = tmp_path / "unplayed"
+    unplayed.mkdir()
+    (unplayed / RUN_CONFIG).write_text((trained / RUN_CONFIG).read_text())
     for run, opponent, message in [
         (single, "random", "rlpipe: --opponent random: needs a two-player turn-based PettingZoo game; "
                            "env.id = 'CartPole-v1' is a single-agent env"),
-        (trained, "champion", "rlpipe: --opponent 'champion': unknown; give one of random, heuristic, latest"),
+        (trained, "champion", "rlpipe: --opponent 'champion': unknown; give one of random, heuristic, latest, "
+                              "or a run of the same game (its directory or id)"),
+        (trained, str(other_game), f"rlpipe: --opponent {other_game}: that run has env.id = "
+                                   "'pettingzoo:pettingzoo.classic.connect_four_v3', this one "
+                                   "'pettingzoo:pettingzoo.classic.tictactoe_v3'; runs play each other on the same "
+                                   "game and observations"),
+        (trained, str(unplayed), f"rlpipe: --opponent unplayed: no checkpoint at {unplayed.resolve() / runfiles.CHECKPOINT}: "
+                                 "the learner writes one every 10 s"),
     ]:
         out = rlpipe_here("evaluate", str(run), "--opponent", opponent)
         assert (out.returncode, out.stderr.strip(), out.stdout) == (2, message, ""), out

@@ -10,6 +10,8 @@ The games are played on the run's env columns (``PettingZooGroup``, the held-out
 - ``latest``: the same checkpoint acting as the run's samplers did at its last checkpoint (a
   sample of its policy; a Q agent's exploration at the checkpoint's env steps). A greedy copy of
   a deterministic policy would play one game over and over.
+- another run of the same game (`--opponent RUN2`): that run's latest checkpoint, greedy as the
+  policy is, on the observations both runs were trained on (``check_opponent``).
 
 An outcome is the sign of the policy seat's return (win > 0, draw 0, loss < 0), as the classic
 games score +1 / 0 / -1.
@@ -37,12 +39,24 @@ OUTCOMES = ("win", "draw", "loss")
 _PLURALS = {"win": "wins", "draw": "draws", "loss": "losses"}
 
 
-def check_opponent(exp: Experiment, opponent: str) -> None:
-    """ValueError (one line naming ``--opponent``) for an unknown opponent, or a run whose env is no
-    two-player turn-based PettingZoo game."""
-    if opponent not in OPPONENTS:
-        raise ValueError(f"--opponent {opponent!r}: unknown; give one of {', '.join(OPPONENTS)}")
+RIVAL_ENV_FIELDS = ("id", "kwargs", "wrappers", "max_episode_steps", "agent_id")
+"""The env settings two runs must share to play each other: the game, its rules and what a
+policy observes of it (the backend and its threads may differ)."""
+
+
+def check_opponent(exp: Experiment, opponent: str, rival: Experiment | None = None) -> None:
+    """ValueError (one line naming ``--opponent``) for an unknown opponent, a run whose env is no
+    two-player turn-based PettingZoo game, or (``rival``: the config of the run ``opponent``
+    names) a run that plays another game or observes it otherwise."""
+    if rival is None and opponent not in OPPONENTS:
+        raise ValueError(f"--opponent {opponent!r}: unknown; give one of {', '.join(OPPONENTS)}, or a run of the "
+                         "same game (its directory or id)")
     check_two_player_game(exp.env, f"--opponent {opponent}")
+    for field in RIVAL_ENV_FIELDS if rival is not None else ():
+        ours, theirs = getattr(exp.env, field), getattr(rival.env, field)
+        if ours != theirs:
+            raise ValueError(f"--opponent {opponent}: that run has env.{field} = {theirs!r}, this one {ours!r}; "
+                             "runs play each other on the same game and observations")
 
 
 def service_opponents(exp: Experiment) -> tuple[str, ...]:
@@ -53,11 +67,11 @@ def service_opponents(exp: Experiment) -> tuple[str, ...]:
     return exp.eval.opponents
 
 
-def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: int, env_steps: int = 0
-               ) -> tuple[np.ndarray, np.ndarray]:
+def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str | torch.nn.Module, games: int,
+               env_steps: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(returns as first player, returns as second player), float64 [games] each: greedy games of
-    ``agent`` against ``opponent`` (OPPONENTS) on ``exp.eval.envs`` boards (at least 2) side by
-    side. ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration.
+    ``agent`` against ``opponent`` (OPPONENTS, or another run's agent, greedy too) on
+    ``exp.eval.envs`` boards (at least 2) side by side. ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration.
     Each board plays a fixed share of its seat's games: taking the first ``games`` to end would
     favour short games. The callers have checked ``opponent`` and the game (``check_opponent``:
     the command line; ``service_opponents``: the evaluator at its start), so an evaluation builds
@@ -71,7 +85,8 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: in
     theirs_col = 2 * np.arange(boards) + 1 - ours
     quota = games // (boards // 2) + (np.arange(boards) // 2 < games % (boards // 2))
     played = np.zeros(boards, np.int64)
-    player = PLAYERS.get(opponent)
+    player = PLAYERS.get(opponent) if isinstance(opponent, str) else None
+    rival = None if isinstance(opponent, str) else opponent
     sampling = StepContext(env_steps=env_steps)
     results: tuple[list[float], list[float]] = ([], [])
     try:
@@ -83,7 +98,10 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str, games: in
             with torch.inference_mode():
                 action, _ = agent.step(obs, replace(EVALUATE, first=first, reward=reward))
                 slot.action[:] = numpify(action)
-                if player is None:
+                if rival is not None:
+                    other, _ = rival.step(obs, replace(EVALUATE, first=first, reward=reward))
+                    slot.action[theirs_col] = numpify(other)[theirs_col]
+                elif player is None:  # latest
                     other, _ = agent.step(obs, replace(sampling, first=first, reward=reward))
                     slot.action[theirs_col] = numpify(other)[theirs_col]
             if player is not None:

@@ -220,6 +220,8 @@ class Learner:
             for outcome in ("win", "draw", "loss"):
                 self.m.pool_outcome.labels(outcome=outcome).set(row[f"pool_{outcome}"])
             self.m.pool_elo.set(row["pool_elo"])
+            self.m.pool_best_elo.set(row["pool_best_elo"])
+            self.m.pool_best_version.set(row["pool_best_version"])
         if self.identical_at is not None:
             log.info("parameters identical on %d ranks at update %d (crc32 %08x)", self.group.world, *self.identical_at)
             self.identical_at = None

@@ -31,9 +31,11 @@ PROGRESS_FIELDS = ["wall_s", "env_steps", "env_steps_per_s", "updates", "updates
                    *evaluation.PROGRESS_COLUMNS]
 ETA_ROWS = 10
 """Progress rows the ETA's env-step rate is measured over (the rows before it, this incarnation's)."""
-POOL_FIELDS = ["pool_win", "pool_draw", "pool_loss", "pool_elo"]
+POOL_FIELDS = ["pool_win", "pool_draw", "pool_loss", "pool_elo", "pool_best_version", "pool_best_elo"]
 """Columns of a run that plays against a self-play pool: the learner seat's win / draw / loss rates
-over its last ``run.return_window`` games against the pool, and its Elo (``shared.transport.pool``)."""
+over its last ``run.return_window`` games against the pool, its Elo (``shared.transport.pool``), and
+the pool's version of the highest Elo and that Elo (NaN before the pool holds one): how far the
+learner is ahead of the strongest past version it still meets."""
 COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
 """The counters a checkpoint keeps (with the returns, lengths and wall time)."""
 
@@ -132,6 +134,9 @@ class Progress:
         row = {f"pool_{o}": round(sum(x == o for x in self.pool_outcomes) / games, 3) if games else float("nan")
                for o in OUTCOMES}
         row["pool_elo"] = round(self.scores.learner_elo, 1)
+        best = max(self.scores.versions.items(), key=lambda vs: vs[1]["elo"], default=None)
+        row["pool_best_version"] = best[0] if best else float("nan")
+        row["pool_best_elo"] = round(best[1]["elo"], 1) if best else float("nan")
         return row
 
     def eta_s(self, now: float) -> float:

@@ -49,17 +49,18 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
 
     limit_s = exp.run.watchdog_startup_s or ACTING_WAIT_S
     published = wait_for("the learner's acting.json", lambda: read_acting_file(run_dir), limit_s)
-    # Self-play against a pool: a second copy of the agent acts for the opponent seat with a past version.
+    # Self-play against a pool: copies of the agent act for the opponent seat with past versions.
     opponent_seeds = topo.acting_seed("opponent", sampler.instance).spawn(2) if exp.selfplay.on else None
     if published["plan"] is not None:
         state = StateArrays(published["spec"])
         act = numpy_actor(published["plan"], state.arrays, exp.agent, np.random.default_rng(seed))
         params = follow(state)
         wait_for("the learner's first parameter version", params.poll, limit_s)  # it follows acting.json at once
-        if opponent_seeds is not None:
+
+        def opponent_copy():
             past = StateArrays(published["spec"])
-            opponent_act = numpy_actor(published["plan"], past.arrays, exp.agent,
-                                       np.random.default_rng(opponent_seeds[0]))
+            rng = np.random.default_rng(opponent_seeds[0].spawn(1)[0])
+            return numpy_actor(published["plan"], past.arrays, exp.agent, rng), past
     else:
         from shared.agents.actor import Actor, seed_torch
 
@@ -68,12 +69,13 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
         seed_torch(seed)  # make_agent seeded it with run.seed
         act = Actor(agent, seed)
         params = follow(agent)
-        if opponent_seeds is not None:
+
+        def opponent_copy():
             other = make_agent(exp, env_probe(exp)).eval()
-            past, opponent_act = ModuleState(other), Actor(other, opponent_seeds[0])
+            return Actor(other, opponent_seeds[0].spawn(1)[0]), ModuleState(other)
     opponent = None
     if opponent_seeds is not None:
-        opponent = Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), opponent_act, past,
+        opponent = Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), opponent_copy,
                             opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon,
                             opponent_seeds[1])
         sampler.opponent = opponent

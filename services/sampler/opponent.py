@@ -3,17 +3,25 @@
 
 Board b of the run (global columns 2b, 2b + 1) gives the learner seat ``b % 2`` and the
 opponent the other, so the learner plays first on half the boards and second on the rest.
-The opponent's columns act with a second copy of the agent that holds a version drawn from
-the pool: drawn anew every ``horizon`` steps (a segment's worth), loaded from the run
-directory's snapshot file only when the draw changes it. Until the pool holds a version (the
-learner's first snapshot) the opponent's columns keep the current policy's actions, unscored.
+
+A board's opponent is drawn when its game starts and holds until that game ends, so every move
+of a game is one version's and the game's outcome scores that version. The versions in play act
+from copies of the agent, one a version, made when first needed and at most ``selfplay.size``
+(the pool's size bounds them): a version drawn that no copy holds is loaded from its snapshot
+file into a copy that no game in progress uses (one of a version that left the pool first). A
+step costs one batched forward pass a version in play, over that version's boards. The pool's
+list of versions (and ``prioritised``'s scores) is read again every ``horizon`` steps, a
+segment's worth, not at every draw. Until the pool holds a version (the learner's first
+snapshot) a starting game's opponent keeps the current policy's actions, unscored.
 
 What the sampler does with the columns (``Sampler.opponent``): it masks them out of every loss
 (``Samples.failed``) unless ``selfplay.train_both_seats``, and reports the episodes of the
-learner's columns only, each with the version the opponent held when it ended.
+learner's columns only, each with the version its game was played against (``version_of``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -28,41 +36,70 @@ def opponent_columns(env_base: int, envs: int) -> np.ndarray:
 
 
 class Opponent:
-    """The opponent's columns of one sampler and the past version they act with."""
+    """The opponent's columns of one sampler and the past versions their games act with."""
 
-    def __init__(self, cfg: SelfPlayConfig, files: PoolFiles, act, target, mask: np.ndarray, horizon: int,
-                 seed: np.random.SeedSequence):
-        """``act``: an ``Actor`` or ``NumpyActor`` on the second copy of the agent, whose state
-        ``target`` (``params.ModuleState`` or ``StateArrays``) the drawn versions load into;
-        ``mask``: ``opponent_columns``."""
-        self.cfg, self.files, self.act_fn, self.target, self.horizon = cfg, files, act, target, horizon
+    def __init__(self, cfg: SelfPlayConfig, files: PoolFiles, make_copy: Callable[[], tuple], mask: np.ndarray,
+                 horizon: int, seed: np.random.SeedSequence):
+        """``make_copy()``: a new copy of the agent as ``(act, target)``, an ``Actor`` or
+        ``NumpyActor`` on it and its state (``params.ModuleState`` or ``StateArrays``) that the
+        drawn versions load into; ``mask``: ``opponent_columns`` (one opponent column a board, so
+        the sampler's board j holds opponent column j)."""
+        self.cfg, self.files, self.make_copy, self.horizon = cfg, files, make_copy, horizon
         self.mask = mask
         self.columns = np.flatnonzero(mask)
         self.train_both = cfg.train_both_seats
         self.rng = np.random.default_rng(seed)
-        self.version = -1
-        """The pool version the opponent holds (-1: none yet, it plays with the current policy)."""
+        self.copies: list[tuple] = []
+        self.loaded: list[int] = []
+        """The version each copy holds."""
+        self.copy_of = np.full(len(self.columns), -1)
+        """The copy each board's game acts with (-1: the current policy's actions, no version yet)."""
+        self.pool: list[int] = []
+        self.scores: dict = {}
         self.steps = 0
+
+    def version_of(self, column: int) -> int:
+        """The version the game on ``column``'s board (a sampler column of either seat) is played
+        against, -1 for none (the current policy)."""
+        held = self.copy_of[column // 2]
+        return self.loaded[held] if held >= 0 else -1
 
     def act(self, slot, env_index: np.ndarray, env_steps: int, envs_total: int) -> None:
         """Overwrite the opponent columns' actions and agent info in ``slot`` (the current policy
-        acted for every column) with the held version's."""
+        acted for every column) with those of the versions their games hold; a board whose game
+        starts at this step (``slot.first``) draws its version first."""
         if self.steps % self.horizon == 0:
-            self.redraw()
+            self.pool = self.files.versions()
+            self.scores = self.files.read_scores() if self.cfg.pool == "prioritised" and self.pool else {}
         self.steps += 1
-        if self.version < 0:
-            return
         c = self.columns
-        action, info = self.act_fn(slot.observation[c], env_index[c], slot.first[c], slot.reward[c], env_steps,
-                                   envs_total)
-        slot.action[c] = action
-        slot.agent_info[c] = info
+        starting = np.flatnonzero(slot.first[c])
+        if starting.size and self.pool:
+            self.copy_of[starting] = -1  # their games ended: their copies may take another version
+            for board in starting:
+                self.copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
+        for held in np.unique(self.copy_of[self.copy_of >= 0]):
+            cols = c[self.copy_of == held]
+            action, info = self.copies[held][0](slot.observation[cols], env_index[cols], slot.first[cols],
+                                                slot.reward[cols], env_steps, envs_total)
+            slot.action[cols] = action
+            slot.agent_info[cols] = info
 
-    def redraw(self) -> None:
-        versions = self.files.versions()
-        if not versions:
-            return
-        scores = self.files.read_scores() if self.cfg.pool == "prioritised" else {}
-        version = draw(self.cfg.pool, versions, scores, self.rng)
-        if version != self.version and self.files.load(version, self.target):
-            self.version = version
+    def _copy_for(self, version: int) -> int:
+        """The copy that holds ``version``, loading it where none does; where it cannot be loaded
+        (its file left the pool meanwhile, or does not fit: logged), a copy of another version
+        still in play, else -1."""
+        if version in self.loaded:
+            return self.loaded.index(version)
+        busy = set(self.copy_of[self.copy_of >= 0].tolist())
+        free = [i for i in range(len(self.copies)) if i not in busy]
+        # A copy of a version that left the pool goes first: no draw would ask for it again.
+        free.sort(key=lambda i: self.loaded[i] in self.pool)
+        if not free and len(self.copies) < self.cfg.size:
+            self.copies.append(self.make_copy())
+            self.loaded.append(-1)
+            free = [len(self.copies) - 1]
+        if free and self.files.load(version, self.copies[free[0]][1]):
+            self.loaded[free[0]] = version
+            return free[0]
+        return int(self.rng.choice(sorted(busy))) if busy else -1

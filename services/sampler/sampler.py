@@ -116,7 +116,7 @@ class Sampler:
         self.bad_returns = 0  # finished episodes whose return was not reported (not finite or huge)
         self.opponent = None
         """Self-play against a pool: the opponent seat (``services.sampler.opponent.Opponent``: its
-        columns ``mask``, the ``version`` it holds, ``train_both``), set with the acting side."""
+        columns ``mask``, ``version_of`` a board's game, ``train_both``), set with the acting side."""
 
     # ------------------------------------------------------------ loop
 
@@ -230,9 +230,9 @@ class Sampler:
             if abs(ret) <= MAX_RETURN:  # False for NaN; replay's wire check would refuse the whole segment
                 if opponent is None:
                     self.episodes.append([float(ret), int(length)])
-                elif not opponent.mask[self.groups[g].start + i]:  # the learner seat's games, by opponent
-                    tag = [opponent.version] if opponent.version >= 0 else []
-                    self.episodes.append([float(ret), int(length), *tag])
+                elif not opponent.mask[column := self.groups[g].start + i]:  # the learner seat's games, by opponent
+                    version = opponent.version_of(column)
+                    self.episodes.append([float(ret), int(length), *([version] if version >= 0 else [])])
                 continue
             if self.metrics is not None:
                 self.metrics.bad_returns.inc()

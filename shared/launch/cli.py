@@ -4,6 +4,7 @@ play, export, package, plot, tensorboard."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -62,10 +63,11 @@ def main(argv=None) -> int:
     c.add_argument("run")
     c.add_argument("--episodes", type=int, default=None, help="default: the run's eval.episodes (10)")
     c.add_argument("--video", metavar="DIR", help="play the episodes in one env and record the first to an mp4 in DIR")
-    c.add_argument("--opponent", metavar="random|heuristic|latest",
+    c.add_argument("--opponent", metavar="random|heuristic|latest|RUN2",
                    help="two-player turn-based games: play the episodes as games against a uniformly random player, "
-                        "a scripted one (win if it can, block if it must, else random) or the policy itself, half "
-                        "as first player and half as second, and report win / draw / loss rates per seat")
+                        "a scripted one (win if it can, block if it must, else random), the policy itself or the "
+                        "greedy policy of another run's latest checkpoint (same game), half as first player and "
+                        "half as second, and report win / draw / loss rates per seat")
     c = sub.add_parser("play", help="play a two-player turn-based game (tic-tac-toe, connect four) against the greedy "
                                     "policy of a run's latest checkpoint in the terminal")
     c.add_argument("run")
@@ -375,6 +377,8 @@ def _evaluate(args) -> int:
     from services.evaluator import matches
     from services.evaluator.episodes import CannotRender, Unloadable, evaluate
     from shared.config import loading
+    from shared.config.schema import OPPONENTS
+    from shared.launch import rundirs
     from shared.launch.lab import runs
     from shared.runtime import evaluation
     from shared.runtime.runfiles import EVAL_LATEST, RUN_CONFIG
@@ -383,18 +387,25 @@ def _evaluate(args) -> int:
     episodes = exp.eval.episodes if args.episodes is None else args.episodes
     if episodes < 1:
         raise Failed(f"--episodes {episodes}: must be >= 1")
+    rival = None
     if args.opponent is not None:
         if args.video:
             raise Failed("--video with --opponent: no video is recorded of games against an opponent")
         try:
-            matches.check_opponent(exp, args.opponent)
+            if args.opponent not in OPPONENTS:
+                with contextlib.suppress(FileNotFoundError):  # no run of that name: an unknown opponent
+                    rival_dir = rundirs.resolve_run(args.opponent)
+                    rival = loading.load(rival_dir / RUN_CONFIG), rival_dir
+            matches.check_opponent(exp, args.opponent, rival[0] if rival else None)
         except ValueError as e:
             raise Failed(str(e)) from e
     t0 = time.monotonic()
     try:
-        result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None, args.opponent)
+        result = evaluate(exp, run_dir, episodes, Path(args.video) if args.video else None, args.opponent, rival)
     except (FileNotFoundError, Unloadable, CannotRender) as e:
         raise Failed(str(e), 1) from e
+    except ValueError as e:  # the rival run's checkpoint
+        raise Failed(str(e)) from e
     what = f"games ({result['episodes'] // 2} a seat)" if args.opponent else "episodes"
     print(f"{run_dir.name}: {result['episodes']} greedy {what} of policy version {result['policy_version']} "
           f"({result['env_steps']} env steps): return {result['mean_return']:.1f} +- {result['std_return']:.1f} "

@@ -99,6 +99,8 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "pool_outcome": ("gauge", "pool_outcome_ratio", "Share of the learner seat's recent self-play games against the "
                          "pool's past versions that ended in an outcome (win, draw, loss)", ("outcome",)),
         "pool_elo": ("gauge", "pool_elo", "Elo rating of the learner from its self-play games against the pool", ()),
+        "pool_best_elo": ("gauge", "pool_best_elo", "Elo rating of the self-play pool's highest-rated version", ()),
+        "pool_best_version": ("gauge", "pool_best_version", "The self-play pool's highest-rated version", ()),
     },
     "evaluator": {
         "mean_return": ("gauge", "mean_return", "Mean return of the latest evaluation's greedy episodes", ()),
