@@ -52,10 +52,11 @@ def prometheus_bin() -> tuple[str, str]:
     return found()
 
 
-def scrape_config(metrics_port: int) -> str:
-    """deploy/prometheus.yml aimed at the run's endpoint, scraping every SCRAPE_S seconds."""
+def scrape_config(*metrics_ports: int) -> str:
+    """deploy/prometheus.yml aimed at the runs' endpoints, scraping every SCRAPE_S seconds."""
     text = PROMETHEUS.read_text()
-    for old, new in (('targets: ["127.0.0.1:9108"]', f'targets: ["127.0.0.1:{metrics_port}"]'),
+    targets = ", ".join(f'"127.0.0.1:{port}"' for port in metrics_ports)
+    for old, new in (('targets: ["127.0.0.1:9108"]', f"targets: [{targets}]"),
                      ("scrape_interval: 5s", f"scrape_interval: {SCRAPE_S}s"),
                      ("scrape_timeout: 4s", f"scrape_timeout: {SCRAPE_S}s")):
         assert text.count(old) == 1, f"deploy/prometheus.yml no longer has {old!r}"
@@ -118,23 +119,28 @@ def panel_expressions() -> list[tuple[str, str]]:
 
 def test_prometheus_scrapes_a_live_run_and_every_panel_returns_data(runs, prometheus_bin, tmp_path):
     """A tic-tac-toe run with an action-server and the evaluator (whose games against the opponents
-    feed the two-player panel), so that every panel has something to show."""
+    feed the two-player panel), and one against a self-play pool (which needs local inference: it
+    feeds the pool's panels), so that every panel has something to show."""
     prometheus, promtool = prometheus_bin
-    run = runs("tictactoe_ppo.toml", "sampler.inference=server", "eval.every_s=2.0", "eval.episodes=4",
-               "run.target_return=1000.0", "run.max_env_steps=100000000", "run.max_wall_s=300.0")
-    server = Prometheus(prometheus, tmp_path, scrape_config(run.metrics_port))
+    endless = ("run.target_return=1000.0", "run.max_env_steps=100000000", "run.max_wall_s=300.0")
+    run = runs("tictactoe_ppo.toml", "sampler.inference=server", "eval.every_s=2.0", "eval.episodes=4", *endless)
+    pool = runs("tictactoe_ppo.toml", "sampler.inference=local", "selfplay.pool='latest'",
+                "selfplay.snapshot_every=2", "eval.every_s=0", *endless)
+    server = Prometheus(prometheus, tmp_path, scrape_config(run.metrics_port, pool.metrics_port))
     try:
-        up = run.wait_for(lambda: server.query('up{job="rlpipe"} == 1'), 30, "Prometheus to scrape the run")
-        assert up[0]["metric"]["instance"] == f"127.0.0.1:{run.metrics_port}"
+        run.wait_for(lambda: len(server.query('up{job="rlpipe"} == 1')) == 2, 30, "Prometheus to scrape the runs")
+        assert {r["metric"]["instance"] for r in server.query('up{job="rlpipe"} == 1')} == {
+            f"127.0.0.1:{run.metrics_port}", f"127.0.0.1:{pool.metrics_port}"}
 
         exprs = panel_expressions()
         assert len(exprs) > 60
         empty = exprs
-        deadline = time.monotonic() + 60  # rate() and increase() need two scrapes; the eval panel an evaluation
+        # rate() and increase() need two scrapes, the eval panel an evaluation, the pool's a scored game
+        deadline = time.monotonic() + 120
         while empty and time.monotonic() < deadline:
             empty = [(title, expr) for title, expr in exprs if not server.query(expr)]
             time.sleep(SCRAPE_S)
-        assert not empty, f"panel expressions without data after 60 s: {empty}"
+        assert not empty, f"panel expressions without data after 120 s: {empty}"
         # The evaluator's numbers went through Prometheus as the endpoint shows them.
         assert server.query("max(rlpipe_evaluator_policy_version) >= 0")
         # Every phase of every service's time split is there (the row's panels sum over them),
