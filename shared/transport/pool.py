@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.runtime.files import fsync_dir
+from shared.runtime.files import publish
 from shared.transport.params import state_fields
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,9 @@ class PoolFiles:
         try:
             with tmp.open("wb") as f:
                 np.savez(f, **arrays)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            publish(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        fsync_dir(self.dir)
         kept = self.versions()
         for name in os.listdir(self.dir):
             m = _SNAPSHOT.fullmatch(name)
@@ -127,7 +124,7 @@ class PoolFiles:
         body = {"learner_elo": scores["learner_elo"], "versions": {str(v): s for v, s in scores["versions"].items()}}
         try:
             tmp.write_text(json.dumps(body, indent=1))
-            os.replace(tmp, self.dir / SCORES)
+            publish(tmp, self.dir / SCORES)
         finally:
             tmp.unlink(missing_ok=True)
 
