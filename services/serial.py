@@ -31,7 +31,7 @@ from services.learner.learner import Learner, run_loop
 from services.replay.core import ReplayCore
 from services.replay.tables import make_table
 from services.sampler.local import LocalActions
-from services.sampler.opponent import Opponent, opponent_columns
+from services.sampler.opponent import Opponent, sampler_opponent
 from services.sampler.sampler import Sampler
 from shared.agents.actor import Actor
 from shared.config.schema import ConfigError, Experiment
@@ -40,7 +40,6 @@ from shared.data.namedarraytuple import from_spec
 from shared.runtime.process import lock_service, torch_device
 from shared.config.topology import topology
 from shared.transport.params import ModuleState
-from shared.transport.pool import PoolFiles
 
 
 class SerialParams:
@@ -139,8 +138,7 @@ def opponent(exp: Experiment, run_dir: Path, sampler: Sampler, agent) -> Opponen
     def make_copy():
         other = copy.deepcopy(agent)
         return Actor(other, acting.spawn(1)[0]), ModuleState(other)
-    return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
-                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, drawing)
+    return sampler_opponent(exp, run_dir, sampler, make_copy, drawing)
 
 
 def _train(exp: Experiment, run_dir: Path | None) -> dict:

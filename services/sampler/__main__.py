@@ -32,10 +32,9 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
     published a numpy acting plan (``shared.agents.acting``), the sampler acts in numpy on its own
     copy of the state and never imports torch; else it builds the torch agent."""
     from services.sampler.local import LocalActions
-    from services.sampler.opponent import Opponent, opponent_columns
+    from services.sampler.opponent import sampler_opponent
     from shared.agents.acting import numpy_actor, read_acting_file
     from shared.transport.params import ModuleState, ParamFollower, ParamStream, StateArrays
-    from shared.transport.pool import PoolFiles
 
     seed = topo.acting_seed("sampler", sampler.instance)
     segment, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
@@ -75,9 +74,7 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
             return Actor(other, opponent_seeds[0].spawn(1)[0]), ModuleState(other)
     opponent = None
     if opponent_seeds is not None:
-        opponent = Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), opponent_copy,
-                            opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon,
-                            opponent_seeds[1])
+        opponent = sampler_opponent(exp, run_dir, sampler, opponent_copy, opponent_seeds[1])
         sampler.opponent = opponent
     return LocalActions(act, sampler, params, topo.total_envs, opponent)
 

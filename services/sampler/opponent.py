@@ -35,6 +35,12 @@ def opponent_columns(env_base: int, envs: int) -> np.ndarray:
     return cols % 2 != (cols // 2) % 2
 
 
+def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed) -> "Opponent":
+    """The opponent seat of ``sampler`` in run ``run_dir`` (a pipeline sampler or serial mode's)."""
+    return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
+                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, seed)
+
+
 class Opponent:
     """The opponent's columns of one sampler and the past versions their games act with."""
 
