@@ -14,18 +14,13 @@ install:
 run: install
 	$(PYTHON) -m shared.launch.cli launch $(CONFIG)
 
-# Two passes, both run whatever the first's outcome (make fails if either does): the unit tier on
-# both cores (pytest-xdist: its tests share no port, directory or segment name), then the live
-# and learning checks one at a time, as they are sized for the 2-core machine (docs/benchmarks.md,
-# "The unit tier on two workers").
+# One pass on both cores (pytest-xdist, whole modules a worker so module fixtures run once; the
+# conftest hands out the learning modules first): every test, live and learning checks included,
+# is sized to pass beside another test's processes (docs/benchmarks.md, "make test on two workers").
 UNIT = -m "not learning and not live"
-LIVE = -m "learning or live"
 
 test: install
-	@status=0; \
-	$(PYTHON) -m pytest -q tests --ignore=tests/bench $(UNIT) -n 2 --durations=10 || status=1; \
-	$(PYTHON) -m pytest -q tests --ignore=tests/bench $(LIVE) --durations=25 || status=1; \
-	exit $$status
+	$(PYTHON) -m pytest -q tests --ignore=tests/bench -n 2 --dist loadscope --durations=25
 
 # The unit tier for iterating: no learning checks, no test that starts runs or processes.
 test-fast:

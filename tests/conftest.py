@@ -20,6 +20,22 @@ def pytest_collection_modifyitems(config, items):
             getattr(value, "__module__", None) == LIVE_HELPERS for value in vars(module).values())
         if uses_helpers or "runs" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.live)
+    _longest_modules_first(items)
+
+
+def _longest_modules_first(items):
+    """Order the modules learning checks first, then live tests, then the unit tier (each module's
+    tests keep their order). ``make test`` hands whole modules to two pytest-xdist workers in this
+    order (``--dist loadscope``), so the long modules start early and the many short unit modules
+    fill the end, instead of one worker finishing a learning check alone."""
+    def rank(item):
+        return 0 if item.get_closest_marker("learning") else 1 if item.get_closest_marker("live") else 2
+
+    module_rank = {}
+    for item in items:
+        key = item.nodeid.split("::")[0]
+        module_rank[key] = min(module_rank.get(key, 2), rank(item))
+    items.sort(key=lambda item: module_rank[item.nodeid.split("::")[0]])
 
 
 @pytest.fixture
