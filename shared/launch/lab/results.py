@@ -50,6 +50,10 @@ for _game, (_dqn, _ac) in MINATAR_PAPER.items():
     _source = "at 5M frames, Young & Tian 2019 (read from its curves): "
     REFERENCES["dqn", f"MinAtar/{_game}-v1"] = _source + "; ".join(v for v in (_dqn, _ac) if v)
     REFERENCES["ppo", f"MinAtar/{_game}-v1"] = _source + "; ".join(v for v in (_ac, _dqn) if v)
+    # No tabulated MinAtar values of PQN's or QR-DQN's were found to quote: these value-based rows
+    # stand beside the MinAtar paper's DQN, as the DQN rows do.
+    REFERENCES["pqn", f"MinAtar/{_game}-v1"] = REFERENCES["dqn", f"MinAtar/{_game}-v1"]
+    REFERENCES["qr_dqn", f"MinAtar/{_game}-v1"] = REFERENCES["dqn", f"MinAtar/{_game}-v1"]
 """(algo.name, env.id) -> the published value a row stands beside, with its step count and
 source, as docs/benchmarks.md quotes it; each algorithm's own comparison first."""
 
