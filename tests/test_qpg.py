@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 
 import gymnasium as gym
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from shared.agents.config import CriticConfig, ModelConfig, QpgAgentConfig
 from shared.agents import EVALUATE, StepContext
 from shared.agents.qpg import DeterministicAgent, SacAgent, tanh_gaussian_log_prob
-from shared.algos.qpg import DDPG, SAC, DDPGConfig, SACConfig, TD3Config
+from shared.algos.qpg import DDPG, SAC, CrossQConfig, DDPGConfig, SACConfig, TD3Config, TQCConfig, TruncatedQuantiles
 from shared.data.batches import Transition
 
 OBS = np.zeros(3, np.float32)
@@ -237,6 +238,62 @@ def test_updates_return_priorities_and_checkpoints_round_trip():
         assert clone.updates == algo.updates
         for a, b in zip(clone.target.parameters(), algo.target.parameters()):
             torch.testing.assert_close(a, b)
+
+
+LRS = {"actor_lr": 1e-3, "critic_lr": 2e-3}  # distinct: they tell the saved optimizers apart
+LAYOUT_CONFIGS = {
+    "ddpg": DDPGConfig(**LRS), "td3": TD3Config(**LRS), "sac": SACConfig(**LRS, alpha_lr=3e-3),
+    "tqc": TQCConfig(**LRS, alpha_lr=3e-3, n_critics=2, n_quantiles=5, drop_per_net=1),
+    "crossq": CrossQConfig(**LRS, alpha_lr=3e-3, critic_hidden_sizes=(32, 32)),
+}
+
+
+def qpg_algo(name: str):
+    cfg = LAYOUT_CONFIGS[name]
+    if name in ("ddpg", "td3"):
+        return DDPG(DeterministicAgent(OBS, box(), MODEL, critic=cfg.critic()), cfg)
+    agent = SacAgent(OBS, box(), MODEL, critic=cfg.critic(), actor=cfg.actor())
+    if name == "tqc":
+        return SAC(agent, cfg, TruncatedQuantiles(cfg.drop_per_net))
+    return SAC(agent, cfg)
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_CONFIGS))
+def test_checkpoints_keep_the_layout_earlier_versions_wrote(name):
+    """A learner checkpoint's "algo" entry keeps the layout earlier versions wrote, so that their
+    checkpoints load: {"updates", "target" (not CrossQ), "optimizers": [the actor's, the
+    critics', SAC's temperature's], "log_alpha" (SAC)}. A run resumed from one goes on as the
+    original does, bit for bit."""
+    torch.manual_seed(0)
+    algo = qpg_algo(name)
+    for i in range(5):  # actor steps in all; the sixth is one in all (TD3's delay 2, CrossQ's 3)
+        algo.update(batch(seed=i), 0.0)
+    state = algo.state_dict()
+    sac = isinstance(algo, SAC)
+    assert list(state) == ["updates", *(["target"] if name != "crossq" else []), "optimizers",
+                           *(["log_alpha"] if sac else [])]
+    agent, cfg = algo.agent, algo.cfg
+    actor_params = len([*agent.actor_encoder.parameters(), *agent.actor_head.parameters()])
+    roles = [(cfg.actor_lr, actor_params), (cfg.critic_lr, len(list(agent.critics.parameters())))]
+    assert [(opt["param_groups"][0]["lr"], len(opt["param_groups"][0]["params"])) for opt in state["optimizers"]] \
+        == roles + ([(cfg.alpha_lr, 1)] if sac else [])
+    assert all(opt["state"] for opt in state["optimizers"])  # every optimizer has stepped
+
+    buffer = io.BytesIO()
+    torch.save({"agent": agent.state_dict(), "algo": state}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    torch.manual_seed(1)
+    clone = qpg_algo(name)
+    clone.agent.load_state_dict(saved["agent"])
+    clone.load_state_dict(saved["algo"])
+    stats = []
+    for run in (algo, clone):  # an actor step: the loss reported between them is not checkpointed
+        torch.manual_seed(2)
+        stats.append(run.update(batch(seed=9), 0.0).stats)
+    assert stats[0] == stats[1]
+    for (k, a), b in zip(agent.state_dict().items(), clone.agent.state_dict().values()):
+        assert torch.equal(a, b), k
 
 
 def test_agents_refuse_discrete_and_unbounded_action_spaces():

@@ -143,13 +143,13 @@ def test_crossq_defaults_delay_the_actor_and_use_beta1_one_half():
     cfg = CrossQConfig()
     assert (cfg.policy_delay, cfg.adam_beta1, cfg.target_networks, cfg.critic_hidden_sizes) == (3, 0.5, False, (2048, 2048))
     algo = crossq()
-    assert algo.critic_opt.param_groups[0]["betas"] == (0.5, 0.999)
-    actor0 = [p.clone() for p in algo.actor_params]
+    assert algo.steps.critic_opt.param_groups[0]["betas"] == (0.5, 0.999)
+    actor0 = [p.clone() for p in algo.steps.actor_params]
     for i in range(2):
         algo.update(batch(seed=i), 0.0)
-    assert all(torch.equal(a, p) for a, p in zip(actor0, algo.actor_params))
+    assert all(torch.equal(a, p) for a, p in zip(actor0, algo.steps.actor_params))
     algo.update(batch(seed=2), 0.0)
-    assert not all(torch.equal(a, p) for a, p in zip(actor0, algo.actor_params))
+    assert not all(torch.equal(a, p) for a, p in zip(actor0, algo.steps.actor_params))
 
 
 # ------------------------------------------------------------------ CrossQ's actor

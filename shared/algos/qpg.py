@@ -34,7 +34,9 @@ are importance-weighted; ``update`` returns |TD error| of the first critic (quan
 of its mean against the target atoms' mean) as new priorities, like the DQN family, and never
 writes to replay itself. One Adam optimizer per network (actor, critics, SAC's temperature);
 targets are deep copies of the agent, moved by Polyak averaging (SAC: only the critics, the
-parts its TD target uses).
+parts its TD target uses). ``DDPG`` and ``SAC`` are ``TargetNetworkAlgo``s that each hold an
+``ActorCriticSteps``, the optimizers and gradient steps they share, rather than inheriting
+them (STYLE.md, habit 2).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from shared.algos.hparams import (CrossQConfig, DDPGConfig, QpgConfig, SACConfig
                                   TQCConfig)
 from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.quantiles import quantile_huber, truncated_pool
-from shared.algos.target import TargetNetworkAlgo, all_parameters
+from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
 from shared.data.batches import Transition
 from shared.data.namedarraytuple import zip_map
@@ -99,40 +101,38 @@ def critic_parameters(agent: QpgAgent):
     return agent.critics.parameters()
 
 
-class _QpgAlgo(TargetNetworkAlgo):
-    """The shared machinery: optimizers, learning-rate annealing, clipped steps; Polyak targets
-    of ``averaged`` (``TargetNetworkAlgo``)."""
+class ActorCriticSteps:
+    """The gradient steps DDPG and SAC share, held by each as ``steps``: one Adam optimizer for
+    the actor (``actor_lr``) and one for all the critics (``critic_lr``), both with beta1
+    ``adam_beta1``; learning-rate annealing, steps clipped to ``max_grad_norm``, the critics'
+    regression on ``values.loss`` and the actor's step through frozen critics. ``others`` are
+    optimizers of the algorithm's own (SAC's temperature's) with their initial learning rates:
+    annealed with these, and in their checkpoint state after them."""
 
-    def __init__(self, agent: QpgAgent, cfg: QpgConfig, values=ScalarCritics(), target_networks: bool = True,
-                 averaged=all_parameters) -> None:
-        super().__init__(agent, averaged, target_networks)
-        self.cfg, self.values = cfg, values
+    def __init__(self, agent: QpgAgent, cfg: QpgConfig, values,
+                 others: tuple[tuple[torch.optim.Optimizer, float], ...] = ()) -> None:
+        self.agent, self.cfg, self.values = agent, cfg, values
         self.actor_params = [*agent.actor_encoder.parameters(), *agent.actor_head.parameters()]
         self.actor_opt = adam(self.actor_params, lr=cfg.actor_lr, beta1=cfg.adam_beta1)
         self.critic_opt = adam(agent.critics.parameters(), lr=cfg.critic_lr, beta1=cfg.adam_beta1)
+        # This order is the checkpoints' "optimizers" list: older checkpoints load by it.
+        self.optimizers = [(self.actor_opt, cfg.actor_lr), (self.critic_opt, cfg.critic_lr), *others]
 
-    def _anneal(self, progress: float) -> float:
+    def anneal(self, progress: float) -> float:
         """Set the learning rates for ``progress``; returns the fraction of the initial ones."""
-        for opt, lr in self._optimizers():
+        for opt, lr in self.optimizers:
             set_lr(opt, lr, progress, self.cfg.anneal_lr)
         return 1.0 - progress if self.cfg.anneal_lr else 1.0
 
-    def _optimizers(self) -> list[tuple[torch.optim.Optimizer, float]]:
-        return [(self.actor_opt, self.cfg.actor_lr), (self.critic_opt, self.cfg.critic_lr)]
-
-    def _step(self, opt: torch.optim.Optimizer, loss: torch.Tensor, params) -> torch.Tensor:
-        """One optimizer step on ``loss``; returns the gradient norm before clipping."""
-        return gradient_step(opt, loss, params, self.cfg.max_grad_norm)
-
-    def _critic_update(self, batch: Transition, q: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def critic_update(self, batch: Transition, q: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Critics' outputs ``q`` at the batch (with grad) towards the target atoms [N, J];
         returns (loss, q_mean, |TD| of critic 0, grad norm)."""
         loss, td_abs = self.values.loss(q, target, batch.is_weight.float())
-        grad_norm = self._step(self.critic_opt, loss, self.agent.critics.parameters())
+        grad_norm = gradient_step(self.critic_opt, loss, self.agent.critics.parameters(), self.cfg.max_grad_norm)
         return loss.detach(), q[0].detach().mean(), td_abs, grad_norm
 
     @contextlib.contextmanager
-    def _critics_frozen(self):
+    def critics_frozen(self):
         """While the actor's loss is computed and stepped: it differentiates through the
         critics, never into them, and reads them in eval mode (batch renorm: the running
         statistics, which a training pass over the actor's actions would also move)."""
@@ -148,31 +148,36 @@ class _QpgAlgo(TargetNetworkAlgo):
                 p.requires_grad_(True)
             self.agent.critics.train(training)
 
-    def _stats(self, names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, frac: float) -> Update:
-        """Diagnostics as floats (one host sync), td_abs_mean (|TD| of critic 0, as DQN reports it)
-        among them, and the new priorities."""
-        means = torch.stack([*(v.float() for v in values), td_abs.float().mean()]).tolist()
-        stats = dict(zip((*names, "td_abs_mean"), means))
-        stats["lr_frac"] = frac
-        return Update(stats, td_abs.float().cpu().numpy())
+    def actor_step(self, loss: torch.Tensor) -> None:
+        """One step of the actor on ``loss``, inside ``critics_frozen``."""
+        gradient_step(self.actor_opt, loss, self.actor_params, self.cfg.max_grad_norm)
 
-    def state_dict(self) -> dict:
-        """Optimizers, target networks (where there are) and update count, for checkpoints
-        (the agent is saved separately)."""
-        return {**super().state_dict(), "optimizers": [opt.state_dict() for opt, _ in self._optimizers()]}
+    def optimizer_states(self) -> list[dict]:
+        """Every optimizer's state, in order: a checkpoint's "optimizers"."""
+        return [opt.state_dict() for opt, _ in self.optimizers]
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        for (opt, _), saved in zip(self._optimizers(), state["optimizers"]):
+    def load_optimizer_states(self, states: list[dict]) -> None:
+        for (opt, _), saved in zip(self.optimizers, states):
             opt.load_state_dict(saved)
 
 
-class DDPG(_QpgAlgo):
+def report(names: tuple[str, ...], values: list[torch.Tensor], td_abs: torch.Tensor, lr_frac: float) -> Update:
+    """An update's diagnostics as floats (one host sync), td_abs_mean (|TD| of critic 0, as DQN
+    reports it) and lr_frac among them, and the new priorities."""
+    means = torch.stack([*(v.float() for v in values), td_abs.float().mean()]).tolist()
+    stats = dict(zip((*names, "td_abs_mean"), means))
+    stats["lr_frac"] = lr_frac
+    return Update(stats, td_abs.float().cpu().numpy())
+
+
+class DDPG(TargetNetworkAlgo):
     """DDPG, or TD3 with a ``TD3Config``: ``update(batch, progress)`` is one critic step and,
     every ``policy_delay`` of them, one actor step and a Polyak move of the targets."""
 
     def __init__(self, agent: DeterministicAgent, cfg: DDPGConfig = DDPGConfig()) -> None:
-        super().__init__(agent, cfg)
+        super().__init__(agent)
+        self.cfg, self.values = cfg, ScalarCritics()
+        self.steps = ActorCriticSteps(agent, cfg, self.values)
         self.last_actor_loss = torch.zeros((), device=agent.device)  # reported between delayed actor steps
 
     def target_action(self, bootstrap_observation) -> torch.Tensor:
@@ -187,40 +192,48 @@ class DDPG(_QpgAlgo):
         """One update on N transitions (torch tensors on the agent's device); ``progress`` in
         [0, 1] anneals the learning rates. Returns floats critic_loss, actor_loss (of the last
         actor step), q_mean, target_mean, critic_grad_norm, td_abs_mean, lr_frac; and the new priorities [N]."""
-        frac = self._anneal(progress)
+        frac = self.steps.anneal(progress)
         with torch.no_grad():
             target_q = self.target.q(batch.bootstrap_observation, self.target_action(batch.bootstrap_observation))
             target_value = (batch.return_.float()[:, None]
                             + batch.bootstrap_discount.float()[:, None] * self.values.target(target_q))
         q = self.agent.q(batch.observation, self.agent.to_unit(batch.action))
-        critic_loss, q_mean, td_abs, grad_norm = self._critic_update(batch, q, target_value)
+        critic_loss, q_mean, td_abs, grad_norm = self.steps.critic_update(batch, q, target_value)
         self.updates += 1
         if self.updates % self.cfg.policy_delay == 0:
-            with self._critics_frozen():
+            with self.steps.critics_frozen():
                 actor_loss = -self.agent.q(batch.observation, self.agent.policy(batch.observation))[0].mean()
-                self._step(self.actor_opt, actor_loss, self.actor_params)
+                self.steps.actor_step(actor_loss)
             self.last_actor_loss = actor_loss.detach()
             self.update_target(self.cfg.tau)
-        return self._stats(("critic_loss", "actor_loss", "q_mean", "target_mean", "critic_grad_norm"),
-                           [critic_loss, self.last_actor_loss, q_mean, target_value.mean(), grad_norm], td_abs, frac)
+        return report(("critic_loss", "actor_loss", "q_mean", "target_mean", "critic_grad_norm"),
+                      [critic_loss, self.last_actor_loss, q_mean, target_value.mean(), grad_norm], td_abs, frac)
+
+    def state_dict(self) -> dict:
+        """Target networks, update count and optimizers, for checkpoints (the agent is saved
+        separately)."""
+        return {**super().state_dict(), "optimizers": self.steps.optimizer_states()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.steps.load_optimizer_states(state["optimizers"])
 
 
-class SAC(_QpgAlgo):
+class SAC(TargetNetworkAlgo):
     """SAC: ``update(batch, progress)`` is one step of the critics and, every ``policy_delay``
     of them, of the actor and (when learned) the temperature; then a Polyak move of the target
     critics. ``values`` is the critics' kind (``ScalarCritics``, or ``TruncatedQuantiles``:
     TQC); ``cfg.target_networks = false`` bootstraps from the critics themselves (CrossQ)."""
 
     def __init__(self, agent: SacAgent, cfg: SACConfig = SACConfig(), values=ScalarCritics()) -> None:
-        super().__init__(agent, cfg, values, cfg.target_networks, critic_parameters)
+        super().__init__(agent, critic_parameters, cfg.target_networks)
+        self.cfg, self.values = cfg, values
         self.target_entropy = -float(agent.action_dim) if cfg.target_entropy is None else cfg.target_entropy
         self.log_alpha = torch.tensor(float(cfg.init_alpha), device=agent.device).log().requires_grad_(cfg.learn_alpha)
         self.alpha_opt = adam([self.log_alpha], lr=cfg.alpha_lr)
+        self.steps = ActorCriticSteps(agent, cfg, values, others=((self.alpha_opt, cfg.alpha_lr),))
         zero = torch.zeros((), device=agent.device)
         self.last_actor = (zero, zero)  # (loss, entropy) of the last actor step, reported between delayed ones
-
-    def _optimizers(self) -> list[tuple[torch.optim.Optimizer, float]]:
-        return super()._optimizers() + [(self.alpha_opt, self.cfg.alpha_lr)]
 
     def q_and_next_q(self, batch: Transition, next_action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The critics at the batch's state-actions, with grad, and at (s', ``next_action``),
@@ -242,7 +255,7 @@ class SAC(_QpgAlgo):
         """One update on N transitions (torch tensors on the agent's device). Returns floats
         critic_loss, actor_loss and entropy (-mean log pi) of the last actor step, alpha,
         q_mean, target_mean, critic_grad_norm, td_abs_mean, lr_frac; and the new priorities [N]."""
-        frac = self._anneal(progress)
+        frac = self.steps.anneal(progress)
         agent = self.agent
         alpha = self.log_alpha.detach().exp()
         with torch.no_grad(), agent.actor_mode(False):  # batch renorm: the running statistics, as sb3-contrib
@@ -251,30 +264,33 @@ class SAC(_QpgAlgo):
         with torch.no_grad():
             soft = self.values.target(next_q) - alpha * next_log_prob[:, None]  # [N, atoms]
             target_value = batch.return_.float()[:, None] + batch.bootstrap_discount.float()[:, None] * soft
-        critic_loss, q_mean, td_abs, grad_norm = self._critic_update(batch, q, target_value)
+        critic_loss, q_mean, td_abs, grad_norm = self.steps.critic_update(batch, q, target_value)
         self.updates += 1
 
         if self.updates % self.cfg.policy_delay == 0:
-            with self._critics_frozen():
+            with self.steps.critics_frozen():
                 with agent.actor_mode(True):  # batch renorm: the batch's statistics, which this pass moves
                     action, log_prob = agent.sample(batch.observation)
                 actor_loss = (alpha * log_prob - self.values.actor_value(agent.q(batch.observation, action))).mean()
-                self._step(self.actor_opt, actor_loss, self.actor_params)
+                self.steps.actor_step(actor_loss)
             if self.cfg.learn_alpha:
                 alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
                 gradient_step(self.alpha_opt, alpha_loss, [self.log_alpha], 0.0)
             self.last_actor = (actor_loss.detach(), -log_prob.detach().mean())
         if self.target is not None:
             self.update_target(self.cfg.tau)
-        return self._stats(("critic_loss", "actor_loss", "alpha", "entropy", "q_mean", "target_mean",
-                            "critic_grad_norm"),
-                           [critic_loss, self.last_actor[0], alpha, self.last_actor[1], q_mean,
-                            target_value.mean(), grad_norm], td_abs, frac)
+        return report(("critic_loss", "actor_loss", "alpha", "entropy", "q_mean", "target_mean", "critic_grad_norm"),
+                      [critic_loss, self.last_actor[0], alpha, self.last_actor[1], q_mean, target_value.mean(),
+                       grad_norm], td_abs, frac)
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "log_alpha": self.log_alpha.detach().clone()}
+        """Target critics (where there are), update count, optimizers and log(alpha), for
+        checkpoints (the agent is saved separately)."""
+        return {**super().state_dict(), "optimizers": self.steps.optimizer_states(),
+                "log_alpha": self.log_alpha.detach().clone()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        self.steps.load_optimizer_states(state["optimizers"])
         with torch.no_grad():
             self.log_alpha.copy_(state["log_alpha"])
