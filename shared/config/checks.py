@@ -159,7 +159,7 @@ def _check_global_state(exp: Experiment) -> None:
     spec = exp.algo_spec
     if spec.agent.family != "pg":
         raise ConfigError(f"env.global_state = true: {spec.name}'s agent has no value network to read the global "
-                          "state; it is for policy-gradient algorithms (ppo, a2c)")
+                          "state; it is for policy-gradient algorithms (ppo, a2c, impala)")
     if getattr(exp.agent, "shared_encoder", False):
         raise ConfigError("agent.shared_encoder = true: with env.global_state the value reads the global state and "
                           "the policy must not, so each needs its own encoder; set it false")

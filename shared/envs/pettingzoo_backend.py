@@ -119,7 +119,7 @@ def _state_space(cfg: EnvConfig, raw, obs_space: spaces.Space) -> spaces.Box:
     space = getattr(raw, "state_space", None)
     if not isinstance(space, spaces.Box):
         raise ValueError(f"env.global_state = true: {cfg.id!r} gives no global state (a Box state_space and a "
-                         f"state()); set it false")
+                         "state()); set it false")
     if isinstance(obs_space, spaces.Dict) and STATE_KEY in obs_space.spaces:
         raise ValueError(f"env.global_state = true: {cfg.id!r}'s observations have a {STATE_KEY!r} key already")
     return space
@@ -127,7 +127,8 @@ def _state_space(cfg: EnvConfig, raw, obs_space: spaces.Space) -> spaces.Box:
 
 def validate_pettingzoo(cfg: EnvConfig) -> None:
     """Raise ValueError (one line naming the field) if ``cfg``'s PettingZoo env cannot be stepped
-    here: a module that is no PettingZoo env, bad kwargs, agents with different spaces."""
+    here: a module that is no PettingZoo env, bad kwargs, agents with different spaces, an
+    ``env.global_state`` the env does not give."""
     kwargs, wrappers = check_common(cfg)
     if wrappers:
         raise ValueError(f"env.wrappers: {', '.join(cfg.wrappers)} are gymnasium wrappers; a PettingZoo env takes none")
