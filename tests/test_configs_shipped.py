@@ -24,6 +24,12 @@ def test_the_connect_four_pool_config_is_connect_four_ppo_with_a_pool():
     assert replace(pool, selfplay=plain.selfplay, run=replace(pool.run, name=plain.run.name)) == plain
 
 
+def test_the_mappo_config_is_simple_spread_ppo_with_a_centralised_value():
+    mappo, plain = (config.load(CONFIGS / f"{name}.toml") for name in ("simple_spread_mappo", "simple_spread_ppo"))
+    assert mappo.env.global_state and not plain.env.global_state
+    assert replace(mappo, env=plain.env, run=replace(mappo.run, name=plain.run.name)) == plain
+
+
 def test_atari_pong_ppo_runs_one_update_in_serial_mode():
     exp = config.load(CONFIGS / "atari_pong_ppo.toml", ["run.max_env_steps=512", "sampler.count=1",
                                                         "sampler.envs=4", "sampler.horizon=64",

@@ -90,6 +90,9 @@ class NumpyActor:
         self.norm = None if norm is None else (arrays[norm["mean"]], arrays[norm["var"]], float(norm["clip"]))
         self.inputs = plan.get("inputs")
         """(path, scale) of the observation's leaves, flattened and concatenated; None: one vector as is."""
+        self.value_inputs = plan.get("value_inputs")
+        """The value trunk's (the second's) own ``inputs`` (a centralised value reads leaves the
+        policy does not, ``shared.agents.pg``), or None: every trunk reads ``inputs``."""
         self.mask = plan.get("mask")
         """The action mask's path in the observation (``shared.agents.masking``), or None."""
 
@@ -103,17 +106,25 @@ class NumpyActor:
                                           envs_total=envs_total))
 
     def _features(self, obs) -> list[np.ndarray]:
-        if self.inputs is None:
+        x = self._flat(obs, self.inputs)
+        if self.value_inputs is None:
+            return [trunk(x) for trunk in self.trunks]
+        policy, value = self.trunks
+        return [policy(x), value(self._flat(obs, self.value_inputs))]
+
+    def _flat(self, obs, inputs: list | None) -> np.ndarray:
+        """The trunk input [N, size] of observations [N, ...]: ``inputs``' leaves, normalised."""
+        if inputs is None:
             x = np.asarray(obs, dtype=np.float32)
         else:  # as the torch Encoder's flattening parts: each leaf [N, ...] -> float32 [N, size], times its scale
             tree = dict(leaves(obs))
             flat = [tree[path].reshape(len(tree[path]), -1).astype(np.float32) * np.float32(scale)
-                    for path, scale in self.inputs]
+                    for path, scale in inputs]
             x = np.concatenate(flat, axis=1) if len(flat) > 1 else flat[0]
         if self.norm is not None:
             mean, var, clip = self.norm
             x = np.clip((x - mean.astype(np.float32)) / np.sqrt(var.astype(np.float32) + 1e-8), -clip, clip)
-        return [trunk(x) for trunk in self.trunks]
+        return x
 
 
 class NumpyPgActor(NumpyActor):
@@ -212,10 +223,12 @@ def check_plan(plan, arrays: Mapping[str, np.ndarray]) -> None:
         members = [(w, m) for w, _, _, *m in layers if m and w in arrays]
         strays = [f"{w}[{m[0]}]" for w, m in members
                   if not (isinstance(m[0], int) and arrays[w].ndim == 3 and 0 <= m[0] < len(arrays[w]))]
-        inputs, mask = plan.get("inputs") or [], plan.get("mask")
+        inputs, mask = (plan.get("inputs") or []) + (plan.get("value_inputs") or []), plan.get("mask")
         if not all(isinstance(path, str) and float(scale) > 0 for path, scale in inputs) or \
                 not isinstance(mask, (str, type(None))):
-            raise ValueError("inputs must be [path, scale > 0] pairs and mask a path or None")
+            raise ValueError("inputs and value_inputs must be [path, scale > 0] pairs and mask a path or None")
+        if plan.get("value_inputs") is not None and len(plan["trunks"]) != 2:
+            raise ValueError("value_inputs need a policy trunk and a value trunk")
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"acting plan: malformed ({type(e).__name__}: {e}): {str(plan)[:200]}") from None
     if missing or bad or strays:

@@ -56,6 +56,11 @@ def acting_plan(agent) -> dict | None:
     if isinstance(agent, PgAgent):
         plan.update(family="pg", trunks=[trunk(agent.pi_encoder)] + ([] if agent.v_encoder is None else
                                                                      [trunk(agent.v_encoder)]), kind=agent.kind)
+        if agent.value_only:  # a centralised value reads leaves the policy does not
+            value_inputs = agent.v_encoder.flat_inputs() if isinstance(agent.v_encoder, Encoder) else None
+            if value_inputs is None:
+                return None
+            plan.update(value_inputs=[list(i) for i in value_inputs])
         if agent.twin is None:
             plan.update(pi_head=layers(agent.pi_head), v_head=layers(agent.v_head))
         else:

@@ -396,21 +396,23 @@ class Encoder(nn.Module):
 
     Built by ``make_encoder``; leaves are read in the tree's field order (depth first),
     each by its own part (``NatureCNN``, ``MinAtarCNN`` or flatten), concatenated, then the MLP trunk.
+    Leaves under a path of ``skip`` are not read (they may also be None or absent).
     """
 
     def __init__(self, leaf_shapes: list[tuple[int, ...]], parts: list[nn.Module], trunk: MLP,
-                 leaf_paths: list[str] | None = None) -> None:
+                 leaf_paths: list[str] | None = None, skip: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.leaf_shapes = leaf_shapes
         self.leaf_paths = leaf_paths or [""] * len(parts)
-        """Each leaf's dotted path in the observation tree ("" for a single array)."""
+        """Each read leaf's dotted path in the observation tree ("" for a single array)."""
+        self.skip = skip
         self.parts = nn.ModuleList(parts)
         self.trunk = trunk
         self.out_dim = trunk.out_dim
         # One vector leaf taken as is (classic control): a float32 [N, d] batch goes straight
         # to the trunk, skipping the per-leaf machinery on the acting hot path.
         self.vector_only = (len(parts) == 1 and isinstance(parts[0], _Flatten) and parts[0].scale == 1.0
-                             and len(leaf_shapes[0]) == 1)
+                             and len(leaf_shapes[0]) == 1 and not skip)
 
     def flat_inputs(self) -> list[tuple[str, float]] | None:
         """(path, scale) of each leaf when every one is flattened as is (no CNN, no one-hot):
@@ -422,7 +424,8 @@ class Encoder(nn.Module):
     def forward(self, obs) -> torch.Tensor:
         if self.vector_only and isinstance(obs, torch.Tensor) and obs.dim() == 2 and obs.dtype == torch.float32:
             return self.trunk(obs)
-        xs = [x for _, x in leaves(obs)]
+        xs = [x for path, x in leaves(obs) if not _under(path, self.skip)] if self.skip else \
+            [x for _, x in leaves(obs)]
         if len(xs) != len(self.parts):
             raise ValueError(f"Encoder: observation has {len(xs)} leaves, expected {len(self.parts)}")
         lead = xs[0].shape[: xs[0].dim() - len(self.leaf_shapes[0])]
@@ -430,6 +433,11 @@ class Encoder(nn.Module):
         feats = [part(x.reshape(n, *shape)) for part, x, shape in zip(self.parts, xs, self.leaf_shapes)]
         out = self.trunk(torch.cat(feats, dim=-1) if len(feats) > 1 else feats[0])
         return out.reshape(*lead, self.out_dim)
+
+
+def _under(path: str, tops: tuple[str, ...]) -> bool:
+    """Whether the dotted ``path`` is one of ``tops`` or lies under one."""
+    return any(path == top or path.startswith(top + ".") for top in tops)
 
 
 def _is_image(arr: np.ndarray, encoder: str) -> bool:
@@ -490,7 +498,7 @@ class CustomEncoder(nn.Module):
 
 
 def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
-                 norm: Callable[[int], nn.Module] | None = None) -> tuple[nn.Module, int]:
+                 norm: Callable[[int], nn.Module] | None = None, skip: tuple[str, ...] = ()) -> tuple[nn.Module, int]:
     """Encoder for observations shaped like ``obs_example`` and its feature width.
 
     ``obs_example`` is ONE observation (no leading dims): a numpy array or a nested
@@ -507,11 +515,16 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
     Without it every int leaf is taken as a number.
 
     ``norm``: the trunk's layer before each of its linear layers (``MLP``'s ``norm``).
+    ``skip``: key paths of leaves the encoder does not read (a policy's, of the value's
+    ``global_state``); the module then takes trees with or without them.
     """
     if is_reference(cfg.encoder):
         if norm is not None:
             raise ValueError(f"model.encoder = {cfg.encoder!r}: batch renorm in the actor (algo.actor_batch_renorm) "
                              "needs a built-in encoder, whose trunk it normalises; set it false")
+        if skip:
+            raise ValueError(f"model.encoder = {cfg.encoder!r}: a policy that must not read {', '.join(skip)} "
+                             "needs a built-in encoder (yours reads the whole observation)")
         encoder = CustomEncoder(obs_example, cfg)
         return encoder, encoder.out_dim
     shapes: list[tuple[int, ...]] = []
@@ -520,7 +533,9 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
     discrete = discrete_leaves(obs_space) if obs_space is not None else [None] * len(example)
     if len(discrete) != len(example):
         raise ValueError(f"make_encoder: the observation space has {len(discrete)} leaves, the example {len(example)}")
-    for (_, leaf), categories in zip(example, discrete):
+    for (path, leaf), categories in zip(example, discrete):
+        if _under(path, skip):
+            continue
         arr = np.asarray(leaf)
         shapes.append(tuple(arr.shape))
         if categories is not None:
@@ -537,5 +552,5 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
         raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
     trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm, norm=norm)
-    encoder = Encoder(shapes, parts, trunk, [path for path, _ in example])
+    encoder = Encoder(shapes, parts, trunk, [path for path, _ in example if not _under(path, skip)], skip)
     return encoder, encoder.out_dim

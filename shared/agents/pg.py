@@ -22,7 +22,8 @@ from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.masking import legal, mask_path, masked
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
-from shared.data.namedarraytuple import leading_len, map_leaves
+from shared.data.namedarraytuple import is_nat, leading_len, map_leaves
+from shared.envs.pettingzoo_backend import STATE_KEY
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
@@ -38,6 +39,14 @@ class PgAgent(nn.Module):
 
     Separate policy and value networks on an observation without learned encoders (vectors,
     flattened maps: no CNN, no LSTM) are one two-member ``EnsembleMLP``, ``twin``.
+
+    A centralised value (MAPPO, Yu et al. 2022): a Dict observation's ``global_state`` leaf
+    (``env.global_state``: the multi-agent env's ``state()``) is read by the value network
+    only. The value reads the whole column observation, i.e. the global state with the agent's
+    own observation and id (MAPPO's "agent-specific global state", which tells the agents'
+    values apart where their rewards differ); the policy reads every other leaf, so it acts
+    without the state (``step`` still computes the value, from the state the env gives).
+    Such an agent needs its own value encoder: no ``shared_encoder``, no ``twin``.
 
     With an action mask (``ModelConfig.action_mask``) the illegal actions' logits are
     ``masking.MASKED_LOGIT`` in ``step``, ``evaluate`` and export: never sampled, no share of
@@ -84,8 +93,14 @@ class PgAgent(nn.Module):
         """Where the observation holds the legal actions (``shared.agents.masking``), or None."""
 
         self.obs_norm = make_obs_norm(obs_example, cfg)
+        self.value_only = (STATE_KEY,) if is_nat(obs_example) and STATE_KEY in obs_example._fields else ()
+        """Top-level observation keys the policy does not read (a centralised value's state)."""
+        if self.value_only and agent_cfg.shared_encoder:
+            raise ValueError(f"agent.shared_encoder = true: the policy must not read the observation's "
+                             f"{STATE_KEY!r} (env.global_state), so the value needs its own encoder; set it false")
         self.twin = None
-        if not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and not cfg.layer_norm:
+        if not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and \
+                not cfg.layer_norm and not self.value_only:
             # Two MLPs on the flattened observation, policy and value, run as one EnsembleMLP:
             # half the kernel launches of a gradient step, which is what small networks on a
             # CPU pay for. The value member's output layer is as wide as the policy's (one
@@ -97,16 +112,19 @@ class PgAgent(nn.Module):
                                     output_gain=(POLICY_HEAD_GAIN, VALUE_HEAD_GAIN))
             self.pi_head = self.v_head = None
         else:
-            self.pi_encoder, feat_dim = make_encoder(obs_example, cfg, obs_space)
+            self.pi_encoder, feat_dim = make_encoder(obs_example, cfg, obs_space, skip=self.value_only)
             self.core = make_core(feat_dim, cfg, action_space)
-            self.v_encoder = None if agent_cfg.shared_encoder else make_encoder(obs_example, cfg, obs_space)[0]
-            self.v_core = None if agent_cfg.shared_encoder else make_core(feat_dim, cfg, action_space)
+            # The value's features are as wide as the policy's, but for a trunkless
+            # (hidden_sizes = []) centralised value, whose input is wider.
+            self.v_encoder, v_dim = (None, feat_dim) if agent_cfg.shared_encoder else \
+                make_encoder(obs_example, cfg, obs_space)
+            self.v_core = None if agent_cfg.shared_encoder else make_core(v_dim, cfg, action_space)
             if self.core is not None:
-                feat_dim = self.core.out_dim
+                feat_dim = v_dim = self.core.out_dim
                 example = np.zeros_like(action_space.sample(), dtype=np.int64 if self.kind != "box" else np.float32)
                 self.acting = ActingMemory(len(self._cores()), cfg.lstm_size, torch.as_tensor(example))
             self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
-            self.v_head = MLP(feat_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
+            self.v_head = MLP(v_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
         if self.kind == "box":
             self.log_std = nn.Parameter(torch.full((n_out,), float(agent_cfg.init_log_std)))
 

@@ -127,6 +127,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_agent_columns(exp)
+    _check_global_state(exp)
     _check_selfplay(exp)
     if check_ports:
         ports = {"network.metrics_port": net.metrics_port} if net.metrics_port else {}
@@ -147,6 +148,24 @@ def _check_agent_columns(exp: Experiment) -> None:
         what = f"2 groups of {n} agents" if groups == 2 else f"{n} agents"
         raise ConfigError(f"sampler.envs = {exp.sampler.envs}: {exp.env.id!r} has {n} agents, one column each; "
                           f"it must be a multiple of {n * groups} ({what}" + (", alternating)" if groups == 2 else ")"))
+
+
+def _check_global_state(exp: Experiment) -> None:
+    """``env.global_state`` is for a value network to read and the policy not to (``shared.agents.pg``):
+    a policy-gradient agent with an encoder of its own for the value, built in (the env's own
+    checks, in ``validate_env_config``, refuse an env without a state)."""
+    if not exp.env.global_state:
+        return
+    spec = exp.algo_spec
+    if spec.agent.family != "pg":
+        raise ConfigError(f"env.global_state = true: {spec.name}'s agent has no value network to read the global "
+                          "state; it is for policy-gradient algorithms (ppo, a2c, impala)")
+    if getattr(exp.agent, "shared_encoder", False):
+        raise ConfigError("agent.shared_encoder = true: with env.global_state the value reads the global state and "
+                          "the policy must not, so each needs its own encoder; set it false")
+    if is_reference(exp.model.encoder):
+        raise ConfigError(f"model.encoder = {exp.model.encoder!r}: with env.global_state the policy's encoder must "
+                          "leave the global state out, which only the built-in encoders do")
 
 
 def _check_watchdog(exp: Experiment) -> None:

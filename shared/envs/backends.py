@@ -27,9 +27,10 @@ def _backend(cfg: EnvConfig):
             raise ValueError(f"env.backend = {cfg.backend!r}: PettingZoo envs ({cfg.id!r}) step on the 'gymnasium' "
                              "backend only")
         return PettingZooGroup, validate_pettingzoo
-    if cfg.agent_id:
-        raise ValueError(f"env.agent_id = true: {cfg.id!r} is a single-agent env; agent ids are for "
-                         "'pettingzoo:<module>' envs (set it false)")
+    for name, on in (("agent_id", cfg.agent_id), ("global_state", cfg.global_state)):
+        if on:
+            raise ValueError(f"env.{name} = true: {cfg.id!r} is a single-agent env; it is for "
+                             "'pettingzoo:<module>' envs (set it false)")
     return BACKENDS[cfg.backend]
 
 

@@ -82,6 +82,11 @@ class EnvConfig:
     """PettingZoo envs: add the one-hot of the agent's index (``possible_agents`` order) to each
     column's observation as its ``agent_id`` leaf, so that one shared policy can act differently
     per agent (``shared.envs.pettingzoo_backend``)."""
+    global_state: bool = False
+    """PettingZoo envs with a ``state()`` (and its ``state_space``): add the env's global state
+    to each column's observation as its ``global_state`` leaf, which a policy-gradient agent's
+    value network reads and its policy never does (a centralised value, MAPPO; see
+    ``shared.agents.pg``). Policy-gradient algorithms only (PPO, A2C, IMPALA)."""
     split_step: str = "auto"
     """Alternating sampler (two env groups, server inference) on the envpool backend: "on" starts
     each group's step in EnvPool's threads and collects it after the sampler has served the other

@@ -10,7 +10,10 @@ agents must share one observation space and one action space (one shared policy 
 them); ``possible_agents`` order gives the columns: env k of a group owns columns
 ``k * N .. k * N + N - 1`` (N agents), so ``sampler.envs`` counts columns and is a multiple of N.
 ``env.agent_id`` adds the one-hot of the agent's index as the observation's ``agent_id`` leaf (a
-Box observation becomes ``{"observation", "agent_id"}``).
+Box observation becomes ``{"observation", "agent_id"}``). ``env.global_state`` adds the env's
+``state()`` (shaped by its ``state_space``, a Box) as the ``global_state`` leaf, the same for
+every column of an env at a step (the final observation's: the state the episode ended in);
+a policy-gradient agent's value network reads it, its policy never does (``shared.agents.pg``).
 
 What a column's step is, where its agent does not act:
 
@@ -46,6 +49,9 @@ from shared.envs.group import (EnvConfig, EnvError, SplitStep, action_converter,
 PREFIX = "pettingzoo:"
 MASK_KEY = "action_mask"
 AGENT_ID_KEY = "agent_id"
+STATE_KEY = "global_state"
+"""The observation leaf of the env's global state (``env.global_state``); the key
+``shared.agents.pg`` keeps from the policy."""
 PASS = 0
 """The one legal action of a waiting column (the env never sees it)."""
 
@@ -101,14 +107,28 @@ def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Spac
         fields[MASK_KEY] = spaces.MultiBinary(int(act_space.n))
     if cfg.agent_id:
         fields[AGENT_ID_KEY] = spaces.Box(0.0, 1.0, (len(agents),), np.float32)
+    if cfg.global_state:
+        fields[STATE_KEY] = _state_space(cfg, raw, obs_space)
     if isinstance(obs_space, spaces.Dict) or len(fields) > 1:
         obs_space = spaces.Dict(fields)
     return agents, obs_space, act_space, masked
 
 
+def _state_space(cfg: EnvConfig, raw, obs_space: spaces.Space) -> spaces.Box:
+    """The env's ``state_space``; ValueError (one line naming ``env.global_state``) if it has none."""
+    space = getattr(raw, "state_space", None)
+    if not isinstance(space, spaces.Box):
+        raise ValueError(f"env.global_state = true: {cfg.id!r} gives no global state (a Box state_space and a "
+                         "state()); set it false")
+    if isinstance(obs_space, spaces.Dict) and STATE_KEY in obs_space.spaces:
+        raise ValueError(f"env.global_state = true: {cfg.id!r}'s observations have a {STATE_KEY!r} key already")
+    return space
+
+
 def validate_pettingzoo(cfg: EnvConfig) -> None:
     """Raise ValueError (one line naming the field) if ``cfg``'s PettingZoo env cannot be stepped
-    here: a module that is no PettingZoo env, bad kwargs, agents with different spaces."""
+    here: a module that is no PettingZoo env, bad kwargs, agents with different spaces, an
+    ``env.global_state`` the env does not give."""
     kwargs, wrappers = check_common(cfg)
     if wrappers:
         raise ValueError(f"env.wrappers: {', '.join(cfg.wrappers)} are gymnasium wrappers; a PettingZoo env takes none")
@@ -122,6 +142,13 @@ def validate_pettingzoo(cfg: EnvConfig) -> None:
     raw, parallel = _make_raw(cfg, kwargs)
     try:
         _spaces(cfg, raw, parallel)
+        if cfg.global_state:  # PettingZoo's base state() raises NotImplementedError: call it once
+            raw.reset(seed=0)
+            try:
+                raw.state()
+            except Exception as e:  # noqa: BLE001 - whatever it raises, the env gives no state
+                raise ValueError(f"env.global_state = true: {cfg.id!r}'s state() raised {first_line(e)}; "
+                                 "set it false") from None
     finally:
         raw.close()
 
@@ -255,23 +282,31 @@ class PettingZooGroup(SplitStep):
         N = len(self.agents)
         return range(k * N, (k + 1) * N)
 
-    def _column_obs(self, obs, j: int, to_move: bool) -> dict | Any:
-        """Agent j's observation as the column presents it (mask of a waiting agent: the pass)."""
+    def _column_obs(self, obs, j: int, to_move: bool, state) -> dict | Any:
+        """Agent j's observation as the column presents it (mask of a waiting agent: the pass),
+        with the env's global ``state`` (None without ``env.global_state``)."""
         if isinstance(self.observation_space, spaces.Dict):
             out = dict(obs) if isinstance(obs, dict) else {"observation": obs}
             if self._masked and not to_move:
                 out[MASK_KEY] = self._pass_mask
             if self.cfg.agent_id:
                 out[AGENT_ID_KEY] = self._one_hot[j]
+            if state is not None:
+                out[STATE_KEY] = state
             return out
         return obs
 
-    def _observations(self, k: int) -> dict[str, Any]:
-        """agent -> its current column observation of env k (agents still in the episode)."""
+    def _state(self, k: int):
+        """Env k's global state now, or None without ``env.global_state``."""
+        return self._raws[k].state() if self.cfg.global_state else None
+
+    def _observations(self, k: int, state) -> dict[str, Any]:
+        """agent -> its current column observation of env k (agents still in the episode), with
+        the env's ``state`` (``_state``)."""
         raw = self._raws[k]
         if self._parallel:
-            return {a: self._column_obs(o, self.agents.index(a), True) for a, o in self._last_obs[k].items()}
-        return {a: self._column_obs(raw.observe(a), j, a == raw.agent_selection and not self._over(k))
+            return {a: self._column_obs(o, self.agents.index(a), True, state) for a, o in self._last_obs[k].items()}
+        return {a: self._column_obs(raw.observe(a), j, a == raw.agent_selection and not self._over(k), state)
                 for j, a in enumerate(self.agents) if a in raw.agents}
 
     def _over(self, k: int) -> bool:
@@ -299,7 +334,7 @@ class PettingZooGroup(SplitStep):
         self._gone[cols.start:cols.stop] = False
         self._return[cols.start:cols.stop] = 0.0
         self._length[cols.start:cols.stop] = 0
-        current = self._observations(k)
+        current = self._observations(k, self._state(k))
         for j, i in enumerate(cols):
             self._write(dst, i, current[self.agents[j]], "reset")
 
@@ -322,7 +357,8 @@ class PettingZooGroup(SplitStep):
             obs = {a: raw.observe(a) for a in self.agents if a in raw.agents}
             rewards, terms, truncs = raw.rewards, raw.terminations, raw.truncations
             moved = {mover}
-        current = self._observations(k)
+        state = self._state(k)
+        current = self._observations(k, state)
         for j, a in enumerate(self.agents):
             i = cols[j]
             if self._gone[i]:
@@ -340,7 +376,7 @@ class PettingZooGroup(SplitStep):
             self._return[i] += reward
             self._length[i] += a in moved
             if term or trunc:
-                final = self._column_obs(obs[a], j, False) if a in obs else current.get(a)
+                final = self._column_obs(obs[a], j, False, state) if a in obs else current.get(a)
                 # Its padding steps (until the env resets) are taken in its last observation.
                 self._write(final_dst, i, final, "step")
                 self._write(dst, i, final, "step")

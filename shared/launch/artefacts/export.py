@@ -16,6 +16,11 @@ loads it) into a module of plain tensors in and out, which the three formats ser
 An action mask (``model.action_mask``, ``shared.agents.masking``) is an observation input like
 any other leaf, and the greedy action is the best legal one, as in rlpipe.
 
+A policy-gradient agent with a centralised value (``env.global_state``, ``shared.agents.pg``)
+is exported as its policy alone: no ``global_state`` input and no ``value`` output, since the
+value is a training device and a deployed agent acts from its own observation. (Recurrent such
+agents are not exported yet: their value core's state travels with the policy's.)
+
 The observation normaliser is part of the graph: the policy takes raw env observations.
 Greedy is what evaluation plays with exploration off: the policy's mode (PPO, A2C), argmax Q
 (the DQN family, R2D1; ``agent.eps_eval`` is not applied), the actor's mean (DDPG, TD3, SAC).
@@ -104,16 +109,22 @@ class GreedyPolicy(nn.Module):
         if not isinstance(agent, (PgAgent, QAgent, QpgAgent)):
             raise ExportError(f"{type(agent).__name__}: export knows PgAgent, QAgent and the DDPG/TD3/SAC agents")
         self.agent = agent
+        core = getattr(agent, "core", None)
+        self.policy_only = bool(getattr(agent, "value_only", ()))
+        if self.policy_only:
+            if core is not None:
+                raise ExportError("a recurrent agent with a centralised value (env.global_state) is not exported yet: "
+                                  "its value core's state travels with the policy's")
+            obs_example = obs_example._replace(**{key: None for key in agent.value_only})
         self.obs = ObsTree(obs_example)
         obs_names = self.obs.names
-        core = getattr(agent, "core", None)
         self.recurrent = core is not None
         self.n_obs = len(obs_names)
         extra_in = (["h", "c"] + (["prev_action"] if core.use_action else [])
                     + (["prev_reward"] if core.use_reward else [])) if self.recurrent else []
         head = "value" if isinstance(agent, PgAgent) else "q_values" if isinstance(agent, QAgent) else "q"
-        self.signature = Signature(tuple(obs_names + extra_in),
-                                   ("action", head) + (("h_out", "c_out") if self.recurrent else ()))
+        self.signature = Signature(tuple(obs_names + extra_in), ("action",) + (() if self.policy_only else (head,))
+                                   + (("h_out", "c_out") if self.recurrent else ()))
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         obs = self.obs.build(inputs[:self.n_obs])
@@ -146,7 +157,9 @@ class GreedyPolicy(nn.Module):
 
     def _pg(self, agent: PgAgent, obs, memory: Memory | None) -> tuple[torch.Tensor, ...]:
         obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
-        if memory is None:
+        if self.policy_only:
+            out, value = agent.pi_head(agent.pi_encoder(obs)), None
+        elif memory is None:
             out, value = agent._forward(obs)
         else:
             states = self._core_steps(agent._cores(), obs, memory)
@@ -157,6 +170,8 @@ class GreedyPolicy(nn.Module):
             out = masked(out, legal(obs, agent.mask_path))
             picks = torch.stack([chunk.argmax(-1) for chunk in torch.split(out, agent.nvec, dim=-1)], dim=-1)
             action = picks[:, 0] if agent.kind == "discrete" else picks
+        if self.policy_only:
+            return (action,)
         if memory is None:
             return action, value
         return (action, value, torch.stack([h for h, _ in states], 1), torch.stack([c for _, c in states], 1))
