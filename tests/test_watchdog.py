@@ -88,8 +88,9 @@ def test_the_watchdog_kills_the_silent_process_only(tmp_path):
         while not (beat := heartbeat.read(tmp_path / "alive0")) or math.isnan(beat[1]):
             assert time.monotonic() < deadline, "the beating process published no beat"
             time.sleep(0.1)
-        time.sleep(1.5)  # past the hung one's grace
-        killed = dog.check(processes, time.monotonic())
+        # Judged 1.2 s on (the clock is the check's argument), past the hung one's 1 s grace: the
+        # beating one's beat is still well inside its 3 s deadline, as it would be after a sleep.
+        killed = dog.check(processes, time.monotonic() + 1.2)
         assert [(name, pid) for name, pid, _ in killed] == [("hung0", hung.pid)]
         assert hung.wait(5) == -signal.SIGKILL and alive.poll() is None
     finally:
