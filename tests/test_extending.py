@@ -33,9 +33,11 @@ def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_through_the_pipelin
 
 @pytest.mark.learning
 def test_an_out_of_tree_algorithm_trains_on_two_learner_ranks(runs):
-    run = runs(CONFIG, "learner.count=2", "run.max_env_steps=20000")
+    # Training, not learning, is the claim (the pipeline checks above learn): ~40 updates of 256
+    # env steps, each all-reduced over both ranks, show it as well as 80 did.
+    run = runs(CONFIG, "learner.count=2", "run.max_env_steps=10000")
     result = run.wait_result(120)
-    assert result["reason"] == "budget" and result["updates"] >= 20000 // 256 - 1, result
+    assert result["reason"] == "budget" and result["updates"] >= 10000 // 256 - 1, result
     for rank in (0, 1):
         assert f"learner rank {rank} of 2" in run.logs(f"learner{rank}")
 

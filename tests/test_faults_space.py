@@ -192,8 +192,9 @@ def test_launch_fails_at_once_when_dev_shm_is_too_small(tmp_path):
 
 
 def test_a_full_run_directory_crashes_nothing_tears_no_row_and_writes_resume(tmp_path):
-    """A live DQN run whose run directory is a 32 MiB tmpfs, filled to the last byte for 5 s
-    while checkpoints, snapshots and rows come every second; then the space is freed."""
+    """A live DQN run whose run directory is a 32 MiB tmpfs, filled to the last byte while
+    checkpoints, snapshots and rows come every second, until a checkpoint and a snapshot have
+    failed; then the space is freed."""
     script = f"""
         import json, os, time
         from pathlib import Path
@@ -219,11 +220,15 @@ def test_a_full_run_directory_crashes_nothing_tears_no_row_and_writes_resume(tmp
                     pass
             os.close(fd)
             t_full = time.time()
-            time.sleep(5)
-            page = run.metrics()
-            out["write_errors"] = sum(metric_value(page, "rlpipe_learner_write_errors_total", file=f)
-                                      for f in ("progress.csv", "checkpoint"))
-            out["snapshot_errors"] = metric_value(page, "rlpipe_replay_snapshot_errors_total")
+            # Full until a checkpoint and a table snapshot have failed (each comes every second;
+            # rows fail as their file's last page fills): waited for, not a fixed 5 s.
+            def failed():
+                page = run.metrics()
+                rows, ck = (metric_value(page, "rlpipe_learner_write_errors_total", file=f)
+                            for f in ("progress.csv", "checkpoint"))
+                snapshots = metric_value(page, "rlpipe_replay_snapshot_errors_total")
+                return (rows + ck, snapshots) if ck > 0 and snapshots > 0 else None
+            out["write_errors"], out["snapshot_errors"] = run.wait_for(failed, 60, "a failed checkpoint and snapshot")
             out["rows_while_full"] = len(run.progress())
             os.unlink(run.dir.parent / "fill")
             t_free = time.time()

@@ -249,13 +249,31 @@ def test_a_snapshot_that_fails_leaves_the_previous_one_and_no_partial_copy(run_i
     table.arena.unlink()
 
 
+def stopped_after_a_snapshot(runs):
+    """A DQN run stopped (`rlpipe stop`) once it has 6k env steps and a table snapshot (one a
+    second) taken after them: waited for, where a fixed 1.5 s sleep waited a second too long."""
+    run = runs("cartpole_dqn.toml", "replay.snapshot_interval_s=1", "run.target_return=1e9")
+    run.wait_steps(6_000, timeout=60)
+    since = time.time()
+
+    def snapshot_since() -> bool:
+        """Every file of the snapshot copied after the steps (a snapshot is written beside and
+        renamed into place whole, so then it holds them)."""
+        try:
+            files = list((run.dir / "replay").iterdir())
+            return bool(files) and min(f.stat().st_mtime for f in files) > since
+        except OSError:  # mid-rename
+            return False
+
+    run.wait_for(snapshot_since, 30, "a table snapshot with those steps")
+    assert rlpipe_here("stop", str(run.dir)).returncode == 0
+    return run
+
+
 def test_a_stopped_run_resumes_with_its_replay_table_and_checkpoint(runs):
     """`rlpipe stop` unlinks the table (a normal exit); `rlpipe launch --resume RUN` brings back the
     snapshot with the learner's checkpoint, and the run goes on from there."""
-    run = runs("cartpole_dqn.toml", "replay.snapshot_interval_s=1", "run.target_return=1e9")
-    run.wait_steps(6_000, timeout=60)
-    time.sleep(1.5)  # a snapshot with those steps
-    assert rlpipe_here("stop", str(run.dir)).returncode == 0
+    run = stopped_after_a_snapshot(runs)
     assert not run.segments()  # a normal stop leaves nothing in /dev/shm
     steps = int(run.progress()[-1]["env_steps"])
     out = rlpipe_here("launch", "--resume", str(run.dir), "--detach")
@@ -274,10 +292,7 @@ def test_a_resumed_run_whose_replay_was_killed_in_the_middle_of_a_restore_comes_
     """A stopped run's snapshot is restored into /dev/shm by a process killed before the header's
     ``complete`` cell (what a replay killed mid-restore leaves); `rlpipe launch --resume`: the
     live replay discards the incomplete table, says so, and restores the snapshot whole."""
-    run = runs("cartpole_dqn.toml", "replay.snapshot_interval_s=1", "run.target_return=1e9")
-    run.wait_steps(6_000, timeout=60)
-    time.sleep(1.5)  # a snapshot with those steps
-    assert rlpipe_here("stop", str(run.dir)).returncode == 0
+    run = stopped_after_a_snapshot(runs)
     snapshot = run.dir / "replay"
     layout = int(np.fromfile(snapshot / "table", np.int64)[2])  # the header's fingerprint cell
     cut = len(list(snapshot.glob("t.*"))) + 1  # every segment copied, the header not complete
