@@ -70,26 +70,31 @@ class Opponent:
         held = self.copy_of[column // 2]
         return self.loaded[held] if held >= 0 else -1
 
-    def act(self, slot, env_index: np.ndarray, env_steps: int, envs_total: int) -> None:
+    def act(self, slot, cols: slice, env_index: np.ndarray, env_steps: int, envs_total: int) -> None:
         """Overwrite the opponent columns' actions and agent info in ``slot`` (the current policy
         acted for every column) with those of the versions their games hold; a board whose game
-        starts at this step (``slot.first``) draws its version first."""
-        if self.steps % self.horizon == 0:
-            self.pool = self.files.versions()
-            self.scores = self.files.read_scores() if self.cfg.pool == "prioritised" and self.pool else {}
-        self.steps += 1
-        c = self.columns
+        starts at this step (``slot.first``) draws its version first. ``cols``: the sampler's
+        columns ``slot`` holds (an env group's: whole boards)."""
+        start = cols.start
+        if start == 0:  # a step acts the group at column 0 once: the pool is read by steps, not by groups
+            if self.steps % self.horizon == 0:
+                self.pool = self.files.versions()
+                self.scores = self.files.read_scores() if self.cfg.pool == "prioritised" and self.pool else {}
+            self.steps += 1
+        boards = slice(start // 2, (start + len(slot.first)) // 2)
+        c = self.columns[boards] - start
+        copy_of = self.copy_of[boards]  # a view: a draw here is the board's for ``_copy_for`` too
         starting = np.flatnonzero(slot.first[c])
         if starting.size and self.pool:
-            self.copy_of[starting] = -1  # their games ended: their copies may take another version
+            copy_of[starting] = -1  # their games ended: their copies may take another version
             for board in starting:
-                self.copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
-        for held in np.unique(self.copy_of[self.copy_of >= 0]):
-            cols = c[self.copy_of == held]
-            action, info = self.copies[held][0](slot.observation[cols], env_index[cols], slot.first[cols],
-                                                slot.reward[cols], env_steps, envs_total)
-            slot.action[cols] = action
-            slot.agent_info[cols] = info
+                copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
+        for held in np.unique(copy_of[copy_of >= 0]):
+            held_cols = c[copy_of == held]
+            action, info = self.copies[held][0](slot.observation[held_cols], env_index[held_cols],
+                                                slot.first[held_cols], slot.reward[held_cols], env_steps, envs_total)
+            slot.action[held_cols] = action
+            slot.agent_info[held_cols] = info
 
     def _copy_for(self, version: int) -> int:
         """The copy that holds ``version``, loading it where none does; where it cannot be loaded
@@ -109,3 +114,4 @@ class Opponent:
             self.loaded[free[0]] = version
             return free[0]
         return int(self.rng.choice(sorted(busy))) if busy else -1
+
