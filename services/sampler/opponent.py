@@ -1,5 +1,5 @@
 """The opponent seat of self-play against a pool of past versions (``[selfplay]``,
-``shared.transport.pool``), in a local-inference sampler or in serial mode.
+``shared.transport.pool``), in a sampler (local or server inference) or in serial mode.
 
 Board b of the run (global columns 2b, 2b + 1) gives the learner seat ``b % 2`` and the
 opponent the other, so the learner plays first on half the boards and second on the rest.
@@ -115,3 +115,33 @@ class Opponent:
             return free[0]
         return int(self.rng.choice(sorted(busy))) if busy else -1
 
+
+class ServedWithOpponent:
+    """ActionSource of a server-inference sampler that plays against the pool: the action-server
+    answers every column with the current policy, as it does without a pool (it holds no past
+    version and its wire knows no seats); once a group's actions are in its slot, the opponent
+    seat overwrites its columns' (``Opponent.act``), as ``LocalActions`` does after its own
+    forward pass. With two env groups one group's opponent acts while the other's request is
+    at the action-server."""
+
+    def __init__(self, served, opponent: Opponent, sampler, steps, envs_total: int):
+        """``served``: the action-server's ActionSource (``transport.RemoteActions``); ``steps``:
+        the run's env steps (``shared.transport.params.AnnouncedSteps``: ``poll``, ``env_steps``,
+        ``close``), which a Q agent's exploration follows."""
+        self.served, self.opponent, self.steps, self.envs_total = served, opponent, steps, envs_total
+        self.slots, self.groups = sampler.slots, sampler.groups
+        self.env_index = [np.arange(g.start, g.stop) + sampler.env_base for g in sampler.groups]
+
+    def request(self, group: int) -> None:
+        self.served.request(group)
+
+    def wait(self, group: int) -> int:
+        version = self.served.wait(group)
+        self.steps.poll()
+        self.opponent.act(self.slots[group], self.groups[group], self.env_index[group], self.steps.env_steps,
+                          self.envs_total)
+        return version
+
+    def close(self) -> None:
+        self.steps.close()
+        self.served.close()
