@@ -247,11 +247,9 @@ def test_a_consumer_on_another_node_follows_the_versions_sent_as_frames(run_id, 
         ctx.destroy(linger=0)
 
 
-def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_skip_bad_segments(run_id, tmp_path):
-    """What an action-server does on one node: PublishedParams announces each version (the
-    segment's descriptor), ParamAnnouncements loads only the newest of those that came, a
-    restarted learner's lower versions (new nonce) too, and a descriptor it cannot attach is
-    logged and skipped."""
+def announcing(learner: nn.Module, run_id: str, tmp_path):
+    """(ctx, writer, pub, sub): ``learner``'s parameter segment, a ``PublishedParams`` on it at an
+    ipc address in ``tmp_path``, and a SUB endpoint subscribed to its announcements."""
     import zmq
 
     from services.learner.transport import PublishedParams
@@ -260,18 +258,30 @@ def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_sk
 
     ctx = zmq.Context()
     address = f"ipc://{tmp_path}/params"
-    name = shm.segment_name(run_id, "learner", 0, "params")
+    writer = params.ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params"))
+    return ctx, writer, PublishedParams(ctx, address, writer), Endpoint(ctx, zmq.SUB, address, False, "a",
+                                                                        subscribe=wire.topic("params"))
+
+
+def publish_until_heard(pub, follower, env_steps: int = 0) -> None:
+    """Publish version 0 until ``follower`` takes it: a SUB drops what comes before it is connected."""
+    deadline = time.monotonic() + 10
+    while not follower.poll() and time.monotonic() < deadline:
+        pub.publish(0, env_steps)
+        time.sleep(0.05)
+
+
+def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_skip_bad_segments(run_id, tmp_path):
+    """What an action-server does on one node: PublishedParams announces each version (the
+    segment's descriptor), ParamAnnouncements loads only the newest of those that came, a
+    restarted learner's lower versions (new nonce) too, and a descriptor it cannot attach is
+    logged and skipped."""
     learner, actor = make_net(0), make_net(1)
-    writer = params.ParamWriter(learner, name)
-    pub = PublishedParams(ctx, address, writer)
-    follower = params.ParamAnnouncements(actor, Endpoint(ctx, zmq.SUB, address, False, "a",
-                                                         subscribe=wire.topic("params")), learner_owner(run_id))
+    ctx, writer, pub, sub = announcing(learner, run_id, tmp_path)
+    follower = params.ParamAnnouncements(actor, sub, learner_owner(run_id))
     second = None
     try:
-        deadline = time.monotonic() + 10
-        while not follower.poll() and time.monotonic() < deadline:  # until the SUB is connected
-            pub.publish(0, 0)
-            time.sleep(0.05)
+        publish_until_heard(pub, follower)
         assert follower.version == 0
         for version in (1, 2, 3):
             train_a_little(learner, version)
@@ -283,7 +293,7 @@ def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_sk
 
         writer.segment.close()  # the learner is killed; its successor numbers on from its checkpoint's 2
         restarted = make_net(7)
-        second = params.ParamWriter(restarted, name)
+        second = params.ParamWriter(restarted, writer.segment.name)
         second.write(2, env_steps=200)
         pub.ep.send("params", {"version": 2, "segment": second.descriptor, "env_steps": 200})
         time.sleep(0.2)
@@ -298,6 +308,31 @@ def test_announcements_load_the_newest_version_follow_a_restarted_learner_and_sk
         follower.close()
         pub.ep.close()
         (writer if second is None else second).close()  # the name is the successor's segment by then
+        ctx.destroy(linger=0)
+
+
+def test_announced_steps_take_the_newest_announcements_env_steps_and_load_nothing(run_id, tmp_path):
+    """What a server-inference sampler playing against a pool follows for its opponent's
+    exploration: the run's env steps of the newest announcement, a restarted learner's lower
+    ones too; no segment is attached."""
+    ctx, writer, pub, sub = announcing(make_net(0), run_id, tmp_path)
+    steps = params.AnnouncedSteps(sub)
+    try:
+        assert steps.env_steps == 0
+        publish_until_heard(pub, steps, 5)
+        assert steps.env_steps == 5
+        for version in (1, 2, 3):
+            pub.publish(version, 100 * version)
+        time.sleep(0.2)
+        assert steps.poll() and steps.env_steps == 300
+        assert not steps.poll() and steps.env_steps == 300  # nothing new: the steps held stay
+        pub.publish(2, 200)  # a restarted learner counts on from its checkpoint
+        time.sleep(0.2)
+        assert steps.poll() and steps.env_steps == 200
+    finally:
+        steps.close()
+        pub.ep.close()
+        writer.close()
         ctx.destroy(linger=0)
 
 

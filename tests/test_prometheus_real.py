@@ -119,8 +119,9 @@ def panel_expressions() -> list[tuple[str, str]]:
 
 def test_prometheus_scrapes_a_live_run_and_every_panel_returns_data(runs, prometheus_bin, tmp_path):
     """A tic-tac-toe run with an action-server and the evaluator (whose games against the opponents
-    feed the two-player panel), and one against a self-play pool (which needs local inference: it
-    feeds the pool's panels), so that every panel has something to show."""
+    feed the two-player panel), and one against a self-play pool with local inference (it feeds the
+    pool's panels; tests/test_selfplay_pool.py runs a pool with server inference), so that every
+    panel has something to show."""
     prometheus, promtool = prometheus_bin
     endless = ("run.target_return=1000.0", "run.max_env_steps=100000000", "run.max_wall_s=300.0")
     run = runs("tictactoe_ppo.toml", "sampler.inference=server", "eval.every_s=2.0", "eval.episodes=4", *endless)

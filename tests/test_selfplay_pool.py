@@ -1,8 +1,9 @@
 """Self-play against a pool of past versions (``[selfplay]``, shared/transport/pool.py,
 services/sampler/opponent.py): a config that cannot have one is one config-error line; the pool's
 files round-trip into an agent and refuse what does not fit; draws and Elo follow the scores; the
-learner seat learns to beat a random player in serial mode and through the pipeline, where the
-pool holds and serves its past versions after a learner ``kill -9`` and after ``launch --resume``."""
+learner seat learns to beat a random player in serial mode and through the pipeline (server
+inference), where the pool holds and serves its past versions after a learner ``kill -9`` and
+after ``launch --resume``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ mpe2 = pytest.importorskip("mpe2")
 
 from services.build import agent_info, env_probe, make_agent
 from services.sampler.local import LocalActions
-from services.sampler.opponent import Opponent
+from services.sampler.opponent import Opponent, ServedWithOpponent
 from services.sampler.sampler import Sampler
 from services.serial import opponent
 from shared.config.topology import topology
@@ -44,7 +45,7 @@ POOL = ["selfplay.pool='uniform'", "selfplay.snapshot_every=10"]
     (["env.id='CartPole-v1'", "model.action_mask=''"], "is a single-agent env"),
     (["env.id='pettingzoo:mpe2.simple_spread_v3'", "sampler.envs=6", "model.action_mask=''"], "has 3 agents"),
     (["env.id='pettingzoo:tests.cooperative_game_for_tests'"], "is not zero-sum"),
-    (["sampler.inference='server'"], "sampler.inference = 'server'"),
+    (["model.lstm_size=32"], "model.lstm_size = 32"),
     (["selfplay.pool='best'"], "allowed: latest, uniform, prioritised"),
     (["selfplay.size=0"], "selfplay.size = 0"),
 ])
@@ -107,14 +108,17 @@ class Announced:
         pass
 
 
-@pytest.mark.parametrize("both", [False, True])
-def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games_name_it(tmp_path, both):
-    """A local sampler of 4 boards: the pool's only version (5) always takes the centre where it
-    may, the current policy is a fresh one. The opponent's columns play version 5's moves and are
-    failed steps (no loss trains on them) unless train_both_seats; the learner seat's episodes
-    alone are reported, each naming version 5."""
+@pytest.mark.parametrize("both, inference", [(False, "local"), (True, "local"), (False, "server")])
+def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games_name_it(tmp_path, both, inference):
+    """A sampler of 4 boards: the pool's only version (5) always takes the centre where it may, the
+    current policy is a fresh one. The opponent's columns play version 5's moves and are failed
+    steps (no loss trains on them) unless train_both_seats; the learner seat's episodes alone are
+    reported, each naming version 5. With server inference (two env groups of 2 boards) the
+    current policy's actions come from another source (an action-server's stand-in) and the
+    opponent overwrites its columns once they are in."""
     exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=8", "sampler.horizon=16", "sampler.ring=2",
-                                                               f"selfplay.train_both_seats={str(both).lower()}"])
+                                                               f"selfplay.train_both_seats={str(both).lower()}",
+                                                               f"sampler.inference='{inference}'"])
     probe = env_probe(exp)
     current, centre, holder = (make_agent(exp, probe) for _ in range(3))
     probe.close()
@@ -129,8 +133,13 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
     opponent = Opponent(exp.selfplay, files, lambda: (Actor(holder, np.random.SeedSequence(1)), ModuleState(holder)),
                         mask, exp.sampler.horizon, np.random.SeedSequence(2))
     sampler.opponent = opponent
-    actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
-                           opponent)
+    act = Actor(current, topo.acting_seed("sampler", 0))
+    if inference == "local":
+        actions = LocalActions(act, sampler, FixedParams(), topo.total_envs, opponent)
+    else:
+        assert len(sampler.groups) == 2
+        served = LocalActions(act, sampler, FixedParams(), topo.total_envs)
+        actions = ServedWithOpponent(served, opponent, sampler, FixedParams(), topo.total_envs)
     sink = Announced()
     sampler.start(actions)
     for _ in range(3):
@@ -251,12 +260,15 @@ def test_the_learner_seat_beats_a_random_player_against_a_pool_in_serial_mode(tm
 
 @pytest.mark.learning
 def test_pool_self_play_through_the_pipeline_survives_a_learner_kill_and_a_resume(runs):
-    """Local inference, a snapshot every 10 updates, uniform draws over the last 8. The learner is
+    """Server inference (the action-server acts for the learner seat, the samplers' copies for the
+    opponent's; local inference's pool runs through the pipeline in
+    tests/test_prometheus_real.py, and in serial mode above), a snapshot every 10 updates,
+    uniform draws over the last 8. The learner is
     killed with SIGKILL once the pool holds 3 versions: the restarted one finds them, and the
     samplers go on playing them (their games against versions of before the kill still count).
     Stopped, then resumed with ``launch --resume``: the pool is there, the run ends at its budget,
     and the learner seat beats a random player."""
-    run = runs("tictactoe_ppo.toml", *POOL, "learner.checkpoint_interval_s=1.0", "sampler.inference=local")
+    run = runs("tictactoe_ppo.toml", *POOL, "learner.checkpoint_interval_s=1.0", "sampler.inference=server")
     pool = PoolFiles(run.dir, 8)
     run.wait_for(lambda: len(pool.versions()) >= 3 and (run.dir / "checkpoints" / "latest.pt").exists()
                  and pool_rows(run.dir), 60, "3 pool versions, a checkpoint and a row of games against the pool")

@@ -32,9 +32,8 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
     published a numpy acting plan (``shared.agents.acting``), the sampler acts in numpy on its own
     copy of the state and never imports torch; else it builds the torch agent."""
     from services.sampler.local import LocalActions
-    from services.sampler.opponent import sampler_opponent
-    from shared.agents.acting import numpy_actor, read_acting_file
-    from shared.transport.params import ModuleState, ParamFollower, ParamStream, StateArrays
+    from shared.agents.acting import numpy_actor
+    from shared.transport.params import ParamFollower, ParamStream, StateArrays
 
     seed = topo.acting_seed("sampler", sampler.instance)
     segment, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
@@ -46,20 +45,13 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
                        on_bad=metrics_mod.bad_message_counter(sampler.metrics), subscribe=wire.topic("params_data"))
         return ParamStream(target, sub)
 
+    published = wait_for_acting(exp, run_dir)
     limit_s = exp.run.watchdog_startup_s or ACTING_WAIT_S
-    published = wait_for("the learner's acting.json", lambda: read_acting_file(run_dir), limit_s)
-    # Self-play against a pool: copies of the agent act for the opponent seat with past versions.
-    opponent_seeds = topo.acting_seed("opponent", sampler.instance).spawn(2) if exp.selfplay.on else None
     if published["plan"] is not None:
         state = StateArrays(published["spec"])
         act = numpy_actor(published["plan"], state.arrays, exp.agent, np.random.default_rng(seed))
         params = follow(state)
         wait_for("the learner's first parameter version", params.poll, limit_s)  # it follows acting.json at once
-
-        def opponent_copy():
-            past = StateArrays(published["spec"])
-            rng = np.random.default_rng(opponent_seeds[0].spawn(1)[0])
-            return numpy_actor(published["plan"], past.arrays, exp.agent, rng), past
     else:
         from shared.agents.actor import Actor, seed_torch
 
@@ -68,15 +60,68 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
         seed_torch(seed)  # make_agent seeded it with run.seed
         act = Actor(agent, seed)
         params = follow(agent)
+    opponent = pool_opponent(exp, topo, run_dir, sampler, published) if exp.selfplay.on else None
+    return LocalActions(act, sampler, params, topo.total_envs, opponent)
+
+
+def wait_for_acting(exp, run_dir) -> dict:
+    """The learner's acting.json (``shared.agents.acting.read_acting_file``), waited for."""
+    from shared.agents.acting import read_acting_file
+
+    return wait_for("the learner's acting.json", lambda: read_acting_file(run_dir),
+                    exp.run.watchdog_startup_s or ACTING_WAIT_S)
+
+
+def pool_opponent(exp, topo: Topology, run_dir, sampler: Sampler, published: dict):
+    """The self-play pool's opponent seat of ``sampler``, set as ``sampler.opponent``: copies of
+    the agent that load past versions and act in this process under either inference mode, in
+    numpy where the learner published an acting plan (``published``: its acting.json), else in
+    torch on the cpu."""
+    from services.sampler.opponent import sampler_opponent
+    from shared.agents.acting import numpy_actor
+    from shared.transport.params import ModuleState, StateArrays
+
+    acting, drawing = topo.acting_seed("opponent", sampler.instance).spawn(2)
+    if published["plan"] is not None:
+        def opponent_copy():
+            past = StateArrays(published["spec"])
+            rng = np.random.default_rng(acting.spawn(1)[0])
+            return numpy_actor(published["plan"], past.arrays, exp.agent, rng), past
+    else:
+        from shared.agents.actor import Actor
+
+        torch_device("cpu")
 
         def opponent_copy():
             other = make_agent(exp, env_probe(exp)).eval()
-            return Actor(other, opponent_seeds[0].spawn(1)[0]), ModuleState(other)
-    opponent = None
-    if opponent_seeds is not None:
-        opponent = sampler_opponent(exp, run_dir, sampler, opponent_copy, opponent_seeds[1])
-        sampler.opponent = opponent
-    return LocalActions(act, sampler, params, topo.total_envs, opponent)
+            return Actor(other, acting.spawn(1)[0]), ModuleState(other)
+    sampler.opponent = sampler_opponent(exp, run_dir, sampler, opponent_copy, drawing)
+    return sampler.opponent
+
+
+def served_actions(exp, topo: Topology, sampler: Sampler, run_dir, ctx: zmq.Context, incarnation: int,
+                   secret: str):
+    """Server inference: the action-server of ``sampler`` acts for every column; in self-play
+    against a pool the opponent seat then acts here (``opponent.ServedWithOpponent``), following
+    the run's env steps from the learner's announcements."""
+    instance, m = sampler.instance, sampler.metrics
+    server = topo.action_server_of(instance)
+    served = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), f"sampler{instance}", instance,
+                           sampler.slot_descriptors, socket_dir(run_dir), exp.sampler.timeout_ms, m, incarnation,
+                           secret)
+    if not exp.selfplay.on:
+        return served
+    from services.sampler.opponent import ServedWithOpponent
+    from shared.transport.params import AnnouncedSteps
+
+    try:
+        opponent = pool_opponent(exp, topo, run_dir, sampler, wait_for_acting(exp, run_dir))
+        sub = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"sampler{instance}",
+                       on_bad=metrics_mod.bad_message_counter(m), subscribe=wire.topic("params"))
+    except BaseException:
+        served.close()
+        raise
+    return ServedWithOpponent(served, opponent, sampler, AnnouncedSteps(sub), topo.total_envs)
 
 
 def wait_for(what: str, ready, limit_s: float):
@@ -111,10 +156,7 @@ def run(exp, run_dir, instance: int) -> None:
         if exp.sampler.inference == "local":
             actions = local_actions(exp, topo, sampler, run_dir, run_id, ctx)
         else:
-            server = topo.action_server_of(instance)
-            actions = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), name, instance,
-                                    sampler.slot_descriptors, socket_dir(run_dir), exp.sampler.timeout_ms, m,
-                                    incarnation, secret)
+            actions = served_actions(exp, topo, sampler, run_dir, ctx, incarnation, secret)
         sink = RemoteSink(ctx, endpoint(exp, run_dir, "replay"), name, instance, sampler.ring_descriptor,
                           incarnation, exp.sampler.ring, exp.sampler.timeout_ms, m, secret,
                           frames=sampler.ring if exp.placement.crosses("sampler", "replay") else None)

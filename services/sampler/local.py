@@ -34,7 +34,7 @@ class LocalActions:
         """``opponent``: the self-play pool's opponent seat (``services.sampler.opponent.Opponent``),
         which replaces its columns' actions, or None."""
         self.act, self.opponent = act, opponent
-        self.slots, self.params, self.envs_total = sampler.slots, params, envs_total
+        self.slots, self.groups, self.params, self.envs_total = sampler.slots, sampler.groups, params, envs_total
         self.env_index = [np.arange(g.start, g.stop) + sampler.env_base for g in sampler.groups]
         self.versions = [0] * len(sampler.groups)
 
@@ -46,7 +46,7 @@ class LocalActions:
         slot.action[:] = action
         slot.agent_info[:] = info
         if self.opponent is not None:
-            self.opponent.act(slot, self.env_index[group], self.params.env_steps, self.envs_total)
+            self.opponent.act(slot, self.groups[group], self.env_index[group], self.params.env_steps, self.envs_total)
         self.versions[group] = max(self.params.version, 0)
 
     def wait(self, group: int) -> int:

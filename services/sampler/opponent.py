@@ -1,5 +1,5 @@
 """The opponent seat of self-play against a pool of past versions (``[selfplay]``,
-``shared.transport.pool``), in a local-inference sampler or in serial mode.
+``shared.transport.pool``), in a sampler (local or server inference) or in serial mode.
 
 Board b of the run (global columns 2b, 2b + 1) gives the learner seat ``b % 2`` and the
 opponent the other, so the learner plays first on half the boards and second on the rest.
@@ -70,26 +70,31 @@ class Opponent:
         held = self.copy_of[column // 2]
         return self.loaded[held] if held >= 0 else -1
 
-    def act(self, slot, env_index: np.ndarray, env_steps: int, envs_total: int) -> None:
+    def act(self, slot, cols: slice, env_index: np.ndarray, env_steps: int, envs_total: int) -> None:
         """Overwrite the opponent columns' actions and agent info in ``slot`` (the current policy
         acted for every column) with those of the versions their games hold; a board whose game
-        starts at this step (``slot.first``) draws its version first."""
-        if self.steps % self.horizon == 0:
-            self.pool = self.files.versions()
-            self.scores = self.files.read_scores() if self.cfg.pool == "prioritised" and self.pool else {}
-        self.steps += 1
-        c = self.columns
+        starts at this step (``slot.first``) draws its version first. ``cols``: the sampler's
+        columns ``slot`` holds (an env group's: whole boards)."""
+        start = cols.start
+        if start == 0:  # a step acts the group at column 0 once: the pool is read by steps, not by groups
+            if self.steps % self.horizon == 0:
+                self.pool = self.files.versions()
+                self.scores = self.files.read_scores() if self.cfg.pool == "prioritised" and self.pool else {}
+            self.steps += 1
+        boards = slice(start // 2, (start + len(slot.first)) // 2)
+        c = self.columns[boards] - start
+        copy_of = self.copy_of[boards]  # a view: a draw here is the board's for ``_copy_for`` too
         starting = np.flatnonzero(slot.first[c])
         if starting.size and self.pool:
-            self.copy_of[starting] = -1  # their games ended: their copies may take another version
+            copy_of[starting] = -1  # their games ended: their copies may take another version
             for board in starting:
-                self.copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
-        for held in np.unique(self.copy_of[self.copy_of >= 0]):
-            cols = c[self.copy_of == held]
-            action, info = self.copies[held][0](slot.observation[cols], env_index[cols], slot.first[cols],
-                                                slot.reward[cols], env_steps, envs_total)
-            slot.action[cols] = action
-            slot.agent_info[cols] = info
+                copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
+        for held in np.unique(copy_of[copy_of >= 0]):
+            held_cols = c[copy_of == held]
+            action, info = self.copies[held][0](slot.observation[held_cols], env_index[held_cols],
+                                                slot.first[held_cols], slot.reward[held_cols], env_steps, envs_total)
+            slot.action[held_cols] = action
+            slot.agent_info[held_cols] = info
 
     def _copy_for(self, version: int) -> int:
         """The copy that holds ``version``, loading it where none does; where it cannot be loaded
@@ -109,3 +114,34 @@ class Opponent:
             self.loaded[free[0]] = version
             return free[0]
         return int(self.rng.choice(sorted(busy))) if busy else -1
+
+
+class ServedWithOpponent:
+    """ActionSource of a server-inference sampler that plays against the pool: the action-server
+    answers every column with the current policy, as it does without a pool (it holds no past
+    version and its wire knows no seats); once a group's actions are in its slot, the opponent
+    seat overwrites its columns' (``Opponent.act``), as ``LocalActions`` does after its own
+    forward pass. With two env groups one group's opponent acts while the other's request is
+    at the action-server."""
+
+    def __init__(self, served, opponent: Opponent, sampler, steps, envs_total: int):
+        """``served``: the action-server's ActionSource (``transport.RemoteActions``); ``steps``:
+        the run's env steps (``shared.transport.params.AnnouncedSteps``: ``poll``, ``env_steps``,
+        ``close``), which a Q agent's exploration follows."""
+        self.served, self.opponent, self.steps, self.envs_total = served, opponent, steps, envs_total
+        self.slots, self.groups = sampler.slots, sampler.groups
+        self.env_index = [np.arange(g.start, g.stop) + sampler.env_base for g in sampler.groups]
+
+    def request(self, group: int) -> None:
+        self.served.request(group)
+
+    def wait(self, group: int) -> int:
+        version = self.served.wait(group)
+        self.steps.poll()
+        self.opponent.act(self.slots[group], self.groups[group], self.env_index[group], self.steps.env_steps,
+                          self.envs_total)
+        return version
+
+    def close(self) -> None:
+        self.steps.close()
+        self.served.close()

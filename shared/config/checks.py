@@ -221,7 +221,7 @@ def _check_placement(exp: Experiment) -> None:
 
 def _check_selfplay(exp: Experiment) -> None:
     """A pool of past versions needs a two-player zero-sum game (``not_zero_sum_game``: the rule)
-    and samplers that act themselves (the opponent's version is loaded in the sampler)."""
+    and a feed-forward agent (the opponent's copies keep no recurrent state)."""
     sp = exp.selfplay
     if not sp.on:
         return
@@ -230,9 +230,6 @@ def _check_selfplay(exp: Experiment) -> None:
     for name, value in (("selfplay.size", sp.size), ("selfplay.snapshot_every", sp.snapshot_every)):
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")
-    if exp.sampler.inference == "server":
-        raise ConfigError("sampler.inference = 'server': the self-play pool's opponent acts in the samplers; set "
-                          "sampler.inference = 'local' (or 'auto') with selfplay.pool")
     if exp.model.lstm_size:
         raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: the self-play pool's opponent keeps no "
                           "recurrent state; use a feed-forward agent with selfplay.pool")
@@ -282,9 +279,6 @@ def resolve_inference(exp: Experiment) -> tuple[Experiment, str]:
     chosen = exp.sampler.inference
     if chosen != "auto":
         return exp, f"inference {chosen}"
-    if exp.selfplay.on:  # the pool's opponent acts in the samplers
-        return dataclasses.replace(exp, sampler=dataclasses.replace(exp.sampler, inference="local")), \
-            "inference local (auto: the self-play pool's opponent acts in the samplers)"
     cuda = exp.run.device.startswith("cuda") or (exp.run.device == "auto" and Path("/proc/driver/nvidia/version").exists())
     chosen = "server" if cuda else "local"
     why = "a CUDA device is present" if cuda else "no CUDA device"

@@ -229,6 +229,27 @@ class ParamAnnouncements(_ThroughReader):
         self.sub.close()
 
 
+class AnnouncedSteps:
+    """The run's env steps as the learner announces them with each version (``params`` on ``sub``,
+    a SUB endpoint subscribed to that type), no version loaded: for a sampler whose action-server
+    acts for the current policy while its self-play opponent, acting in the sampler, explores by
+    the run's steps (a Q agent's epsilon). 0 until the first announcement comes."""
+
+    def __init__(self, sub):
+        self.sub = sub
+        self.env_steps = 0
+
+    def poll(self) -> bool:
+        """Take the steps of the newest announcement since the last poll, without blocking; True if one came."""
+        steps = [msg.body["env_steps"] for _, msg in self.sub.drain() if msg.type == "params"]
+        if steps:
+            self.env_steps = steps[-1]  # a restarted learner counts on from its checkpoint: the last one sent wins
+        return bool(steps)
+
+    def close(self) -> None:
+        self.sub.close()
+
+
 class ParamFollower(_ThroughReader):
     """Follows the newest version in a learner's parameter segment by name, without messages.
 
