@@ -22,7 +22,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from shared.runtime.runfiles import WANDB_ID, WANDB_STEP
 from shared.runtime.runfiles import RUN_CONFIG, TB_DIR
-from tests.pipeline import Run, rlpipe_here
+from tests.pipeline import Run, rlpipe_here, wait_for
 
 BLOCK = 32 * 1024
 """A .wandb file is a LevelDB-format log (wandb-core's store): 32 KiB blocks of records, each with
@@ -57,11 +57,22 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+def finished_records(path: Path) -> list:
+    """The records of a finished run's .wandb file once its exit record is there: W&B's
+    ``finish`` returns before wandb-core has written the last rows (0.31: a run's history was
+    empty right after it in about 1 read of 3 here, whole a second later)."""
+    def whole():
+        records = wandb_records(path)
+        return records if records and records[-1].WhichOneof("record_type") == "exit" else None
+
+    return wait_for(whole, 60, f"the exit record of {path}")
+
+
 def read_offline_run(wandb_dir: Path) -> dict:
-    """What one offline W&B run holds: its run record, the config and the history rows."""
+    """What one finished offline W&B run holds: its run record, the config and the history rows."""
     (path,) = wandb_dir.glob("run-*.wandb")
     run, config, history = None, {}, []
-    for r in wandb_records(path):
+    for r in finished_records(path):
         kind = r.WhichOneof("record_type")
         if kind == "run":
             run = r.run
