@@ -193,17 +193,25 @@ def test_sigterm_to_a_grid_stops_its_live_run_with_a_checkpoint_for_resume(tmp_p
     proc = subprocess.Popen(**rlpipe_command(
         "grid", str(CONFIGS / "cartpole_ppo.toml"), "--parallel", "1", "--set", f"run.runs_dir='{tmp_path}'",
         "--set", "run.log_interval_s=0.2", "--set", "run.target_return=1e9", "--set", "run.max_env_steps=100000000",
-        "--set", "learner.checkpoint_interval_s=1"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run_dir = None
+        "--set", "learner.checkpoint_interval_s=1"), stdout=(tmp_path / "grid.out").open("w"), stderr=subprocess.STDOUT)
+
+    def started():
+        assert proc.poll() is None, (tmp_path / "grid.out").read_text()  # the grid ended before its run did
+        return next((d for d in tmp_path.glob("grid_*/*seed_0_*") if rundirs.read_progress(d)), None)
+
+    def logs():  # why a run that started wrote no row (it once did not within 300 s of a whole suite)
+        return "\n".join(f"{f}:\n{f.read_text()[-1500:]}" for f in [tmp_path / "grid.out", *tmp_path.glob("grid_*/*/logs/*")])
+
     try:
-        run_dir = wait_for(lambda: next((d for d in tmp_path.glob("grid_*/*seed_0_*") if rundirs.read_progress(d)),
-                                        None), 300, "the run's first progress row")
+        wait_for(started, 300, "the run's first progress row", logs)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
     finally:
         proc.kill()
-        if run_dir is not None:
+        for run_dir in tmp_path.glob("grid_*/*seed_0_*"):
             supervisor.clean(run_dir)
+    out = (tmp_path / "grid.out").read_text()
+    (run_dir,) = tmp_path.glob("grid_*/*seed_0_*")
     assert proc.returncode == 1 and "interrupted: stopping the live runs" in out, out
     assert rundirs.read_result(run_dir) is None and (run_dir / "checkpoints" / "latest.pt").exists()
     assert not supervisor.running(run_dir) and not list(Path("/dev/shm").glob(f"rlpipe-{run_dir.name}-*"))
