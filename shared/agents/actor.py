@@ -28,6 +28,8 @@ def acting_plan(agent) -> dict | None:
     (on the CPU, that is: the plan says nothing of the device ``agent`` is on)."""
     if getattr(agent, "core", None) is not None or getattr(agent, "tau_embedding", None) is not None:
         return None  # recurrent, or IQN's sampled fractions (shared.agents.acting's docstring)
+    if getattr(agent, "members", None) is not None:
+        return None  # agent groups (shared.agents.groups): the plan format has one network set
     fields = {id(t): field_name(k) for k, t in agent.state_dict(keep_vars=True).items()}
 
     def layers(mlp: MLP) -> list | None:

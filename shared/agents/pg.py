@@ -20,10 +20,11 @@ from torch.distributions import Normal
 from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.masking import legal, mask_path, masked
+from shared.agents.groups import group_count, routed
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import is_nat, leading_len, map_leaves
-from shared.envs.pettingzoo_backend import STATE_KEY
+from shared.envs.pettingzoo_backend import GROUP_KEY, STATE_KEY
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
@@ -52,6 +53,12 @@ class PgAgent(nn.Module):
     ``masking.MASKED_LOGIT`` in ``step``, ``evaluate`` and export: never sampled, no share of
     the log-probabilities or the entropy.
 
+    Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
+    feed-forward ``PgAgent`` a group built as this one would be without groups, and each row's
+    policy output and value are its group's member's (``shared.agents.groups``); this agent then
+    has no networks of its own. Discrete and MultiDiscrete actions only (a Box policy's log-std
+    would be one parameter for all groups).
+
     Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
     policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each
     env's state and returns it in ``RecurrentAgentInfo``, and the learner's calls
@@ -65,7 +72,10 @@ class PgAgent(nn.Module):
         cfg: ModelConfig = ModelConfig(),
         agent_cfg: PgAgentConfig = PgAgentConfig(),
         obs_space: gym.Space | None = None,
+        groups: int | None = None,
     ) -> None:
+        """``groups``: the agent groups to build members for, None for the observation space's
+        (``groups.group_count``), 0 for none."""
         super().__init__()
         self.action_space = action_space
         if isinstance(action_space, gym.spaces.Discrete):
@@ -99,7 +109,18 @@ class PgAgent(nn.Module):
             raise ValueError(f"agent.shared_encoder = true: the policy must not read the observation's "
                              f"{STATE_KEY!r} (env.global_state), so the value needs its own encoder; set it false")
         self.twin = None
-        if not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and \
+        self.members = None
+        """One member agent a group (``env.groups``), or None."""
+        groups = group_count(obs_space) if groups is None else groups
+        if groups:
+            if self.kind == "box" or cfg.lstm_size:
+                raise ValueError(f"env.groups: a {'recurrent agent' if cfg.lstm_size else 'Box action space'} is "
+                                 "not supported with agent groups yet; groups need a feed-forward agent with "
+                                 "Discrete or MultiDiscrete actions")
+            self.members = nn.ModuleList(PgAgent(obs_example, action_space, cfg, agent_cfg, obs_space, groups=0)
+                                         for _ in range(groups))
+            self.pi_encoder = self.v_encoder = self.core = self.v_core = self.pi_head = self.v_head = None
+        elif not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and \
                 not cfg.layer_norm and not self.value_only:
             # Two MLPs on the flattened observation, policy and value, run as one EnsembleMLP:
             # half the kernel launches of a gradient step, which is what small networks on a
@@ -130,10 +151,16 @@ class PgAgent(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        if self.members is not None:
+            return self.members[0].device
         return (self.v_head if self.twin is None else self.twin).device
 
     def _forward(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""
+        if self.members is not None:
+            outs = [member._forward(obs) for member in self.members]
+            group = getattr(obs, GROUP_KEY)
+            return routed([out for out, _ in outs], group), routed([value for _, value in outs], group)
         if self.twin is not None:
             x = self.pi_encoder(obs)
             out = self.twin(x.expand(2, *x.shape))
@@ -145,6 +172,8 @@ class PgAgent(nn.Module):
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
         obs = obs_to(obs, self.device, self.obs_norm)
+        if self.members is not None:
+            return routed([member.value(obs) for member in self.members], getattr(obs, GROUP_KEY))
         if self.twin is not None:  # the value member alone: a segment batch's values skip the policy's work
             return self.twin.member(1, self.pi_encoder(obs))[..., 0]
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)

@@ -108,6 +108,8 @@ class GreedyPolicy(nn.Module):
                               "a function of the observation alone, so it cannot be exported")
         if not isinstance(agent, (PgAgent, QAgent, QpgAgent)):
             raise ExportError(f"{type(agent).__name__}: export knows PgAgent, QAgent and the DDPG/TD3/SAC agents")
+        if getattr(agent, "members", None) is not None:
+            raise ExportError("an agent with a network set per agent group (env.groups) is not exported yet")
         self.agent = agent
         core = getattr(agent, "core", None)
         self.policy_only = bool(getattr(agent, "value_only", ()))
