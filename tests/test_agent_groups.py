@@ -2,7 +2,8 @@
 its agent's group index as the ``agent_group`` leaf (agents of different observation lengths
 zero-padded to one column), each group's networks act and learn from their own rows only, a
 setting that cannot work is one config-error line, two groups that must act differently learn to
-in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains through the pipeline."""
+in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains through the pipeline; an export takes the
+group as an input and plays the agent's actions."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ from shared.data.namedarraytuple import torchify
 from shared.envs.backends import make_env_group
 from shared.envs.group import EnvConfig
 from shared.launch import api
-from shared.launch.artefacts.export import ExportError, GreedyPolicy
 from tests.pipeline import CONFIGS
 from tests.test_envs import Buffers
+from tests.test_export import checkpointed_run, config, loaded, runners
 
 torch.set_num_threads(1)
 
@@ -181,8 +182,47 @@ def test_two_groups_that_must_act_differently_learn_to_in_serial_mode(tmp_path):
     group.close()
     action, _ = agent.step(torchify(buf.obs), EVALUATE)
     assert action.tolist() == [0, 0, 1]
-    with pytest.raises(ExportError, match="env.groups"):
-        GreedyPolicy(agent, group.example_observation())
+
+
+EXPORTS = {
+    "ppo": config("simple_adversary_groups_ppo.toml"),
+    "ppo_global_state": config("simple_adversary_groups_ppo.toml", env={"global_state": True}),
+    "dqn": config("cartpole_dqn.toml", env={"id": ADVERSARY.id, "kwargs": '{"continuous_actions": false}',
+                                            "groups": ADVERSARY.groups}, sampler={"envs": 6}, agent={"eps_eval": 0.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_an_export_routes_each_row_by_its_agent_group_input_as_the_agent_does(tmp_path, name):
+    """The export (every format) of an agent with groups moved off its initialisation plays the
+    agent's greedy actions (and values, Q-values) on 300 simple_adversary columns; with a
+    centralised value the graph is the policy alone, without the state."""
+    run_dir = checkpointed_run(tmp_path / "run", EXPORTS[name])
+    exp, agent = loaded(run_dir)
+    group = make_env_group(exp.env, 6, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(50):
+        steps.append({k: np.array(getattr(buf.obs, k)) for k in buf.obs._fields})
+        buf.actions[:] = rng.integers(0, 5, 6)
+        buf.step(group)
+    group.close()
+    batch = {k: np.concatenate([step[k] for step in steps]) for k in steps[0]}
+    with torch.inference_mode():
+        tree = torchify(type(buf.obs)(**batch))
+        action, info = agent.step(tree, EVALUATE)
+        head = agent.q_values(tree) if name == "dqn" else None if name == "ppo_global_state" else info.value
+    inputs = [k for k in batch if k != "global_state"]
+    assert inputs == ["agent_group", "observation"] and len(np.unique(action.numpy())) > 1
+    for fmt, run in runners(run_dir, tmp_path / "out").items():
+        got = run([batch[k] for k in inputs])
+        np.testing.assert_array_equal(got[0], action.numpy(), err_msg=fmt)
+        if head is None:
+            assert len(got) == 1, fmt
+        else:
+            np.testing.assert_allclose(got[1], head.numpy(), rtol=1e-4, atol=1e-4, err_msg=fmt)
 
 
 @pytest.mark.parametrize("config", ["cartpole_dqn.toml", "cartpole_rainbow.toml"])

@@ -169,6 +169,16 @@ class PgAgent(nn.Module):
         v_features = pi_features if self.v_encoder is None else self.v_encoder(obs)
         return self.pi_head(pi_features), self.v_head(v_features).squeeze(-1)
 
+    def policy_output(self, obs) -> torch.Tensor:
+        """Feed-forward: the policy's output alone (``_forward``'s first) for obs tree [N, ...] on the
+        device and normalised, without the value's work: what an export of an agent with a
+        centralised value computes, which has no global state to give it."""
+        if self.members is not None:
+            return routed([member.policy_output(obs) for member in self.members], getattr(obs, GROUP_KEY))
+        if self.twin is not None:
+            return self.twin.member(0, self.pi_encoder(obs))
+        return self.pi_head(self.pi_encoder(obs))
+
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
         obs = obs_to(obs, self.device, self.obs_norm)

@@ -108,8 +108,6 @@ class GreedyPolicy(nn.Module):
                               "a function of the observation alone, so it cannot be exported")
         if not isinstance(agent, (PgAgent, QAgent, QpgAgent)):
             raise ExportError(f"{type(agent).__name__}: export knows PgAgent, QAgent and the DDPG/TD3/SAC agents")
-        if getattr(agent, "members", None) is not None:
-            raise ExportError("an agent with a network set per agent group (env.groups) is not exported yet")
         self.agent = agent
         core = getattr(agent, "core", None)
         self.policy_only = bool(getattr(agent, "value_only", ()))
@@ -160,7 +158,7 @@ class GreedyPolicy(nn.Module):
     def _pg(self, agent: PgAgent, obs, memory: Memory | None) -> tuple[torch.Tensor, ...]:
         obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
         if self.policy_only:
-            out, value = agent.pi_head(agent.pi_encoder(obs)), None
+            out, value = agent.policy_output(obs), None
         elif memory is None:
             out, value = agent._forward(obs)
         else:
