@@ -8,6 +8,7 @@ group as an input and plays the agent's actions."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -139,18 +140,13 @@ def test_groups_that_cannot_work_are_one_config_error_line(overrides, line):
     assert str(e.value) == line
 
 
-def test_groups_for_agents_without_per_group_networks_or_with_a_pool_are_one_config_error_line():
+def test_groups_for_agents_without_per_group_networks_are_one_config_error_line():
     with pytest.raises(ConfigError) as e:
         loading.load(CONFIGS / "pendulum_sac.toml", [f"env.id='{ADVERSARY.id}'", "env.kwargs='{\"continuous_actions\": true}'",
                                                      "env.groups={ a = 'adversary_*', g = 'agent_*' }",
                                                      "sampler.envs=3"])
     assert str(e.value) == ("env.groups: sac's agent has no networks per agent group; groups are for policy-gradient "
                             "(ppo, a2c, impala) and DQN-family algorithms")
-    with pytest.raises(ConfigError) as e:
-        loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ first = 'player_1', second = 'player_2' }",
-                                                      "selfplay.pool='latest'"])
-    assert str(e.value) == ("selfplay.pool = 'latest': the self-play pool is not supported with env.groups yet; "
-                            "leave one of them out")
     # What only the built agent knows (the action space) is refused before anything starts as well.
     exp = loading.load(CONFIG, ["env.kwargs='{\"continuous_actions\": true}'"])
     with pytest.raises(ConfigError) as e:
@@ -231,6 +227,19 @@ def test_dqn_family_agents_with_groups_train_in_serial_mode(tmp_path, config):
                                           "run.max_env_steps=2000"])
     result = api.train_serial(exp, out=io.StringIO())
     assert result["reason"] == "budget" and result["updates"] > 0 and result["skipped_updates"] == 0, result
+
+
+def test_a_policy_per_seat_plays_against_a_pool_of_its_past_versions_in_serial_mode(tmp_path):
+    """Tic-tac-toe with a group a seat against a pool: the past versions' files load into the
+    opponent's copies (each holding both seats' networks) and their games are scored."""
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ first = 'player_1', second = 'player_2' }",
+                                                        "selfplay.pool='uniform'", "selfplay.snapshot_every=2",
+                                                        "run.max_env_steps=4000", f"run.runs_dir='{tmp_path}'"])
+    result = api.train_serial(exp, out=io.StringIO())
+    assert result["reason"] == "budget" and result["skipped_updates"] == 0, result
+    scores = json.loads((Path(result["run_dir"]) / "pool" / "scores.json").read_text())["versions"]
+    played = [v for v, s in scores.items() if s["win"] + s["draw"] + s["loss"] > 0]
+    assert len(played) >= 2, scores
 
 
 def test_the_shipped_groups_config_trains_through_the_pipeline(runs):

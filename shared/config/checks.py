@@ -171,9 +171,10 @@ def _check_global_state(exp: Experiment) -> None:
 
 def _check_groups(exp: Experiment) -> None:
     """``env.groups`` gives each group its own networks inside one agent (``shared.agents.groups``):
-    feed-forward PPO, A2C, IMPALA and DQN-family agents with built-in encoders. The env's own
-    checks (``validate_env_config``) refuse a pattern that matches no agent, an agent in no group
-    or in two, and a single-agent env; the agent refuses Box actions and IQN when it is built."""
+    feed-forward PPO, A2C, IMPALA and DQN-family agents with built-in encoders (the self-play
+    pool's copies are such agents too). The env's own checks (``validate_env_config``) refuse a
+    pattern that matches no agent, an agent in no group or in two, and a single-agent env; the
+    agent refuses Box actions and IQN when it is built."""
     if not exp.env.groups:
         return
     spec = exp.algo_spec
@@ -186,9 +187,6 @@ def _check_groups(exp: Experiment) -> None:
     if is_reference(exp.model.encoder):
         raise ConfigError(f"model.encoder = {exp.model.encoder!r}: with env.groups no network may read the "
                           "agent_group leaf, which only the built-in encoders leave out")
-    if exp.selfplay.on:
-        raise ConfigError(f"selfplay.pool = {exp.selfplay.pool!r}: the self-play pool is not supported with "
-                          "env.groups yet; leave one of them out")
 
 
 def _check_watchdog(exp: Experiment) -> None:
