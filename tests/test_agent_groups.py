@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -73,27 +74,39 @@ def test_each_column_carries_its_agents_group_and_its_observation_padded_to_the_
     group.close()
 
 
-def _agents(group):
-    example, space = group.example_observation(), group.observation_space
-    return [PgAgent(example, group.action_space, obs_space=space),
-            QAgent(example, group.action_space, obs_space=space),
-            QAgent(example, group.action_space, cfg=QAgentConfig(distributional=True, dueling=True), obs_space=space)]
+AGENTS = {
+    "pg": lambda example, act, space: PgAgent(example, act, obs_space=space),
+    "pg_box": lambda example, act, space: PgAgent(example, act, obs_space=space),
+    "dqn": lambda example, act, space: QAgent(example, act, obs_space=space),
+    "c51_dueling": lambda example, act, space: QAgent(example, act, cfg=QAgentConfig(distributional=True, dueling=True),
+                                                      obs_space=space),
+}
 
 
-@pytest.mark.parametrize("which", range(3), ids=["pg", "dqn", "c51_dueling"])
+@pytest.mark.parametrize("which", list(AGENTS))
 def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_group(which):
-    group = make_env_group(ADVERSARY, 6, 0)
+    """pg_box: simple_adversary's continuous actions, whose log-std is each group's own too."""
+    box = which == "pg_box"
+    group = make_env_group(replace(ADVERSARY, kwargs='{"continuous_actions": true}') if box else ADVERSARY, 6, 0)
     buf = Buffers(group)
     group.reset(buf.obs)
     group.close()
-    agent = _agents(group)[which]
+    agent = AGENTS[which](group.example_observation(), group.action_space, group.observation_space)
     assert len(agent.members) == 2 and acting_plan(agent) is None  # acts in torch
     obs = torchify(buf.obs)
     rows = torch.as_tensor(buf.obs.agent_group)
+    if box:
+        with torch.no_grad():
+            agent.members[1].log_std.fill_(-1.0)
+        action, info = agent.step(obs)
+        log_prob, entropy, _ = agent.evaluate(obs, action)
+        torch.testing.assert_close(log_prob, info.log_prob)
+        assert entropy[rows == 1].max() < entropy[rows == 0].min()  # each row's own group's log-std
     for k in range(2):
         agent.zero_grad()
         if isinstance(agent, PgAgent):
-            log_prob, entropy, value = agent.evaluate(obs, torch.zeros(6, dtype=torch.int64))
+            action = torch.full((6, 5), 0.5) if box else torch.zeros(6, dtype=torch.int64)
+            log_prob, entropy, value = agent.evaluate(obs, action)
             out = log_prob + entropy + value
         else:
             out = agent.q_values(obs).sum(-1)
@@ -147,12 +160,11 @@ def test_groups_for_agents_without_per_group_networks_are_one_config_error_line(
                                                      "sampler.envs=3"])
     assert str(e.value) == ("env.groups: sac's agent has no networks per agent group; groups are for policy-gradient "
                             "(ppo, a2c, impala) and DQN-family algorithms")
-    # What only the built agent knows (the action space) is refused before anything starts as well.
-    exp = loading.load(CONFIG, ["env.kwargs='{\"continuous_actions\": true}'"])
+    # What only the built agent knows (its head) is refused before anything starts as well.
+    exp = loading.load(CONFIGS / "cartpole_iqn.toml", [*TWO_KINDS, "sampler.envs=6"])
     with pytest.raises(ConfigError) as e:
         check_buildable(exp)
-    assert "env.groups: a Box action space is not supported with agent groups yet" in str(e.value)
-    assert "\n" not in str(e.value)
+    assert "env.groups: IQN is not supported with agent groups yet" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.learning
@@ -221,10 +233,19 @@ def test_an_export_routes_each_row_by_its_agent_group_input_as_the_agent_does(tm
             np.testing.assert_allclose(got[1], head.numpy(), rtol=1e-4, atol=1e-4, err_msg=fmt)
 
 
-@pytest.mark.parametrize("config", ["cartpole_dqn.toml", "cartpole_rainbow.toml"])
-def test_dqn_family_agents_with_groups_train_in_serial_mode(tmp_path, config):
-    exp = loading.load(CONFIGS / config, [*TWO_KINDS, "sampler.envs=6", f"run.runs_dir='{tmp_path}'",
-                                          "run.max_env_steps=2000"])
+SERIAL = {
+    "dqn": ("cartpole_dqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
+    "rainbow": ("cartpole_rainbow.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
+    "ppo_box": ("simple_adversary_groups_ppo.toml", ["env.kwargs='{\"continuous_actions\": true}'", "sampler.envs=6",
+                                                     "run.max_env_steps=1200", "algo.epochs=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(SERIAL))
+def test_other_agents_with_groups_train_in_serial_mode(tmp_path, name):
+    """The DQN family's agents, and PPO on continuous actions (a log-std a group)."""
+    config, overrides = SERIAL[name]
+    exp = loading.load(CONFIGS / config, [*overrides, f"run.runs_dir='{tmp_path}'"])
     result = api.train_serial(exp, out=io.StringIO())
     assert result["reason"] == "budget" and result["updates"] > 0 and result["skipped_updates"] == 0, result
 

@@ -56,8 +56,7 @@ class PgAgent(nn.Module):
     Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
     feed-forward ``PgAgent`` a group built as this one would be without groups, and each row's
     policy output and value are its group's member's (``shared.agents.groups``); this agent then
-    has no networks of its own. Discrete and MultiDiscrete actions only (a Box policy's log-std
-    would be one parameter for all groups).
+    has no networks of its own; a Box policy's log-std is each row's group's too (``_log_std``).
 
     Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
     policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each
@@ -113,10 +112,9 @@ class PgAgent(nn.Module):
         """One member agent a group (``env.groups``), or None."""
         groups = group_count(obs_space) if groups is None else groups
         if groups:
-            if self.kind == "box" or cfg.lstm_size:
-                raise ValueError(f"env.groups: a {'recurrent agent' if cfg.lstm_size else 'Box action space'} is "
-                                 "not supported with agent groups yet; groups need a feed-forward agent with "
-                                 "Discrete or MultiDiscrete actions")
+            if cfg.lstm_size:
+                raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
+                                 "a feed-forward agent")
             self.members = nn.ModuleList(PgAgent(obs_example, action_space, cfg, agent_cfg, obs_space, groups=0)
                                          for _ in range(groups))
             self.pi_encoder = self.v_encoder = self.core = self.v_core = self.pi_head = self.v_head = None
@@ -146,7 +144,7 @@ class PgAgent(nn.Module):
                 self.acting = ActingMemory(len(self._cores()), cfg.lstm_size, torch.as_tensor(example))
             self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
             self.v_head = MLP(v_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
-        if self.kind == "box":
+        if self.kind == "box" and self.members is None:
             self.log_std = nn.Parameter(torch.full((n_out,), float(agent_cfg.init_log_std)))
 
     @property
@@ -208,7 +206,7 @@ class PgAgent(nn.Module):
             out, value = self.pi_head(states[0][0][0]), self.v_head(states[-1][0][0]).squeeze(-1)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
-            log_std = self.log_std.reshape(self.action_shape)
+            log_std = self._log_std(obs)
             noise = torch.zeros_like(mean) if greedy else torch.randn_like(mean)
             action = mean + noise * log_std.exp()
             log_prob = (-0.5 * noise.square() - log_std - HALF_LOG_2PI).flatten(1).sum(-1)
@@ -251,16 +249,27 @@ class PgAgent(nn.Module):
             out, value = self.pi_head(h[0]), self.v_head(h[-1]).squeeze(-1)
             out, value, action = out.flatten(0, 1), value.flatten(0, 1), action.flatten(0, 1)
             ok = None if ok is None else ok.flatten(0, 1)
-        log_prob, entropy = self._log_prob_entropy(masked(out, ok), action)
+        log_prob, entropy = self._log_prob_entropy(masked(out, ok), action,
+                                                   self._log_std(obs) if self.kind == "box" else None)
         if self.core is not None:
             log_prob, entropy, value = log_prob.reshape(lead), entropy.reshape(lead), value.reshape(lead)
         return log_prob, entropy, value
 
-    def _log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_std(self, obs) -> torch.Tensor:
+        """A Box policy's log-std: [*action_shape], or with groups each row's group's, [N, *action_shape]
+        for obs tree [N, ...]."""
+        if self.members is None:
+            return self.log_std.reshape(self.action_shape)
+        group = getattr(obs, GROUP_KEY)
+        return routed([member.log_std.expand(len(group), -1) for member in self.members], group
+                      ).reshape(-1, *self.action_shape)
+
+    def _log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor, log_std: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """log pi(action) [N] and entropy [N] of the policy output ``out`` [N, ...]."""
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
-            dist = Normal(mean, self.log_std.exp().reshape(self.action_shape))
+            dist = Normal(mean, log_std.exp())
             log_prob = dist.log_prob(action).flatten(1).sum(-1)
             entropy = dist.entropy().flatten(1).sum(-1)
         else:
