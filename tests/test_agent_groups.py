@@ -1,8 +1,8 @@
 """Separate policies per agent group (``env.groups``, shared/agents/groups.py): each column carries
 its agent's group index as the ``agent_group`` leaf (agents of different observation lengths
 zero-padded to one column), each group's networks act and learn from their own rows only, a
-setting that cannot work is one config-error line, two groups that must act differently learn to
-in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains through the pipeline; an export takes the
+setting that cannot work is one config-error line, the numpy acting plan acts as the torch agent,
+two groups that must act differently learn to in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains through the pipeline; an export takes the
 group as an input and plays the agent's actions."""
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ pytest.importorskip("mpe2")
 
 from services.build import check_buildable
 from shared.agents import EVALUATE
-from shared.agents.actor import acting_plan
+from shared.agents.acting import numpy_actor
+from shared.agents.actor import acting_plan, state_arrays
 from shared.agents.config import QAgentConfig
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
@@ -31,6 +32,7 @@ from shared.data.namedarraytuple import torchify
 from shared.envs.backends import make_env_group
 from shared.envs.group import EnvConfig
 from shared.launch import api
+from shared.runtime.runfiles import ACTING_FILE
 from tests.pipeline import CONFIGS
 from tests.test_envs import Buffers
 from tests.test_export import checkpointed_run, config, loaded, runners
@@ -92,9 +94,17 @@ def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_grou
     group.reset(buf.obs)
     group.close()
     agent = AGENTS[which](group.example_observation(), group.action_space, group.observation_space)
-    assert len(agent.members) == 2 and acting_plan(agent) is None  # acts in torch
+    assert len(agent.members) == 2
     obs = torchify(buf.obs)
     rows = torch.as_tensor(buf.obs.agent_group)
+    # The numpy acting plan (local-inference samplers) acts as the torch agent, row by row.
+    fast = numpy_actor(acting_plan(agent), state_arrays(agent), getattr(agent, "cfg", None), np.random.default_rng(0))
+    with torch.no_grad():
+        action, info = agent.step(obs, EVALUATE)
+    got_action, got_info = fast.step(buf.obs, EVALUATE)
+    np.testing.assert_allclose(got_action, action.numpy(), atol=1e-5)
+    for got, want in zip(got_info, info):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
     if box:
         with torch.no_grad():
             agent.members[1].log_std.fill_(-1.0)
@@ -263,9 +273,12 @@ def test_a_policy_per_seat_plays_against_a_pool_of_its_past_versions_in_serial_m
     assert len(played) >= 2, scores
 
 
-def test_the_shipped_groups_config_trains_through_the_pipeline(runs):
-    """Server inference: the action-server routes the columns of a step slot by their group leaf."""
+@pytest.mark.parametrize("inference", ["local", "server"])
+def test_the_shipped_groups_config_trains_through_the_pipeline(runs, inference):
+    """Local inference: the sampler acts in numpy from the learner's plan of plans; server
+    inference: the action-server routes the columns of a step slot by their group leaf."""
     run = runs("simple_adversary_groups_ppo.toml", "run.max_env_steps=3000", "sampler.envs=6", "algo.epochs=2",
-               "sampler.inference='server'")
+               f"sampler.inference='{inference}'")
     result = run.wait_result(120)
     assert result["reason"] == "budget" and result["updates"] >= 10 and np.isfinite(result["mean_return"]), result
+    assert json.loads((run.dir / ACTING_FILE).read_text())["plan"]["family"] == "groups"  # numpy where local
