@@ -7,8 +7,9 @@ episode, ``EnvError``), so that the sampler, replay and every algorithm take its
 (every live agent acts each step: MPE, butterfly, sisl), else its ``env()`` through the AEC API
 (one agent acts a step: the classic board games). ``env.kwargs`` go to that constructor. All
 agents must share one observation space and one action space (one shared policy acts for all of
-them), but for ``env.groups`` (below); ``possible_agents`` order gives the columns: env k of a group owns columns
-``k * N .. k * N + N - 1`` (N agents), so ``sampler.envs`` counts columns and is a multiple of N.
+them; ``env.groups``, below, relaxes the first); ``possible_agents`` order gives the columns: env k
+of a group owns columns ``k * N .. k * N + N - 1`` (N agents), so ``sampler.envs`` counts columns
+and is a multiple of N.
 ``env.agent_id`` adds the one-hot of the agent's index as the observation's ``agent_id`` leaf (a
 Box observation becomes ``{"observation", "agent_id"}``). ``env.global_state`` adds the env's
 ``state()`` (shaped by its ``state_space``, a Box) as the ``global_state`` leaf, the same for
@@ -139,10 +140,8 @@ def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Spac
     obs_space, act_space = raw.observation_space(agents[0]), raw.action_space(agents[0])
     own = [raw.observation_space(a) for a in agents]
     for a, space in zip(agents[1:], own[1:]):
-        if groups is not None and raw.action_space(a) == act_space and \
-                (space == obs_space or _flat_box(space) and _flat_box(obs_space)):
-            continue
-        if space != obs_space or raw.action_space(a) != act_space:
+        fits = space == obs_space or groups is not None and _flat_box(space) and _flat_box(obs_space)
+        if not fits or raw.action_space(a) != act_space:
             raise ValueError(f"env.id = {cfg.id!r}: agent {a!r} has other observation or action spaces than "
                              f"{agents[0]!r}; one shared policy needs the same for all agents" +
                              ("" if groups is None else " (with env.groups: one action space, and observations "
@@ -305,9 +304,9 @@ class PettingZooGroup(SplitStep):
         self._to_env_actions = action_converter(self.action_space, n_envs)
         self._one_hot = np.eye(N, dtype=np.float32)
         self._group_of = np.asarray(agent_groups(cfg, self.agents), np.int64) if cfg.groups else None
-        column = self.observation_space["observation"] if cfg.groups else None
-        self._pad_to = column.shape[0] if column is not None and \
-            any(first.observation_space(a) != column for a in self.agents) else 0
+        own = [first.observation_space(a) for a in self.agents]
+        # Agents' spaces differ only where _spaces allowed it: 1-D Boxes, padded to the column's.
+        self._pad_to = self.observation_space["observation"].shape[0] if any(s != own[0] for s in own) else 0
         """The column observation's length where agents' observations are zero-padded to it, else 0."""
         if self._masked:
             self._pass_mask = np.zeros(int(self.action_space.n), np.int8)
