@@ -191,9 +191,10 @@ def test_two_groups_that_must_act_differently_learn_to_in_serial_mode(tmp_path):
                                 "run.max_env_steps=4800", "algo.epochs=4", "algo.lr=3e-3"])
     assert api.train_serial(one, out=io.StringIO())["mean_return"] <= 16 / 3 + 1e-6  # the routing is what learns
 
-    from services.evaluator.episodes import load_agent
+    from services.evaluator.episodes import load_agent, play
 
     agent, _ = load_agent(exp, Path(result["run_dir"]))
+    assert (play(exp, agent, episodes=6, envs=6) == 8).all()  # rlpipe evaluate's greedy episodes: every point
     group = make_env_group(exp.env, 3, 0)
     buf = Buffers(group)
     group.reset(buf.obs)
