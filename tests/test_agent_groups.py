@@ -19,7 +19,6 @@ import torch
 pytest.importorskip("pettingzoo")
 pytest.importorskip("mpe2")
 
-from services.build import check_buildable
 from shared.agents import EVALUATE
 from shared.agents.acting import numpy_actor
 from shared.agents.actor import acting_plan, state_arrays
@@ -170,11 +169,6 @@ def test_groups_for_agents_without_per_group_networks_are_one_config_error_line(
                                                      "sampler.envs=3"])
     assert str(e.value) == ("env.groups: sac's agent has no networks per agent group; groups are for policy-gradient "
                             "(ppo, a2c, impala) and DQN-family algorithms")
-    # What only the built agent knows (its head) is refused before anything starts as well.
-    exp = loading.load(CONFIGS / "cartpole_iqn.toml", [*TWO_KINDS, "sampler.envs=6"])
-    with pytest.raises(ConfigError) as e:
-        check_buildable(exp)
-    assert "env.groups: IQN is not supported with agent groups yet" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.learning
@@ -247,6 +241,7 @@ def test_an_export_routes_each_row_by_its_agent_group_input_as_the_agent_does(tm
 SERIAL = {
     "dqn": ("cartpole_dqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
     "rainbow": ("cartpole_rainbow.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
+    "iqn": ("cartpole_iqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
     "ppo_box": ("simple_adversary_groups_ppo.toml", ["env.kwargs='{\"continuous_actions\": true}'", "sampler.envs=6",
                                                      "run.max_env_steps=1200", "algo.epochs=2"]),
 }
@@ -254,7 +249,8 @@ SERIAL = {
 
 @pytest.mark.parametrize("name", list(SERIAL))
 def test_other_agents_with_groups_train_in_serial_mode(tmp_path, name):
-    """The DQN family's agents, and PPO on continuous actions (a log-std a group)."""
+    """The DQN family's agents (IQN: one draw of fractions for all groups), and PPO on continuous
+    actions (a log-std a group)."""
     config, overrides = SERIAL[name]
     exp = loading.load(CONFIGS / config, [*overrides, f"run.runs_dir='{tmp_path}'"])
     result = api.train_serial(exp, out=io.StringIO())

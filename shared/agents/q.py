@@ -50,7 +50,8 @@ class QAgent(nn.Module):
     Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
     feed-forward ``QAgent`` a group built as this one would be without groups, and each row's
     head output is its group's member's (``shared.agents.groups``); this agent then has no
-    networks of its own (it keeps C51's ``support`` and QR-DQN's ``taus``). Not for IQN.
+    networks of its own (it keeps C51's ``support`` and QR-DQN's ``taus``; IQN's fractions are
+    drawn once for all members).
     """
 
     def __init__(
@@ -85,10 +86,9 @@ class QAgent(nn.Module):
         """One member agent a group (``env.groups``), or None."""
         groups = group_count(obs_space) if groups is None else groups
         if groups:
-            if model_cfg.lstm_size or implicit:
-                raise ValueError(f"env.groups: {'a recurrent agent' if model_cfg.lstm_size else 'IQN'} is not "
-                                 "supported with agent groups yet; groups need a feed-forward agent with a scalar, "
-                                 "C51 or QR-DQN head")
+            if model_cfg.lstm_size:
+                raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
+                                 "a feed-forward agent")
             self.members = nn.ModuleList(QAgent(obs_example, action_space, model_cfg, cfg, obs_space, quantiles,
                                                 groups=0) for _ in range(groups))
             self.encoder = self.core = self.advantage = self.value = self.tau_embedding = self.merged = None
@@ -179,6 +179,11 @@ class QAgent(nn.Module):
                 raise ValueError("QAgent.quantiles: a QR-DQN head has fixed fractions; pass taus = None")
             values = self._head(obs)
             return values, self.taus.expand(values.shape[0], -1)
+        if self.members is not None:  # one draw of fractions, which every member reads
+            obs = obs_to(obs, self.device, self.obs_norm)
+            if taus is None:
+                taus = torch.rand(leading_len(obs), head.acting_samples, device=self.device)
+            return routed([member.quantiles(obs, taus)[0] for member in self.members], getattr(obs, GROUP_KEY)), taus
         features = self.encoder(obs_to(obs, self.device, self.obs_norm))  # [N, F]
         if taus is None:
             taus = torch.rand(features.shape[0], head.acting_samples, device=features.device)

@@ -173,8 +173,7 @@ def _check_groups(exp: Experiment) -> None:
     """``env.groups`` gives each group its own networks inside one agent (``shared.agents.groups``):
     feed-forward PPO, A2C, IMPALA and DQN-family agents with built-in encoders (the self-play
     pool's copies are such agents too). The env's own checks (``validate_env_config``) refuse a
-    pattern that matches no agent, an agent in no group or in two, and a single-agent env; the
-    agent refuses IQN when it is built."""
+    pattern that matches no agent, an agent in no group or in two, and a single-agent env."""
     if not exp.env.groups:
         return
     spec = exp.algo_spec

@@ -103,7 +103,7 @@ class GreedyPolicy(nn.Module):
 
     def __init__(self, agent: nn.Module, obs_example) -> None:
         super().__init__()
-        if getattr(agent, "tau_embedding", None) is not None:
+        if getattr(getattr(agent, "quantile_head", None), "implicit", False):
             raise ExportError("IQN acts on quantile fractions it samples at each step: its greedy action is not "
                               "a function of the observation alone, so it cannot be exported")
         if not isinstance(agent, (PgAgent, QAgent, QpgAgent)):
