@@ -21,7 +21,10 @@ them or not (``shared.agents.masking``: the same masked picks as the torch agent
 other agent (recurrent, image or one-hot leaves, IQN, DDPG/TD3/SAC) has no plan and acts in torch. IQN's step is not a
 stack of linear layers on the observation: it draws K fractions per row, embeds them with
 cosines and multiplies them into the features, so its head runs on K rows per observation;
-the plan format does not describe that, and IQN acts in torch.
+the plan format does not describe that, and IQN acts in torch. An agent with groups
+(``env.groups``, ``shared.agents.groups``) has a plan of plans, one a group's member, and
+``NumpyGroupsActor`` runs each member on its group's rows alone (numpy pays per row, not per call
+as torch does, so the rows are split rather than every member run on all of them).
 
 Where the torch agent is at hand (action-server, serial mode) the arrays are views of its
 tensors, so versions loaded into the agent in place are the ones acted with. The learner
@@ -32,6 +35,7 @@ never importing torch. Exploration draws from the numpy generator the actor is g
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -200,9 +204,46 @@ class NumpyQActor(NumpyActor):
         return action.astype(np.int64), QAgentInfo(value=best.max(-1).astype(np.float32))
 
 
-def numpy_actor(plan: dict, arrays: Mapping[str, np.ndarray], agent_cfg, rng: np.random.Generator) -> NumpyActor:
+class NumpyGroupsActor:
+    """An agent with groups: ``step(obs, ctx) -> (action, info)`` with each row acted for by its
+    group's member actor (the observation's ``plan["group"]`` leaf, the group's index)."""
+
+    def __init__(self, plan: dict, arrays: Mapping[str, np.ndarray], agent_cfg, rng: np.random.Generator) -> None:
+        self.group = plan["group"]
+        self.members = [numpy_actor(member, arrays, agent_cfg, rng) for member in plan["members"]]
+
+    __call__ = NumpyActor.__call__
+
+    def step(self, obs, ctx: StepContext):
+        group = np.asarray(getattr(obs, self.group))
+        n = len(group)
+        index, total = ctx.rows(n)
+        action = info = None
+        for k, member in enumerate(self.members):
+            rows = np.flatnonzero(group == k)
+            if not rows.size:
+                continue
+            mine = dataclasses.replace(ctx, env_index=index[rows], envs_total=total,
+                                       first=None if ctx.first is None else ctx.first[rows],
+                                       reward=None if ctx.reward is None else ctx.reward[rows])
+            a, i = member.step(obs[rows], mine)
+            if action is None:
+                action = np.zeros((n, *a.shape[1:]), a.dtype)
+                info = type(i)(*(np.zeros((n, *x.shape[1:]), x.dtype) for x in i))
+            action[rows] = a
+            info[rows] = i
+        return action, info
+
+
+def numpy_actor(plan: dict, arrays: Mapping[str, np.ndarray], agent_cfg, rng: np.random.Generator
+                ) -> NumpyActor | NumpyGroupsActor:
     """The actor a plan describes, on ``arrays`` (field -> array); ``agent_cfg``: the run's
     agent config (a Q agent's exploration schedule)."""
+    if plan.get("family") == "groups":
+        if not isinstance(plan.get("group"), str) or not plan.get("members"):
+            raise ValueError(f"acting plan: malformed (a groups plan needs a group path and member plans): "
+                             f"{str(plan)[:200]}")
+        return NumpyGroupsActor(plan, arrays, agent_cfg, rng)
     check_plan(plan, arrays)
     if plan["family"] == "pg":
         return NumpyPgActor(plan, arrays, rng)

@@ -13,6 +13,7 @@ from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.agents.models import MLP, Encoder, EnsembleMLP
 from shared.data.namedarraytuple import numpify, torchify
+from shared.envs.pettingzoo_backend import GROUP_KEY
 from shared.transport.params import field_name
 
 _ACTIVATION_NAMES = {torch.tanh: "tanh", torch.relu: "relu", None: None}
@@ -23,12 +24,18 @@ def seed_torch(seed: np.random.SeedSequence) -> None:
     torch.manual_seed(int(seed.generate_state(1)[0]))
 
 
-def acting_plan(agent) -> dict | None:
+def acting_plan(agent, fields: dict[int, str] | None = None) -> dict | None:
     """The numpy acting plan of ``agent`` (``shared.agents.acting``), or None where it must act in torch
-    (on the CPU, that is: the plan says nothing of the device ``agent`` is on)."""
+    (on the CPU, that is: the plan says nothing of the device ``agent`` is on). ``fields``: the
+    parameter-segment field of each of its tensors by ``id``, where ``agent`` is a member of the
+    agent whose segment it is (``env.groups``); None: ``agent``'s own."""
     if getattr(agent, "core", None) is not None or getattr(agent, "tau_embedding", None) is not None:
         return None  # recurrent, or IQN's sampled fractions (shared.agents.acting's docstring)
-    fields = {id(t): field_name(k) for k, t in agent.state_dict(keep_vars=True).items()}
+    if fields is None:
+        fields = {id(t): field_name(k) for k, t in agent.state_dict(keep_vars=True).items()}
+    if getattr(agent, "members", None) is not None:  # agent groups: each member's plan, rows routed by group
+        members = [acting_plan(member, fields) for member in agent.members]
+        return None if None in members else {"family": "groups", "group": GROUP_KEY, "members": members}
 
     def layers(mlp: MLP) -> list | None:
         if any(fn not in _ACTIVATION_NAMES for _, fn in mlp.plan) or any(n is not None for n in mlp.norms) or \

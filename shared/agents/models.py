@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.agents.config import ModelConfig
-from shared.data.namedarraytuple import leaves, map_leaves
+from shared.data.namedarraytuple import is_nat, leaves, map_leaves
+from shared.envs.pettingzoo_backend import GROUP_KEY
 from shared.runtime.plugins import is_reference, load_attribute
 
 _ACTIVATIONS = {"tanh": (nn.Tanh, torch.tanh), "relu": (nn.ReLU, torch.relu)}  # keys: agent_config.ACTIVATIONS
@@ -516,8 +517,12 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
 
     ``norm``: the trunk's layer before each of its linear layers (``MLP``'s ``norm``).
     ``skip``: key paths of leaves the encoder does not read (a policy's, of the value's
-    ``global_state``); the module then takes trees with or without them.
+    ``global_state``); the module then takes trees with or without them. No encoder reads an
+    ``agent_group`` leaf (``env.groups``): it picks the row's networks (``shared.agents.groups``),
+    it is no feature.
     """
+    if is_nat(obs_example) and GROUP_KEY in obs_example._fields:
+        skip = (*skip, GROUP_KEY)
     if is_reference(cfg.encoder):
         if norm is not None:
             raise ValueError(f"model.encoder = {cfg.encoder!r}: batch renorm in the actor (algo.actor_batch_renorm) "

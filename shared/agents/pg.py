@@ -20,10 +20,11 @@ from torch.distributions import Normal
 from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.masking import legal, mask_path, masked
+from shared.agents.groups import group_count, routed
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import is_nat, leading_len, map_leaves
-from shared.envs.pettingzoo_backend import STATE_KEY
+from shared.envs.pettingzoo_backend import GROUP_KEY, STATE_KEY
 
 POLICY_HEAD_GAIN = 0.01  # near-uniform initial policy (CleanRL, Andrychowicz et al. 2021)
 VALUE_HEAD_GAIN = 1.0
@@ -52,6 +53,11 @@ class PgAgent(nn.Module):
     ``masking.MASKED_LOGIT`` in ``step``, ``evaluate`` and export: never sampled, no share of
     the log-probabilities or the entropy.
 
+    Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
+    feed-forward ``PgAgent`` a group built as this one would be without groups, and each row's
+    policy output and value are its group's member's (``shared.agents.groups``); this agent then
+    has no networks of its own; a Box policy's log-std is each row's group's too (``_log_std``).
+
     Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
     policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each
     env's state and returns it in ``RecurrentAgentInfo``, and the learner's calls
@@ -65,7 +71,10 @@ class PgAgent(nn.Module):
         cfg: ModelConfig = ModelConfig(),
         agent_cfg: PgAgentConfig = PgAgentConfig(),
         obs_space: gym.Space | None = None,
+        groups: int | None = None,
     ) -> None:
+        """``groups``: the agent groups to build members for, None for the observation space's
+        (``groups.group_count``), 0 for none."""
         super().__init__()
         self.action_space = action_space
         if isinstance(action_space, gym.spaces.Discrete):
@@ -99,7 +108,17 @@ class PgAgent(nn.Module):
             raise ValueError(f"agent.shared_encoder = true: the policy must not read the observation's "
                              f"{STATE_KEY!r} (env.global_state), so the value needs its own encoder; set it false")
         self.twin = None
-        if not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and \
+        self.members = None
+        """One member agent a group (``env.groups``), or None."""
+        groups = group_count(obs_space) if groups is None else groups
+        if groups:
+            if cfg.lstm_size:
+                raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
+                                 "a feed-forward agent")
+            self.members = nn.ModuleList(PgAgent(obs_example, action_space, cfg, agent_cfg, obs_space, groups=0)
+                                         for _ in range(groups))
+            self.pi_encoder = self.v_encoder = self.core = self.v_core = self.pi_head = self.v_head = None
+        elif not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and \
                 not cfg.layer_norm and not self.value_only:
             # Two MLPs on the flattened observation, policy and value, run as one EnsembleMLP:
             # half the kernel launches of a gradient step, which is what small networks on a
@@ -125,15 +144,21 @@ class PgAgent(nn.Module):
                 self.acting = ActingMemory(len(self._cores()), cfg.lstm_size, torch.as_tensor(example))
             self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
             self.v_head = MLP(v_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
-        if self.kind == "box":
+        if self.kind == "box" and self.members is None:
             self.log_std = nn.Parameter(torch.full((n_out,), float(agent_cfg.init_log_std)))
 
     @property
     def device(self) -> torch.device:
+        if self.members is not None:
+            return self.members[0].device
         return (self.v_head if self.twin is None else self.twin).device
 
     def _forward(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""
+        if self.members is not None:
+            outs = [member._forward(obs) for member in self.members]
+            group = getattr(obs, GROUP_KEY)
+            return routed([out for out, _ in outs], group), routed([value for _, value in outs], group)
         if self.twin is not None:
             x = self.pi_encoder(obs)
             out = self.twin(x.expand(2, *x.shape))
@@ -142,9 +167,21 @@ class PgAgent(nn.Module):
         v_features = pi_features if self.v_encoder is None else self.v_encoder(obs)
         return self.pi_head(pi_features), self.v_head(v_features).squeeze(-1)
 
+    def policy_output(self, obs) -> torch.Tensor:
+        """Feed-forward: the policy's output alone (``_forward``'s first) for obs tree [N, ...] on the
+        device and normalised, without the value's work: what an export of an agent with a
+        centralised value computes, which has no global state to give it."""
+        if self.members is not None:
+            return routed([member.policy_output(obs) for member in self.members], getattr(obs, GROUP_KEY))
+        if self.twin is not None:
+            return self.twin.member(0, self.pi_encoder(obs))
+        return self.pi_head(self.pi_encoder(obs))
+
     def value(self, obs) -> torch.Tensor:
         """V(obs): obs tree [N, ...] -> float32 [N]."""
         obs = obs_to(obs, self.device, self.obs_norm)
+        if self.members is not None:
+            return routed([member.value(obs) for member in self.members], getattr(obs, GROUP_KEY))
         if self.twin is not None:  # the value member alone: a segment batch's values skip the policy's work
             return self.twin.member(1, self.pi_encoder(obs))[..., 0]
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
@@ -169,7 +206,7 @@ class PgAgent(nn.Module):
             out, value = self.pi_head(states[0][0][0]), self.v_head(states[-1][0][0]).squeeze(-1)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
-            log_std = self.log_std.reshape(self.action_shape)
+            log_std = self._log_std(obs)
             noise = torch.zeros_like(mean) if greedy else torch.randn_like(mean)
             action = mean + noise * log_std.exp()
             log_prob = (-0.5 * noise.square() - log_std - HALF_LOG_2PI).flatten(1).sum(-1)
@@ -212,16 +249,27 @@ class PgAgent(nn.Module):
             out, value = self.pi_head(h[0]), self.v_head(h[-1]).squeeze(-1)
             out, value, action = out.flatten(0, 1), value.flatten(0, 1), action.flatten(0, 1)
             ok = None if ok is None else ok.flatten(0, 1)
-        log_prob, entropy = self._log_prob_entropy(masked(out, ok), action)
+        log_prob, entropy = self._log_prob_entropy(masked(out, ok), action,
+                                                   self._log_std(obs) if self.kind == "box" else None)
         if self.core is not None:
             log_prob, entropy, value = log_prob.reshape(lead), entropy.reshape(lead), value.reshape(lead)
         return log_prob, entropy, value
 
-    def _log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_std(self, obs) -> torch.Tensor:
+        """A Box policy's log-std: [*action_shape], or with groups each row's group's, [N, *action_shape]
+        for obs tree [N, ...]."""
+        if self.members is None:
+            return self.log_std.reshape(self.action_shape)
+        group = getattr(obs, GROUP_KEY)
+        return routed([member.log_std.expand(len(group), -1) for member in self.members], group
+                      ).reshape(-1, *self.action_shape)
+
+    def _log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor, log_std: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """log pi(action) [N] and entropy [N] of the policy output ``out`` [N, ...]."""
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
-            dist = Normal(mean, self.log_std.exp().reshape(self.action_shape))
+            dist = Normal(mean, log_std.exp())
             log_prob = dist.log_prob(action).flatten(1).sum(-1)
             entropy = dist.entropy().flatten(1).sum(-1)
         else:

@@ -21,10 +21,12 @@ from torch import nn
 
 from shared.agents.config import Memory, ModelConfig, QAgentConfig, QAgentInfo, QuantileHead, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
+from shared.agents.groups import group_count, routed
 from shared.agents.masking import legal, mask_path, masked, random_legal
 from shared.agents.memory import ActingMemory, core_memory, make_core
 from shared.agents.models import MLP, CosineEmbedding, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import leading_len, map_leaves
+from shared.envs.pettingzoo_backend import GROUP_KEY
 
 
 class QAgent(nn.Module):
@@ -44,6 +46,12 @@ class QAgent(nn.Module):
     Recurrent (``ModelConfig.lstm_size``, R2D1): an ``LstmCore`` sits between encoder and
     head; ``step`` keeps each env's state and returns it in ``RecurrentQAgentInfo``, and
     the learner evaluates whole sequences with ``q_sequence``.
+
+    Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
+    feed-forward ``QAgent`` a group built as this one would be without groups, and each row's
+    head output is its group's member's (``shared.agents.groups``); this agent then has no
+    networks of its own (it keeps C51's ``support`` and QR-DQN's ``taus``; IQN's fractions are
+    drawn once for all members).
     """
 
     def __init__(
@@ -54,7 +62,10 @@ class QAgent(nn.Module):
         cfg: QAgentConfig = QAgentConfig(),
         obs_space: gym.Space | None = None,
         quantiles: QuantileHead | None = None,
+        groups: int | None = None,
     ) -> None:
+        """``groups``: the agent groups to build members for, None for the observation space's
+        (``groups.group_count``), 0 for none."""
         super().__init__()
         if not isinstance(action_space, gym.spaces.Discrete):
             raise ValueError(f"QAgent: action space {action_space} not supported; Q-learning needs Discrete")
@@ -70,27 +81,38 @@ class QAgent(nn.Module):
         self.n_atoms = cfg.n_atoms if cfg.distributional else (quantiles.n_quantiles if quantiles else 0) or 1
         self.per_atom = cfg.distributional or (quantiles is not None and not quantiles.implicit)
         self.obs_norm = make_obs_norm(obs_example, model_cfg)
-        self.encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
-        self.core = make_core(feat_dim, model_cfg, action_space)
-        if self.core is not None:
-            if cfg.distributional or quantiles is not None:
-                raise ValueError("QAgent: a recurrent agent (model.lstm_size) has a scalar Q head; "
-                                 "set agent.distributional = false and train it with r2d1")
-            feat_dim = self.core.out_dim
-            self.acting = ActingMemory(1, model_cfg.lstm_size, torch.zeros((), dtype=torch.int64))
-        hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
         implicit = quantiles is not None and quantiles.implicit
-        merge_sizes = tuple(quantiles.merge_hidden_sizes) if implicit else ()
-        head_in = merge_sizes[-1] if merge_sizes else feat_dim
-        self.advantage = MLP(head_in, hidden, act, output_size=self.n_actions * self.n_atoms)
-        self.value = MLP(head_in, hidden, act, output_size=self.n_atoms) if cfg.dueling else None
+        self.members = None
+        """One member agent a group (``env.groups``), or None."""
+        groups = group_count(obs_space) if groups is None else groups
+        if groups:
+            if model_cfg.lstm_size:
+                raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
+                                 "a feed-forward agent")
+            self.members = nn.ModuleList(QAgent(obs_example, action_space, model_cfg, cfg, obs_space, quantiles,
+                                                groups=0) for _ in range(groups))
+            self.encoder = self.core = self.advantage = self.value = self.tau_embedding = self.merged = None
+        else:
+            self.encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
+            self.core = make_core(feat_dim, model_cfg, action_space)
+            if self.core is not None:
+                if cfg.distributional or quantiles is not None:
+                    raise ValueError("QAgent: a recurrent agent (model.lstm_size) has a scalar Q head; "
+                                     "set agent.distributional = false and train it with r2d1")
+                feat_dim = self.core.out_dim
+                self.acting = ActingMemory(1, model_cfg.lstm_size, torch.zeros((), dtype=torch.int64))
+            hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
+            merge_sizes = tuple(quantiles.merge_hidden_sizes) if implicit else ()
+            head_in = merge_sizes[-1] if merge_sizes else feat_dim
+            self.advantage = MLP(head_in, hidden, act, output_size=self.n_actions * self.n_atoms)
+            self.value = MLP(head_in, hidden, act, output_size=self.n_atoms) if cfg.dueling else None
+            self.tau_embedding = CosineEmbedding(quantiles.n_cosines, feat_dim) if implicit else None
+            # IQN's layers after the merge, shared by the dueling streams (Dopamine's 512 after psi x phi).
+            self.merged = MLP(feat_dim, merge_sizes, act) if merge_sizes else None
         if cfg.distributional:
             self.register_buffer("support", torch.linspace(cfg.v_min, cfg.v_max, cfg.n_atoms))
         else:
             self.support = None
-        self.tau_embedding = CosineEmbedding(quantiles.n_cosines, feat_dim) if implicit else None
-        # IQN's layers after the merge, shared by the dueling streams (Dopamine's 512 after psi x phi).
-        self.merged = MLP(feat_dim, merge_sizes, act) if merge_sizes else None
         if quantiles is not None and not implicit:
             n = quantiles.n_quantiles
             self.register_buffer("taus", (2 * torch.arange(n, dtype=torch.float32) + 1) / (2 * n))
@@ -99,10 +121,13 @@ class QAgent(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.advantage.device
+        return (self.advantage if self.members is None else self.members[0]).device
 
     def _head(self, obs) -> torch.Tensor:
         """Q [N, A] or C51 logits [N, A, atoms] for obs tree [N, ...], with grad."""
+        if self.members is not None:
+            obs = obs_to(obs, self.device, self.obs_norm)
+            return routed([member._head(obs) for member in self.members], getattr(obs, GROUP_KEY))
         return self._from_features(self.encoder(obs_to(obs, self.device, self.obs_norm)))
 
     def _from_features(self, features: torch.Tensor) -> torch.Tensor:
@@ -154,6 +179,11 @@ class QAgent(nn.Module):
                 raise ValueError("QAgent.quantiles: a QR-DQN head has fixed fractions; pass taus = None")
             values = self._head(obs)
             return values, self.taus.expand(values.shape[0], -1)
+        if self.members is not None:  # one draw of fractions, which every member reads
+            obs = obs_to(obs, self.device, self.obs_norm)
+            if taus is None:
+                taus = torch.rand(leading_len(obs), head.acting_samples, device=self.device)
+            return routed([member.quantiles(obs, taus)[0] for member in self.members], getattr(obs, GROUP_KEY)), taus
         features = self.encoder(obs_to(obs, self.device, self.obs_norm))  # [N, F]
         if taus is None:
             taus = torch.rand(features.shape[0], head.acting_samples, device=features.device)

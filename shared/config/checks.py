@@ -128,6 +128,7 @@ def check(exp: Experiment, check_ports: bool) -> None:
         raise ConfigError(str(e)) from None
     _check_agent_columns(exp)
     _check_global_state(exp)
+    _check_groups(exp)
     _check_selfplay(exp)
     if check_ports:
         ports = {"network.metrics_port": net.metrics_port} if net.metrics_port else {}
@@ -166,6 +167,25 @@ def _check_global_state(exp: Experiment) -> None:
     if is_reference(exp.model.encoder):
         raise ConfigError(f"model.encoder = {exp.model.encoder!r}: with env.global_state the policy's encoder must "
                           "leave the global state out, which only the built-in encoders do")
+
+
+def _check_groups(exp: Experiment) -> None:
+    """``env.groups`` gives each group its own networks inside one agent (``shared.agents.groups``):
+    feed-forward PPO, A2C, IMPALA and DQN-family agents with built-in encoders (the self-play
+    pool's copies are such agents too). The env's own checks (``validate_env_config``) refuse a
+    pattern that matches no agent, an agent in no group or in two, and a single-agent env."""
+    if not exp.env.groups:
+        return
+    spec = exp.algo_spec
+    if spec.agent.family not in ("pg", "q"):
+        raise ConfigError(f"env.groups: {spec.name}'s agent has no networks per agent group; groups are for "
+                          "policy-gradient (ppo, a2c, impala) and DQN-family algorithms")
+    if exp.model.lstm_size:
+        raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: agents with env.groups are feed-forward for "
+                          "now; set it 0 or leave env.groups out")
+    if is_reference(exp.model.encoder):
+        raise ConfigError(f"model.encoder = {exp.model.encoder!r}: with env.groups no network may read the "
+                          "agent_group leaf, which only the built-in encoders leave out")
 
 
 def _check_watchdog(exp: Experiment) -> None:

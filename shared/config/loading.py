@@ -117,6 +117,11 @@ def _coerce(where: str, hint, value):
             raise ConfigError(f"{where} = {value!r}: expected a list, got {type(value).__name__}")
         elem = args[0] if args else Any
         return tuple(_coerce(f"{where}[{i}]", elem, v) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where} = {value!r}: expected a table, e.g. {{ name = \"value\" }}, "
+                              f"got {type(value).__name__}")
+        return {k: _coerce(f"{where}.{k}", args[1] if args else Any, v) for k, v in value.items()}
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint in (int, float, str, bool) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
@@ -157,4 +162,6 @@ def _toml_value(value) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table: a key may be anything, so it is quoted
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")

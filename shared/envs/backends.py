@@ -31,6 +31,9 @@ def _backend(cfg: EnvConfig):
         if on:
             raise ValueError(f"env.{name} = true: {cfg.id!r} is a single-agent env; it is for "
                              "'pettingzoo:<module>' envs (set it false)")
+    if cfg.groups:
+        raise ValueError(f"env.groups: {cfg.id!r} is a single-agent env; agent groups are for "
+                         "'pettingzoo:<module>' envs (leave it out)")
     return BACKENDS[cfg.backend]
 
 

@@ -38,7 +38,7 @@ import json
 import keyword
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional
 
 import gymnasium as gym
@@ -87,6 +87,12 @@ class EnvConfig:
     to each column's observation as its ``global_state`` leaf, which a policy-gradient agent's
     value network reads and its policy never does (a centralised value, MAPPO; see
     ``shared.agents.pg``). Policy-gradient algorithms only (PPO, A2C, IMPALA)."""
+    groups: dict[str, str] = field(default_factory=dict)
+    """PettingZoo envs: separate policies per agent group, each group named with an fnmatch pattern of
+    its agents' names, e.g. ``{ adversaries = "adversary_*", good = "agent_*" }``; every agent in
+    exactly one group. Each column's observation gets its group's index (in the order given) as its
+    ``agent_group`` leaf, by which the agent routes the column to its group's networks
+    (``shared.agents.groups``). Empty: one policy for all agents."""
     split_step: str = "auto"
     """Alternating sampler (two env groups, server inference) on the envpool backend: "on" starts
     each group's step in EnvPool's threads and collects it after the sampler has served the other

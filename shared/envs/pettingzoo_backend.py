@@ -7,13 +7,21 @@ episode, ``EnvError``), so that the sampler, replay and every algorithm take its
 (every live agent acts each step: MPE, butterfly, sisl), else its ``env()`` through the AEC API
 (one agent acts a step: the classic board games). ``env.kwargs`` go to that constructor. All
 agents must share one observation space and one action space (one shared policy acts for all of
-them); ``possible_agents`` order gives the columns: env k of a group owns columns
-``k * N .. k * N + N - 1`` (N agents), so ``sampler.envs`` counts columns and is a multiple of N.
+them; ``env.groups``, below, relaxes the first); ``possible_agents`` order gives the columns: env k
+of a group owns columns ``k * N .. k * N + N - 1`` (N agents), so ``sampler.envs`` counts columns
+and is a multiple of N.
 ``env.agent_id`` adds the one-hot of the agent's index as the observation's ``agent_id`` leaf (a
 Box observation becomes ``{"observation", "agent_id"}``). ``env.global_state`` adds the env's
 ``state()`` (shaped by its ``state_space``, a Box) as the ``global_state`` leaf, the same for
 every column of an env at a step (the final observation's: the state the episode ended in);
 a policy-gradient agent's value network reads it, its policy never does (``shared.agents.pg``).
+``env.groups`` (group name -> fnmatch pattern of agent names, each agent in exactly one) adds each
+column's group index, in the order the groups are given, as the ``agent_group`` leaf (int64, a
+``Discrete(K)`` space), by which the agent routes the column to its group's networks
+(``shared.agents.groups``). The agents then share one action space but may differ in the length
+of a 1-D float Box observation (MPE's adversaries see less than the good agents): the column's
+is the longest, a shorter one zero-padded at its end, so each group's network reads its own
+agents' observations in their own layout (plus zeros).
 
 What a column's step is, where its agent does not act:
 
@@ -37,6 +45,7 @@ run share one) on the first reset; later resets continue its random stream.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from typing import Any
 
@@ -52,6 +61,9 @@ AGENT_ID_KEY = "agent_id"
 STATE_KEY = "global_state"
 """The observation leaf of the env's global state (``env.global_state``); the key
 ``shared.agents.pg`` keeps from the policy."""
+GROUP_KEY = "agent_group"
+"""The observation leaf of the column's agent group (``env.groups``): its index, which
+``shared.agents.groups`` routes by and no network reads as a feature."""
 PASS = 0
 """The one legal action of a waiting column (the env never sees it)."""
 
@@ -85,17 +97,57 @@ def _make_raw(cfg: EnvConfig, kwargs: dict[str, Any]):
         raise ValueError(f"env.kwargs: {cfg.id!r} cannot be built with {kwargs} ({first_line(e)})") from None
 
 
+def agent_groups(cfg: EnvConfig, agents: list[str]) -> list[int]:
+    """Each agent's group index (``env.groups``, in the order given); ValueError (one line) for a
+    pattern that matches no agent, or an agent in no group or in two."""
+    names, patterns = list(cfg.groups), list(cfg.groups.values())
+    for pattern in patterns:
+        if not fnmatch.filter(agents, pattern):
+            raise ValueError(f"env.groups: {pattern!r} matches no agent of {cfg.id!r} (agents: {', '.join(agents)})")
+    out = []
+    for a in agents:
+        hits = [k for k, pattern in enumerate(patterns) if fnmatch.fnmatchcase(a, pattern)]
+        if len(hits) != 1:
+            which = "no group" if not hits else " and ".join(f"{names[k]} ({patterns[k]!r})" for k in hits)
+            raise ValueError(f"env.groups: agent {a!r} of {cfg.id!r} is in {which}; every agent must be in exactly "
+                             "one group")
+        out.append(hits[0])
+    return out
+
+
+def _flat_box(space: spaces.Space) -> bool:
+    return isinstance(space, spaces.Box) and len(space.shape) == 1 and np.issubdtype(space.dtype, np.floating)
+
+
+def _padded(boxes: list[spaces.Box]) -> spaces.Box:
+    """The 1-D float Box that holds each of ``boxes`` zero-padded at its end to the longest."""
+    width = max(b.shape[0] for b in boxes)
+    low, high = np.zeros(width, np.float32), np.zeros(width, np.float32)
+    for b in boxes:
+        n = b.shape[0]
+        low[:n], high[:n] = np.minimum(low[:n], b.low), np.maximum(high[:n], b.high)
+    return spaces.Box(low, high, dtype=np.float32)
+
+
 def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Space, spaces.Space, bool]:
     """(agents, the column observation space, the action space, whether it holds a mask);
-    ValueError (one line naming the field) for an env one shared policy cannot act in."""
+    ValueError (one line naming the field) for an env one shared policy (or, with ``env.groups``,
+    one network layout) cannot act in."""
     agents = list(raw.possible_agents)
     if not agents:
         raise ValueError(f"env.id = {cfg.id!r}: the env has no agents")
+    groups = agent_groups(cfg, agents) if cfg.groups else None
     obs_space, act_space = raw.observation_space(agents[0]), raw.action_space(agents[0])
-    for a in agents[1:]:
-        if raw.observation_space(a) != obs_space or raw.action_space(a) != act_space:
+    own = [raw.observation_space(a) for a in agents]
+    for a, space in zip(agents[1:], own[1:]):
+        fits = space == obs_space or groups is not None and _flat_box(space) and _flat_box(obs_space)
+        if not fits or raw.action_space(a) != act_space:
             raise ValueError(f"env.id = {cfg.id!r}: agent {a!r} has other observation or action spaces than "
-                             f"{agents[0]!r}; one shared policy needs the same for all agents")
+                             f"{agents[0]!r}; one shared policy needs the same for all agents" +
+                             ("" if groups is None else " (with env.groups: one action space, and observations "
+                              "the same or 1-D float Boxes of any length)"))
+    if any(space != obs_space for space in own):
+        obs_space = _padded(own)
     masked = isinstance(obs_space, spaces.Dict) and MASK_KEY in obs_space.spaces
     if not parallel and not masked:
         raise ValueError(f"env.id = {cfg.id!r}: a turn-based (AEC) env must give an {MASK_KEY!r} in a Dict "
@@ -107,6 +159,10 @@ def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Spac
         fields[MASK_KEY] = spaces.MultiBinary(int(act_space.n))
     if cfg.agent_id:
         fields[AGENT_ID_KEY] = spaces.Box(0.0, 1.0, (len(agents),), np.float32)
+    if groups is not None:
+        if GROUP_KEY in fields:
+            raise ValueError(f"env.groups: {cfg.id!r}'s observations have a {GROUP_KEY!r} key already")
+        fields[GROUP_KEY] = spaces.Discrete(len(cfg.groups))
     if cfg.global_state:
         fields[STATE_KEY] = _state_space(cfg, raw, obs_space)
     if isinstance(obs_space, spaces.Dict) or len(fields) > 1:
@@ -247,6 +303,11 @@ class PettingZooGroup(SplitStep):
         self._obs_leaves = obs_leaves(self.observation_space)
         self._to_env_actions = action_converter(self.action_space, n_envs)
         self._one_hot = np.eye(N, dtype=np.float32)
+        self._group_of = np.asarray(agent_groups(cfg, self.agents), np.int64) if cfg.groups else None
+        own = [first.observation_space(a) for a in self.agents]
+        # Agents' spaces differ only where _spaces allowed it: 1-D Boxes, padded to the column's.
+        self._pad_to = self.observation_space["observation"].shape[0] if any(s != own[0] for s in own) else 0
+        """The column observation's length where agents' observations are zero-padded to it, else 0."""
         if self._masked:
             self._pass_mask = np.zeros(int(self.action_space.n), np.int8)
             self._pass_mask[PASS] = 1
@@ -286,15 +347,24 @@ class PettingZooGroup(SplitStep):
         """Agent j's observation as the column presents it (mask of a waiting agent: the pass),
         with the env's global ``state`` (None without ``env.global_state``)."""
         if isinstance(self.observation_space, spaces.Dict):
-            out = dict(obs) if isinstance(obs, dict) else {"observation": obs}
+            out = dict(obs) if isinstance(obs, dict) else {"observation": self._padded(obs)}
             if self._masked and not to_move:
                 out[MASK_KEY] = self._pass_mask
             if self.cfg.agent_id:
                 out[AGENT_ID_KEY] = self._one_hot[j]
             if state is not None:
                 out[STATE_KEY] = state
+            if self._group_of is not None:
+                out[GROUP_KEY] = self._group_of[j]
             return out
         return obs
+
+    def _padded(self, obs):
+        """A Box observation zero-padded at its end to the column's length (``env.groups`` with agents
+        whose observations differ in length); as it is otherwise."""
+        if not self._pad_to or np.shape(obs)[0] == self._pad_to:
+            return obs
+        return np.pad(np.asarray(obs, np.float32), (0, self._pad_to - np.shape(obs)[0]))
 
     def _state(self, k: int):
         """Env k's global state now, or None without ``env.global_state``."""

@@ -103,7 +103,7 @@ class GreedyPolicy(nn.Module):
 
     def __init__(self, agent: nn.Module, obs_example) -> None:
         super().__init__()
-        if getattr(agent, "tau_embedding", None) is not None:
+        if getattr(getattr(agent, "quantile_head", None), "implicit", False):
             raise ExportError("IQN acts on quantile fractions it samples at each step: its greedy action is not "
                               "a function of the observation alone, so it cannot be exported")
         if not isinstance(agent, (PgAgent, QAgent, QpgAgent)):
@@ -158,7 +158,7 @@ class GreedyPolicy(nn.Module):
     def _pg(self, agent: PgAgent, obs, memory: Memory | None) -> tuple[torch.Tensor, ...]:
         obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
         if self.policy_only:
-            out, value = agent.pi_head(agent.pi_encoder(obs)), None
+            out, value = agent.policy_output(obs), None
         elif memory is None:
             out, value = agent._forward(obs)
         else:

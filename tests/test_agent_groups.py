@@ -1,0 +1,281 @@
+"""Separate policies per agent group (``env.groups``, shared/agents/groups.py): each column carries
+its agent's group index as the ``agent_group`` leaf (agents of different observation lengths
+zero-padded to one column), each group's networks act and learn from their own rows only, a
+setting that cannot work is one config-error line, the numpy acting plan acts as the torch agent,
+two groups that must act differently learn to in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains through the pipeline; an export takes the
+group as an input and plays the agent's actions."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("pettingzoo")
+pytest.importorskip("mpe2")
+
+from shared.agents import EVALUATE
+from shared.agents.acting import numpy_actor
+from shared.agents.actor import acting_plan, state_arrays
+from shared.agents.config import QAgentConfig
+from shared.agents.pg import PgAgent
+from shared.agents.q import QAgent
+from shared.config import loading
+from shared.config.schema import ConfigError
+from shared.data.namedarraytuple import torchify
+from shared.envs.backends import make_env_group
+from shared.envs.group import EnvConfig
+from shared.launch import api
+from shared.runtime.runfiles import ACTING_FILE
+from tests.pipeline import CONFIGS
+from tests.test_envs import Buffers
+from tests.test_export import checkpointed_run, config, loaded, runners
+
+torch.set_num_threads(1)
+
+CONFIG = CONFIGS / "simple_adversary_groups_ppo.toml"
+ADVERSARY = EnvConfig(id="pettingzoo:mpe2.simple_adversary_v3", groups={"adversaries": "adversary_*",
+                                                                         "good": "agent_*"})
+TWO_KINDS = ["env.id='pettingzoo:tests.groups_for_tests'", "env.kwargs=''",
+             "env.groups={ left = 'left_*', right = 'right_*' }", "sampler.envs=12", "sampler.horizon=8"]
+
+
+def test_each_column_carries_its_agents_group_and_its_observation_padded_to_the_longest():
+    """2 simple_adversary envs x 3 agents (adversary_0: 8 numbers, agent_0 and agent_1: 10) against
+    two envs stepped by hand with the same seeds and actions, through an episode end and the reset."""
+    from mpe2 import simple_adversary_v3
+
+    group = make_env_group(ADVERSARY, 6, 7)
+    assert group.observation_space["observation"].shape == (10,) and group.observation_space["agent_group"].n == 2
+    refs = [simple_adversary_v3.parallel_env() for _ in range(2)]
+    agents = refs[0].possible_agents
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    ref_obs = [refs[0].reset(seed=7)[0], refs[1].reset(seed=10)[0]]
+    rng = np.random.default_rng(0)
+    for t in range(27):
+        np.testing.assert_array_equal(buf.obs.agent_group, [0, 1, 1, 0, 1, 1])
+        for k, ref in enumerate(refs):
+            for j, a in enumerate(agents):
+                own = ref_obs[k][a]
+                np.testing.assert_array_equal(buf.obs.observation[3 * k + j, :len(own)], own)
+                assert not buf.obs.observation[3 * k + j, len(own):].any()
+        buf.actions[:] = rng.integers(0, 5, 6)
+        buf.step(group)
+        for k, ref in enumerate(refs):
+            ref_obs[k] = ref.step({a: int(buf.actions[3 * k + j]) for j, a in enumerate(agents)})[0]
+            if t == 24:
+                np.testing.assert_array_equal(buf.final_obs.agent_group, [0, 1, 1, 0, 1, 1])
+                ref_obs[k] = ref.reset()[0]
+    group.close()
+
+
+AGENTS = {
+    "pg": lambda example, act, space: PgAgent(example, act, obs_space=space),
+    "pg_box": lambda example, act, space: PgAgent(example, act, obs_space=space),
+    "dqn": lambda example, act, space: QAgent(example, act, obs_space=space),
+    "c51_dueling": lambda example, act, space: QAgent(example, act, cfg=QAgentConfig(distributional=True, dueling=True),
+                                                      obs_space=space),
+}
+
+
+@pytest.mark.parametrize("which", list(AGENTS))
+def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_group(which):
+    """pg_box: simple_adversary's continuous actions, whose log-std is each group's own too."""
+    box = which == "pg_box"
+    group = make_env_group(replace(ADVERSARY, kwargs='{"continuous_actions": true}') if box else ADVERSARY, 6, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    group.close()
+    agent = AGENTS[which](group.example_observation(), group.action_space, group.observation_space)
+    assert len(agent.members) == 2
+    obs = torchify(buf.obs)
+    rows = torch.as_tensor(buf.obs.agent_group)
+    # The numpy acting plan (local-inference samplers) acts as the torch agent, row by row.
+    fast = numpy_actor(acting_plan(agent), state_arrays(agent), getattr(agent, "cfg", None), np.random.default_rng(0))
+    with torch.no_grad():
+        action, info = agent.step(obs, EVALUATE)
+    got_action, got_info = fast.step(buf.obs, EVALUATE)
+    np.testing.assert_allclose(got_action, action.numpy(), atol=1e-5)
+    for got, want in zip(got_info, info):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    if box:
+        with torch.no_grad():
+            agent.members[1].log_std.fill_(-1.0)
+        action, info = agent.step(obs)
+        log_prob, entropy, _ = agent.evaluate(obs, action)
+        torch.testing.assert_close(log_prob, info.log_prob)
+        assert entropy[rows == 1].max() < entropy[rows == 0].min()  # each row's own group's log-std
+    for k in range(2):
+        agent.zero_grad()
+        if isinstance(agent, PgAgent):
+            action = torch.full((6, 5), 0.5) if box else torch.zeros(6, dtype=torch.int64)
+            log_prob, entropy, value = agent.evaluate(obs, action)
+            out = log_prob + entropy + value
+        else:
+            out = agent.q_values(obs).sum(-1)
+        out[rows == k].sum().backward()
+        touched = [any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters()) for m in agent.members]
+        assert touched == [j == k for j in range(2)], (k, touched)
+    # A row's outputs are its group's member's, whatever the group leaf's value is as a number.
+    with torch.no_grad():
+        swapped = obs._replace(agent_group=1 - obs.agent_group)
+        if isinstance(agent, PgAgent):
+            for k, member in enumerate(agent.members):
+                mine = rows == k
+                assert torch.equal(agent.value(obs)[mine], member.value(obs)[mine])
+                assert torch.equal(agent.value(swapped)[~mine], member.value(obs)[~mine])
+        else:
+            for k, member in enumerate(agent.members):
+                assert torch.equal(agent.q_values(obs)[rows == k], member.q_values(obs)[rows == k])
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["env.groups={ x = 'x_*', good = 'agent_*' }"],
+     "env.groups: 'x_*' matches no agent of 'pettingzoo:mpe2.simple_adversary_v3' (agents: adversary_0, agent_0, "
+     "agent_1)"),
+    (["env.groups={ adversaries = 'adversary_*' }"],
+     "env.groups: agent 'agent_0' of 'pettingzoo:mpe2.simple_adversary_v3' is in no group; every agent must be in "
+     "exactly one group"),
+    (["env.groups={ all = '*', good = 'agent_*' }"],
+     "env.groups: agent 'agent_0' of 'pettingzoo:mpe2.simple_adversary_v3' is in all ('*') and good ('agent_*'); "
+     "every agent must be in exactly one group"),
+    (["env.id='CartPole-v1'", "env.kwargs=''", "sampler.envs=4"],
+     "env.groups: 'CartPole-v1' is a single-agent env; agent groups are for 'pettingzoo:<module>' envs (leave it "
+     "out)"),
+    (["env.groups='adversary_*'"],
+     "env.groups = 'adversary_*': expected a table, e.g. { name = \"value\" }, got str"),
+    (["model.lstm_size=16"],
+     "model.lstm_size = 16: agents with env.groups are feed-forward for now; set it 0 or leave env.groups out"),
+    (["model.encoder='tests.extending_for_tests:LayerNormEncoder'"],
+     "model.encoder = 'tests.extending_for_tests:LayerNormEncoder': with env.groups no network may read the "
+     "agent_group leaf, which only the built-in encoders leave out"),
+])
+def test_groups_that_cannot_work_are_one_config_error_line(overrides, line):
+    with pytest.raises(ConfigError) as e:
+        loading.load(CONFIG, overrides)
+    assert str(e.value) == line
+
+
+def test_groups_for_agents_without_per_group_networks_are_one_config_error_line():
+    with pytest.raises(ConfigError) as e:
+        loading.load(CONFIGS / "pendulum_sac.toml", [f"env.id='{ADVERSARY.id}'", "env.kwargs='{\"continuous_actions\": true}'",
+                                                     "env.groups={ a = 'adversary_*', g = 'agent_*' }",
+                                                     "sampler.envs=3"])
+    assert str(e.value) == ("env.groups: sac's agent has no networks per agent group; groups are for policy-gradient "
+                            "(ppo, a2c, impala) and DQN-family algorithms")
+
+
+@pytest.mark.learning
+def test_two_groups_that_must_act_differently_learn_to_in_serial_mode(tmp_path):
+    """Left agents earn 1 a step for action 0, the right agent for action 1, on identical
+    observations (tests/groups_for_tests.py): one shared policy earns at most 16 / 3 of the 8 points
+    an agent's episode holds on average; a policy per group all 8."""
+    exp = loading.load(CONFIG, [*TWO_KINDS, f"run.runs_dir='{tmp_path}'", "run.max_env_steps=4800", "algo.epochs=4",
+                                "algo.lr=3e-3"])
+    result = api.train_serial(exp, out=io.StringIO())
+    assert result["reason"] == "budget" and result["skipped_updates"] == 0, result
+    assert result["mean_return"] > 7.0, result
+    one = loading.load(CONFIG, [*TWO_KINDS, "env.groups={ all = '*' }", f"run.runs_dir='{tmp_path}'",
+                                "run.max_env_steps=4800", "algo.epochs=4", "algo.lr=3e-3"])
+    assert api.train_serial(one, out=io.StringIO())["mean_return"] <= 16 / 3 + 1e-6  # the routing is what learns
+
+    from services.evaluator.episodes import load_agent, play
+
+    agent, _ = load_agent(exp, Path(result["run_dir"]))
+    assert (play(exp, agent, episodes=6, envs=6) == 8).all()  # rlpipe evaluate's greedy episodes: every point
+    group = make_env_group(exp.env, 3, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    group.close()
+    action, _ = agent.step(torchify(buf.obs), EVALUATE)
+    assert action.tolist() == [0, 0, 1]
+
+
+EXPORTS = {
+    "ppo": config("simple_adversary_groups_ppo.toml"),
+    "ppo_global_state": config("simple_adversary_groups_ppo.toml", env={"global_state": True}),
+    "dqn": config("cartpole_dqn.toml", env={"id": ADVERSARY.id, "kwargs": '{"continuous_actions": false}',
+                                            "groups": ADVERSARY.groups}, sampler={"envs": 6}, agent={"eps_eval": 0.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_an_export_routes_each_row_by_its_agent_group_input_as_the_agent_does(tmp_path, name):
+    """The export (every format) of an agent with groups moved off its initialisation plays the
+    agent's greedy actions (and values, Q-values) on 300 simple_adversary columns; with a
+    centralised value the graph is the policy alone, without the state."""
+    run_dir = checkpointed_run(tmp_path / "run", EXPORTS[name])
+    exp, agent = loaded(run_dir)
+    group = make_env_group(exp.env, 6, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(50):
+        steps.append({k: np.array(getattr(buf.obs, k)) for k in buf.obs._fields})
+        buf.actions[:] = rng.integers(0, 5, 6)
+        buf.step(group)
+    group.close()
+    batch = {k: np.concatenate([step[k] for step in steps]) for k in steps[0]}
+    with torch.inference_mode():
+        tree = torchify(type(buf.obs)(**batch))
+        action, info = agent.step(tree, EVALUATE)
+        head = agent.q_values(tree) if name == "dqn" else None if name == "ppo_global_state" else info.value
+    inputs = [k for k in batch if k != "global_state"]
+    assert inputs == ["agent_group", "observation"] and len(np.unique(action.numpy())) > 1
+    for fmt, run in runners(run_dir, tmp_path / "out").items():
+        got = run([batch[k] for k in inputs])
+        np.testing.assert_array_equal(got[0], action.numpy(), err_msg=fmt)
+        if head is None:
+            assert len(got) == 1, fmt
+        else:
+            np.testing.assert_allclose(got[1], head.numpy(), rtol=1e-4, atol=1e-4, err_msg=fmt)
+
+
+SERIAL = {
+    "dqn": ("cartpole_dqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
+    "rainbow": ("cartpole_rainbow.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
+    "iqn": ("cartpole_iqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
+    "ppo_box": ("simple_adversary_groups_ppo.toml", ["env.kwargs='{\"continuous_actions\": true}'", "sampler.envs=6",
+                                                     "run.max_env_steps=1200", "algo.epochs=2"]),
+}
+
+
+@pytest.mark.parametrize("name", list(SERIAL))
+def test_other_agents_with_groups_train_in_serial_mode(tmp_path, name):
+    """The DQN family's agents (IQN: one draw of fractions for all groups), and PPO on continuous
+    actions (a log-std a group)."""
+    config, overrides = SERIAL[name]
+    exp = loading.load(CONFIGS / config, [*overrides, f"run.runs_dir='{tmp_path}'"])
+    result = api.train_serial(exp, out=io.StringIO())
+    assert result["reason"] == "budget" and result["updates"] > 0 and result["skipped_updates"] == 0, result
+
+
+def test_a_policy_per_seat_plays_against_a_pool_of_its_past_versions_in_serial_mode(tmp_path):
+    """Tic-tac-toe with a group a seat against a pool: the past versions' files load into the
+    opponent's copies (each holding both seats' networks) and their games are scored."""
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ first = 'player_1', second = 'player_2' }",
+                                                        "selfplay.pool='uniform'", "selfplay.snapshot_every=2",
+                                                        "run.max_env_steps=4000", f"run.runs_dir='{tmp_path}'"])
+    result = api.train_serial(exp, out=io.StringIO())
+    assert result["reason"] == "budget" and result["skipped_updates"] == 0, result
+    scores = json.loads((Path(result["run_dir"]) / "pool" / "scores.json").read_text())["versions"]
+    played = [v for v, s in scores.items() if s["win"] + s["draw"] + s["loss"] > 0]
+    assert len(played) >= 2, scores
+
+
+@pytest.mark.parametrize("inference", ["local", "server"])
+def test_the_shipped_groups_config_trains_through_the_pipeline(runs, inference):
+    """Local inference: the sampler acts in numpy from the learner's plan of plans; server
+    inference: the action-server routes the columns of a step slot by their group leaf."""
+    run = runs("simple_adversary_groups_ppo.toml", "run.max_env_steps=3000", "sampler.envs=6", "algo.epochs=2",
+               f"sampler.inference='{inference}'")
+    result = run.wait_result(120)
+    assert result["reason"] == "budget" and result["updates"] >= 10 and np.isfinite(result["mean_return"]), result
+    assert json.loads((run.dir / ACTING_FILE).read_text())["plan"]["family"] == "groups"  # numpy where local
