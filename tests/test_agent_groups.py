@@ -33,7 +33,7 @@ from shared.envs.group import EnvConfig
 from shared.launch import api
 from shared.runtime.runfiles import ACTING_FILE
 from tests.pipeline import CONFIGS
-from tests.test_envs import Buffers
+from tests.test_envs import Buffers, step_beside_references
 from tests.test_export import checkpointed_run, config, loaded, runners
 
 torch.set_num_threads(1)
@@ -52,26 +52,16 @@ def test_each_column_carries_its_agents_group_and_its_observation_padded_to_the_
 
     group = make_env_group(ADVERSARY, 6, 7)
     assert group.observation_space["observation"].shape == (10,) and group.observation_space["agent_group"].n == 2
-    refs = [simple_adversary_v3.parallel_env() for _ in range(2)]
-    agents = refs[0].possible_agents
-    buf = Buffers(group)
-    group.reset(buf.obs)
-    ref_obs = [refs[0].reset(seed=7)[0], refs[1].reset(seed=10)[0]]
-    rng = np.random.default_rng(0)
-    for t in range(27):
+
+    def check(buf, k, j, ref, own):
         np.testing.assert_array_equal(buf.obs.agent_group, [0, 1, 1, 0, 1, 1])
-        for k, ref in enumerate(refs):
-            for j, a in enumerate(agents):
-                own = ref_obs[k][a]
-                np.testing.assert_array_equal(buf.obs.observation[3 * k + j, :len(own)], own)
-                assert not buf.obs.observation[3 * k + j, len(own):].any()
-        buf.actions[:] = rng.integers(0, 5, 6)
-        buf.step(group)
-        for k, ref in enumerate(refs):
-            ref_obs[k] = ref.step({a: int(buf.actions[3 * k + j]) for j, a in enumerate(agents)})[0]
-            if t == 24:
-                np.testing.assert_array_equal(buf.final_obs.agent_group, [0, 1, 1, 0, 1, 1])
-                ref_obs[k] = ref.reset()[0]
+        np.testing.assert_array_equal(buf.obs.observation[3 * k + j, :len(own)], own)
+        assert not buf.obs.observation[3 * k + j, len(own):].any()
+
+    def check_final(buf, k, ref):
+        np.testing.assert_array_equal(buf.final_obs.agent_group, [0, 1, 1, 0, 1, 1])
+
+    step_beside_references(group, simple_adversary_v3.parallel_env, check, check_final)
     group.close()
 
 

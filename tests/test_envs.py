@@ -49,6 +49,32 @@ class Buffers:
         return group.step(self.actions, self.obs, self.reward, self.terminated, self.truncated, self.final_obs)
 
 
+def step_beside_references(group: EnvGroup, make_ref, check, check_final, steps: int = 27, end: int = 25):
+    """Step ``group`` (2 envs of a Parallel MPE env, seeded 7: seeds 7 and 10) beside two
+    reference envs from ``make_ref()`` seeded alike, with the same random actions, through the
+    episode's end at step ``end`` and the reset. Before each step ``check(buf, k, j, ref, own)``
+    for column ``k * n + j`` (env k's agent j, ``own`` its observation from the reference);
+    ``check_final(buf, k, ref)`` at the episode's end."""
+    refs = [make_ref() for _ in range(2)]
+    agents = refs[0].possible_agents
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    ref_obs = [refs[0].reset(seed=7)[0], refs[1].reset(seed=10)[0]]
+    rng = np.random.default_rng(0)
+    for t in range(steps):
+        for k, ref in enumerate(refs):
+            for j, a in enumerate(agents):
+                check(buf, k, j, ref, ref_obs[k][a])
+        buf.actions[:] = rng.integers(0, 5, group.n_envs)
+        buf.step(group)
+        for k, ref in enumerate(refs):
+            ref_obs[k] = ref.step({a: int(buf.actions[len(agents) * k + j]) for j, a in enumerate(agents)})[0]
+            if t == end - 1:
+                check_final(buf, k, ref)
+                ref_obs[k] = ref.reset()[0]
+    return buf
+
+
 def cartpole_reference(backend: str, seed: int, start: np.ndarray, max_episode_steps: int) -> gym.Env:
     """gymnasium's CartPole-v1 in the state ``start``: seeded like env i of the gymnasium backend
     (its start must then be ``start``); set to it for EnvPool, whose CartPole has the same dynamics

@@ -31,7 +31,7 @@ from shared.launch.artefacts.export import GreedyPolicy, example_inputs
 from shared.runtime.runfiles import TB_DIR
 from tensorboard.backend.event_processing import event_accumulator
 from tests.pipeline import CONFIGS
-from tests.test_envs import Buffers
+from tests.test_envs import Buffers, step_beside_references
 
 torch.set_num_threads(1)
 
@@ -47,25 +47,17 @@ def test_every_column_carries_its_envs_state_which_the_value_reads_and_the_polic
     from mpe2 import simple_spread_v3
 
     group = make_env_group(SPREAD, 6, 7)
-    refs = [simple_spread_v3.parallel_env() for _ in range(2)]
-    agents = refs[0].possible_agents
-    buf = Buffers(group)
-    group.reset(buf.obs)
-    ref_obs = [refs[0].reset(seed=7)[0], refs[1].reset(seed=10)[0]]
-    rng = np.random.default_rng(0)
-    for t in range(27):
-        for k, ref in enumerate(refs):
-            for j, a in enumerate(agents):
-                np.testing.assert_array_equal(buf.obs.global_state[3 * k + j], ref.state())
-                np.testing.assert_array_equal(buf.obs.observation[3 * k + j], ref_obs[k][a])
-        buf.actions[:] = rng.integers(0, 5, 6)
-        buf.step(group)
-        for k, ref in enumerate(refs):
-            ref_obs[k] = ref.step({a: int(buf.actions[3 * k + j]) for j, a in enumerate(agents)})[0]
-            if t == 24:
-                for j in range(3):
-                    np.testing.assert_array_equal(buf.final_obs.global_state[3 * k + j], ref.state())
-                ref_obs[k] = ref.reset()[0]
+
+    def check(buf, k, j, ref, own):
+        np.testing.assert_array_equal(buf.obs.global_state[3 * k + j], ref.state())
+        np.testing.assert_array_equal(buf.obs.observation[3 * k + j], own)
+
+    def check_final(buf, k, ref):
+        for j in range(3):
+            np.testing.assert_array_equal(buf.final_obs.global_state[3 * k + j], ref.state())
+
+    buf = step_beside_references(group, simple_spread_v3.parallel_env, check, check_final)
+    rng = np.random.default_rng(1)
     group.close()
 
     agent = PgAgent(group.example_observation(), group.action_space, obs_space=group.observation_space)

@@ -23,6 +23,14 @@ def group_count(obs_space: gym.Space | None) -> int:
     return 0
 
 
+def members(groups: int, lstm_size: int, make) -> torch.nn.ModuleList:
+    """K members built by ``make()``; a recurrent agent is refused (its state would be routed too)."""
+    if lstm_size:
+        raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
+                         "a feed-forward agent")
+    return torch.nn.ModuleList(make() for _ in range(groups))
+
+
 def routed(outs: list[torch.Tensor], group: torch.Tensor) -> torch.Tensor:
     """Each row's own group's output: ``outs`` K tensors alike [*L, ...] (member k's on every row),
     ``group`` int [*L] -> [*L, ...], row r from ``outs[group[r]]``."""

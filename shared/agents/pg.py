@@ -20,7 +20,7 @@ from torch.distributions import Normal
 from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.masking import legal, mask_path, masked
-from shared.agents.groups import group_count, routed
+from shared.agents.groups import group_count, members, routed
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import is_nat, leading_len, map_leaves
@@ -112,11 +112,8 @@ class PgAgent(nn.Module):
         """One member agent a group (``env.groups``), or None."""
         groups = group_count(obs_space) if groups is None else groups
         if groups:
-            if cfg.lstm_size:
-                raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
-                                 "a feed-forward agent")
-            self.members = nn.ModuleList(PgAgent(obs_example, action_space, cfg, agent_cfg, obs_space, groups=0)
-                                         for _ in range(groups))
+            self.members = members(groups, cfg.lstm_size,
+                                   lambda: PgAgent(obs_example, action_space, cfg, agent_cfg, obs_space, groups=0))
             self.pi_encoder = self.v_encoder = self.core = self.v_core = self.pi_head = self.v_head = None
         elif not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and \
                 not cfg.layer_norm and not self.value_only:

@@ -21,7 +21,7 @@ from torch import nn
 
 from shared.agents.config import Memory, ModelConfig, QAgentConfig, QAgentInfo, QuantileHead, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
-from shared.agents.groups import group_count, routed
+from shared.agents.groups import group_count, members, routed
 from shared.agents.masking import legal, mask_path, masked, random_legal
 from shared.agents.memory import ActingMemory, core_memory, make_core
 from shared.agents.models import MLP, CosineEmbedding, make_encoder, make_obs_norm, obs_to
@@ -86,11 +86,8 @@ class QAgent(nn.Module):
         """One member agent a group (``env.groups``), or None."""
         groups = group_count(obs_space) if groups is None else groups
         if groups:
-            if model_cfg.lstm_size:
-                raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
-                                 "a feed-forward agent")
-            self.members = nn.ModuleList(QAgent(obs_example, action_space, model_cfg, cfg, obs_space, quantiles,
-                                                groups=0) for _ in range(groups))
+            self.members = members(groups, model_cfg.lstm_size,
+                                   lambda: QAgent(obs_example, action_space, model_cfg, cfg, obs_space, quantiles, groups=0))
             self.encoder = self.core = self.advantage = self.value = self.tau_embedding = self.merged = None
         else:
             self.encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
