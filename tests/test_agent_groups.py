@@ -269,3 +269,17 @@ def test_the_shipped_groups_config_trains_through_the_pipeline(runs, inference):
     result = run.wait_result(120)
     assert result["reason"] == "budget" and result["updates"] >= 10 and np.isfinite(result["mean_return"]), result
     assert json.loads((run.dir / ACTING_FILE).read_text())["plan"]["family"] == "groups"  # numpy where local
+
+
+def test_a_rival_run_whose_groups_come_in_another_order_is_refused():
+    """A group's index is its place in the config's table, and a rival's agent routes our env's
+    ``agent_group`` leaf by its own order: the same groups in another order would hand each
+    seat's columns to the other seat's networks, so the runs do not observe the game alike."""
+    from services.evaluator.matches import check_opponent
+
+    ours = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ first = 'player_1', second = 'player_2' }"])
+    same = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ first = 'player_1', second = 'player_2' }"])
+    swapped = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ second = 'player_2', first = 'player_1' }"])
+    check_opponent(ours, "rival", same)
+    with pytest.raises(ValueError, match="env.groups"):
+        check_opponent(ours, "rival", swapped)
