@@ -283,3 +283,32 @@ def test_a_rival_run_whose_groups_come_in_another_order_is_refused():
     check_opponent(ours, "rival", same)
     with pytest.raises(ValueError, match="env.groups"):
         check_opponent(ours, "rival", swapped)
+
+
+def _own_pg(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
+    """An out-of-tree actor-critic as docs/extending.md describes one: built on ``make_encoder``
+    (here PgAgent's, without groups), knowing nothing of ``env.groups``."""
+    return PgAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space, groups=0)
+
+
+def _own_ppo_spec():
+    from shared.agents.registry import AgentSpec, PG
+    from shared.algos.registry import ALGOS
+
+    return replace(ALGOS["ppo"], name="own_ppo", agent=AgentSpec("own_pg", PG.config, "pg", _own_pg))
+
+
+OWN_PPO = _own_ppo_spec()
+
+
+def test_groups_with_an_agent_that_has_no_networks_per_group_are_a_config_error_before_the_run():
+    """An agent of the user's own of the pg family that holds no ``members`` would train one
+    network for every agent, its encoder leaving the group leaf out: the run would not be the one
+    its config names. Building it (as every service does, and the launcher before anything
+    starts) is one config-error line instead."""
+    from services.build import check_buildable
+
+    own = [*TWO_KINDS, "algo.name='tests.test_agent_groups:OWN_PPO'"]
+    with pytest.raises(ConfigError, match="env.groups: the own_ppo agent"):
+        check_buildable(loading.load(CONFIG, own))
+    check_buildable(loading.load(CONFIG, [*own, "env.groups={}"]))  # without groups it is any agent
