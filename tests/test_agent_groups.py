@@ -312,3 +312,16 @@ def test_groups_with_an_agent_that_has_no_networks_per_group_are_a_config_error_
     with pytest.raises(ConfigError, match="env.groups: the own_ppo agent"):
         check_buildable(loading.load(CONFIG, own))
     check_buildable(loading.load(CONFIG, [*own, "env.groups={}"]))  # without groups it is any agent
+
+
+def test_a_rival_run_that_observes_the_global_state_otherwise_is_refused():
+    """env.global_state adds a leaf to every column's observation: a rival whose agent was built
+    without it (or with it, where ours has none) cannot act on our env's observations (its
+    encoder counts the leaves; its value reads the state), so check_opponent names the field
+    first, as for env.agent_id. (No shipped two-player game has a state(); an env of one's own may.)"""
+    from services.evaluator.matches import check_opponent
+
+    ours = loading.load(CONFIGS / "tictactoe_ppo.toml")
+    rival = replace(ours, env=replace(ours.env, global_state=True))
+    with pytest.raises(ValueError, match="env.global_state"):
+        check_opponent(ours, "rival", rival)

@@ -39,7 +39,7 @@ OUTCOMES = ("win", "draw", "loss")
 _PLURALS = {"win": "wins", "draw": "draws", "loss": "losses"}
 
 
-RIVAL_ENV_FIELDS = ("id", "kwargs", "wrappers", "max_episode_steps", "agent_id", "groups")
+RIVAL_ENV_FIELDS = ("id", "kwargs", "wrappers", "max_episode_steps", "agent_id", "global_state", "groups")
 """The env settings two runs must share to play each other: the game, its rules and what a
 policy observes of it (the backend and its threads may differ)."""
 
