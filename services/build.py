@@ -36,11 +36,18 @@ def make_agent(exp: Experiment, probe: AnyEnvGroup):
     torch.manual_seed(exp.run.seed)
     spec = exp.algo_spec
     try:
-        return spec.agent.make(probe.example_observation(), probe.action_space, exp.model, exp.agent, exp.algo,
-                               obs_space=probe.observation_space)
+        agent = spec.agent.make(probe.example_observation(), probe.action_space, exp.model, exp.agent, exp.algo,
+                                obs_space=probe.observation_space)
     except (ValueError, RuntimeError, TypeError) as e:
         raise ConfigError(f"the {spec.name} agent (encoder = {exp.model.encoder!r}) cannot be built for {exp.env.id}: "
                           f"{first_line(e)}") from None
+    # The config checks pass any agent of the pg and q families; one of a user's own may know
+    # nothing of groups, and make_encoder leaves the group leaf out: one network for all, unasked.
+    if exp.env.groups and getattr(agent, "members", None) is None:
+        raise ConfigError(f"env.groups: the {spec.name} agent ({spec.agent.name}) holds no networks per agent group "
+                          "(members, shared.agents.groups); groups need the built-in PPO, A2C, IMPALA or DQN-family "
+                          "agents; leave env.groups out")
+    return agent
 
 
 def check_buildable(exp: Experiment) -> None:

@@ -269,3 +269,59 @@ def test_the_shipped_groups_config_trains_through_the_pipeline(runs, inference):
     result = run.wait_result(120)
     assert result["reason"] == "budget" and result["updates"] >= 10 and np.isfinite(result["mean_return"]), result
     assert json.loads((run.dir / ACTING_FILE).read_text())["plan"]["family"] == "groups"  # numpy where local
+
+
+def test_a_rival_run_whose_groups_come_in_another_order_is_refused():
+    """A group's index is its place in the config's table, and a rival's agent routes our env's
+    ``agent_group`` leaf by its own order: the same groups in another order would hand each
+    seat's columns to the other seat's networks, so the runs do not observe the game alike."""
+    from services.evaluator.matches import check_opponent
+
+    ours = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ first = 'player_1', second = 'player_2' }"])
+    same = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ first = 'player_1', second = 'player_2' }"])
+    swapped = loading.load(CONFIGS / "tictactoe_ppo.toml", ["env.groups={ second = 'player_2', first = 'player_1' }"])
+    check_opponent(ours, "rival", same)
+    with pytest.raises(ValueError, match="env.groups"):
+        check_opponent(ours, "rival", swapped)
+
+
+def _own_pg(obs_example, action_space, model_cfg, agent_cfg, algo_cfg, obs_space=None):
+    """An out-of-tree actor-critic as docs/extending.md describes one: built on ``make_encoder``
+    (here PgAgent's, without groups), knowing nothing of ``env.groups``."""
+    return PgAgent(obs_example, action_space, model_cfg, agent_cfg, obs_space, groups=0)
+
+
+def _own_ppo_spec():
+    from shared.agents.registry import AgentSpec, PG
+    from shared.algos.registry import ALGOS
+
+    return replace(ALGOS["ppo"], name="own_ppo", agent=AgentSpec("own_pg", PG.config, "pg", _own_pg))
+
+
+OWN_PPO = _own_ppo_spec()
+
+
+def test_groups_with_an_agent_that_has_no_networks_per_group_are_a_config_error_before_the_run():
+    """An agent of the user's own of the pg family that holds no ``members`` would train one
+    network for every agent, its encoder leaving the group leaf out: the run would not be the one
+    its config names. Building it (as every service does, and the launcher before anything
+    starts) is one config-error line instead."""
+    from services.build import check_buildable
+
+    own = [*TWO_KINDS, "algo.name='tests.test_agent_groups:OWN_PPO'"]
+    with pytest.raises(ConfigError, match="env.groups: the own_ppo agent"):
+        check_buildable(loading.load(CONFIG, own))
+    check_buildable(loading.load(CONFIG, [*own, "env.groups={}"]))  # without groups it is any agent
+
+
+def test_a_rival_run_that_observes_the_global_state_otherwise_is_refused():
+    """env.global_state adds a leaf to every column's observation: a rival whose agent was built
+    without it (or with it, where ours has none) cannot act on our env's observations (its
+    encoder counts the leaves; its value reads the state), so check_opponent names the field
+    first, as for env.agent_id. (No shipped two-player game has a state(); an env of one's own may.)"""
+    from services.evaluator.matches import check_opponent
+
+    ours = loading.load(CONFIGS / "tictactoe_ppo.toml")
+    rival = replace(ours, env=replace(ours.env, global_state=True))
+    with pytest.raises(ValueError, match="env.global_state"):
+        check_opponent(ours, "rival", rival)

@@ -39,7 +39,7 @@ OUTCOMES = ("win", "draw", "loss")
 _PLURALS = {"win": "wins", "draw": "draws", "loss": "losses"}
 
 
-RIVAL_ENV_FIELDS = ("id", "kwargs", "wrappers", "max_episode_steps", "agent_id", "groups")
+RIVAL_ENV_FIELDS = ("id", "kwargs", "wrappers", "max_episode_steps", "agent_id", "global_state", "groups")
 """The env settings two runs must share to play each other: the game, its rules and what a
 policy observes of it (the backend and its threads may differ)."""
 
@@ -54,7 +54,8 @@ def check_opponent(exp: Experiment, opponent: str, rival: Experiment | None = No
     check_two_player_game(exp.env, f"--opponent {opponent}")
     for field in RIVAL_ENV_FIELDS if rival is not None else ():
         ours, theirs = getattr(exp.env, field), getattr(rival.env, field)
-        if ours != theirs:
+        # A table compares by order too: a group's index, the agent_group leaf, is its place in it.
+        if ours != theirs or isinstance(ours, dict) and list(ours.items()) != list(theirs.items()):
             raise ValueError(f"--opponent {opponent}: that run has env.{field} = {theirs!r}, this one {ours!r}; "
                              "runs play each other on the same game and observations")
 
