@@ -43,7 +43,8 @@ def resumed(tmp_path_factory):
     proc = subprocess.Popen(**rlpipe_command(
         "grid", str(CONFIGS / "cartpole_ppo.toml"), "--vary", f"run.max_env_steps={SHORT},{LONG}", "--parallel", "1",
         "--set", f"run.runs_dir='{root}'", "--set", "run.log_interval_s=0.2", "--set", "run.target_return=1e9",
-        "--set", "learner.checkpoint_interval_s=1"), stdout=log, stderr=subprocess.STDOUT)
+        "--set", "learner.checkpoint_interval_s=1", "--set", "network.metrics_port=0"), stdout=log,
+        stderr=subprocess.STDOUT)
     try:
         grid_dir = wait_for(lambda: next(root.glob("grid_*"), None), 120, "the grid directory")
 
@@ -193,7 +194,8 @@ def test_sigterm_to_a_grid_stops_its_live_run_with_a_checkpoint_for_resume(tmp_p
     proc = subprocess.Popen(**rlpipe_command(
         "grid", str(CONFIGS / "cartpole_ppo.toml"), "--parallel", "1", "--set", f"run.runs_dir='{tmp_path}'",
         "--set", "run.log_interval_s=0.2", "--set", "run.target_return=1e9", "--set", "run.max_env_steps=100000000",
-        "--set", "learner.checkpoint_interval_s=1"), stdout=(tmp_path / "grid.out").open("w"), stderr=subprocess.STDOUT)
+        "--set", "learner.checkpoint_interval_s=1", "--set", "network.metrics_port=0"),
+        stdout=(tmp_path / "grid.out").open("w"), stderr=subprocess.STDOUT)
 
     def started():
         assert proc.poll() is None, (tmp_path / "grid.out").read_text()  # the grid ended before its run did

@@ -57,7 +57,8 @@ def grid(tmp_path_factory):
     proc = subprocess.Popen(**rlpipe_command(
         "grid", str(CONFIGS / "cartpole_ppo.toml"), "--vary", "algo.lr=1e-3,5e-4", "--seeds", "0,1", "--parallel", "2",
         "--set", f"run.runs_dir='{root}'", "--set", f"run.max_env_steps={STEPS}", "--set", "run.log_interval_s=0.2",
-        "--set", "run.target_return=150"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        "--set", "run.target_return=150", "--set", "network.metrics_port=0"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
     try:
         killed = kill_supervisord_once_learning(root, "grid_*/lr_0.0005_seed_0_*")
         stdout, stderr = proc.communicate(timeout=600)

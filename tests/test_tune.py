@@ -128,7 +128,8 @@ def tuned(tmp_path_factory):
     out = rlpipe_here("tune", CONFIG, "--param", "algo.lr=loguniform:3e-5:3e-3", "--param", "algo.epochs=int:4:20",
                       "--trials", "4", "--parallel", "2", "--startup-trials", "1", "--seed", "1",
                       "--out", str(root / "study"), "--set", f"run.runs_dir='{root}'",
-                      "--set", f"run.max_env_steps={BUDGET}", "--set", "run.log_interval_s=0.25")
+                      "--set", f"run.max_env_steps={BUDGET}", "--set", "run.log_interval_s=0.25",
+                      "--set", "network.metrics_port=0")
     yield root / "study", out
     for d in runs.find_runs(root):
         killed, removed = supervisor.clean(d)
