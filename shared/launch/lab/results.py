@@ -153,7 +153,7 @@ def _cells(r: dict) -> dict:
     gpu = [g for g in r["gpu"] if g and g != "none"]
     host = "; ".join(r["cpu"]) + (f", GPU {'; '.join(gpu)}" if gpu else "")
     cells = {
-        "algorithm": r["algorithm"].upper() if r["algorithm"].isidentifier() else r["algorithm"],
+        "algorithm": r["algorithm"].upper().replace("_", "-") if r["algorithm"].isidentifier() else r["algorithm"],
         "env (config)": r["env"] + (f" (`{r['config']}`)" if r["config"] else ""),
         "env steps": _spread([v for v in r["env_steps"] if v is not None], "{:,.0f}"),
         "seeds": f"{len(r['seeds'])} ({seeds})",
