@@ -135,6 +135,10 @@ def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_grou
     (["env.groups={ all = '*', good = 'agent_*' }"],
      "env.groups: agent 'agent_0' of 'pettingzoo:mpe2.simple_adversary_v3' is in all ('*') and good ('agent_*'); "
      "every agent must be in exactly one group"),
+    (["env.groups={ all = '*' }"],
+     "env.groups: 'adversary_0' and 'agent_0' of 'pettingzoo:mpe2.simple_adversary_v3' are both in group 'all' but "
+     "observe Box(-inf, inf, (8,), float32) and Box(-inf, inf, (10,), float32); one group's network reads one "
+     "observation layout: give them groups of their own"),
     (["env.id='CartPole-v1'", "env.kwargs=''", "sampler.envs=4"],
      "env.groups: 'CartPole-v1' is a single-agent env; agent groups are for 'pettingzoo:<module>' envs (leave it "
      "out)"),

@@ -21,7 +21,8 @@ column's group index, in the order the groups are given, as the ``agent_group`` 
 (``shared.agents.groups``). The agents then share one action space but may differ in the length
 of a 1-D float Box observation (MPE's adversaries see less than the good agents): the column's
 is the longest, a shorter one zero-padded at its end, so each group's network reads its own
-agents' observations in their own layout (plus zeros).
+agents' observations in their own layout (plus zeros). Agents of one group observe alike (one
+network reads one layout); other groups' agents may differ.
 
 What a column's step is, where its agent does not act:
 
@@ -146,6 +147,12 @@ def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Spac
                              f"{agents[0]!r}; one shared policy needs the same for all agents" +
                              ("" if groups is None else " (with env.groups: one action space, and observations "
                               "the same or 1-D float Boxes of any length)"))
+    for a, g, space in zip(agents, groups or (), own):  # one network reads one layout
+        first = groups.index(g)
+        if space != own[first]:
+            raise ValueError(f"env.groups: {agents[first]!r} and {a!r} of {cfg.id!r} are both in group "
+                             f"{list(cfg.groups)[g]!r} but observe {own[first]} and {space}; one group's network "
+                             "reads one observation layout: give them groups of their own")
     if any(space != obs_space for space in own):
         obs_space = _padded(own)
     masked = isinstance(obs_space, spaces.Dict) and MASK_KEY in obs_space.spaces
