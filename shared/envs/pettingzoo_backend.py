@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from gymnasium import spaces
@@ -130,10 +130,23 @@ def _padded(boxes: list[spaces.Box]) -> spaces.Box:
     return spaces.Box(low, high, dtype=np.float32)
 
 
-def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Space, spaces.Space, bool]:
-    """(agents, the column observation space, the action space, whether it holds a mask);
-    ValueError (one line naming the field) for an env one shared policy (or, with ``env.groups``,
-    one network layout) cannot act in."""
+class Layout(NamedTuple):
+    """How an env's agents become columns (``_spaces``)."""
+    agents: list[str]
+    observation_space: spaces.Space
+    """A column's: the agent's observation with the leaves the config adds."""
+    action_space: spaces.Space
+    masked: bool
+    """The observation holds an action mask."""
+    group_of: np.ndarray | None
+    """Each agent's group index (``env.groups``), int64 [N], or None without groups."""
+    pad_to: int
+    """The column observation's length where agents' observations are zero-padded to it, else 0."""
+
+
+def _spaces(cfg: EnvConfig, raw, parallel: bool) -> Layout:
+    """The column layout of ``raw``'s agents; ValueError (one line naming the field) for an env
+    one shared policy (or, with ``env.groups``, one network layout) cannot act in."""
     agents = list(raw.possible_agents)
     if not agents:
         raise ValueError(f"env.id = {cfg.id!r}: the env has no agents")
@@ -153,8 +166,10 @@ def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Spac
             raise ValueError(f"env.groups: {agents[first]!r} and {a!r} of {cfg.id!r} are both in group "
                              f"{list(cfg.groups)[g]!r} but observe {own[first]} and {space}; one group's network "
                              "reads one observation layout: give them groups of their own")
+    pad_to = 0
     if any(space != obs_space for space in own):
         obs_space = _padded(own)
+        pad_to = obs_space.shape[0]
     masked = isinstance(obs_space, spaces.Dict) and MASK_KEY in obs_space.spaces
     if not parallel and not masked:
         raise ValueError(f"env.id = {cfg.id!r}: a turn-based (AEC) env must give an {MASK_KEY!r} in a Dict "
@@ -174,7 +189,7 @@ def _spaces(cfg: EnvConfig, raw, parallel: bool) -> tuple[list[str], spaces.Spac
         fields[STATE_KEY] = _state_space(cfg, raw, obs_space)
     if isinstance(obs_space, spaces.Dict) or len(fields) > 1:
         obs_space = spaces.Dict(fields)
-    return agents, obs_space, act_space, masked
+    return Layout(agents, obs_space, act_space, masked, None if groups is None else np.asarray(groups, np.int64), pad_to)
 
 
 def _state_space(cfg: EnvConfig, raw, obs_space: spaces.Space) -> spaces.Box:
@@ -298,7 +313,10 @@ class PettingZooGroup(SplitStep):
         self.cfg, self.n_envs, self.base_seed = cfg, n_envs, base_seed
         self._kwargs = check_common(cfg)[0]
         first, self._parallel = _make_raw(cfg, self._kwargs)
-        self.agents, self.observation_space, self.action_space, self._masked = _spaces(cfg, first, self._parallel)
+        layout = _spaces(cfg, first, self._parallel)
+        self.agents, self.observation_space, self.action_space = layout.agents, layout.observation_space, \
+            layout.action_space
+        self._masked, self._group_of, self._pad_to = layout.masked, layout.group_of, layout.pad_to
         N = len(self.agents)
         if n_envs < N or n_envs % N:
             first.close()
@@ -310,11 +328,6 @@ class PettingZooGroup(SplitStep):
         self._obs_leaves = obs_leaves(self.observation_space)
         self._to_env_actions = action_converter(self.action_space, n_envs)
         self._one_hot = np.eye(N, dtype=np.float32)
-        self._group_of = np.asarray(agent_groups(cfg, self.agents), np.int64) if cfg.groups else None
-        own = [first.observation_space(a) for a in self.agents]
-        # Agents' spaces differ only where _spaces allowed it: 1-D Boxes, padded to the column's.
-        self._pad_to = self.observation_space["observation"].shape[0] if any(s != own[0] for s in own) else 0
-        """The column observation's length where agents' observations are zero-padded to it, else 0."""
         if self._masked:
             self._pass_mask = np.zeros(int(self.action_space.n), np.int8)
             self._pass_mask[PASS] = 1
