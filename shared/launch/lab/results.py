@@ -41,6 +41,8 @@ REFERENCES = {
     ("sac", "HalfCheetah-v5"): "9,535 ± 100 at 1M, HalfCheetah-v3 (rl-baselines3-zoo); none at 100k",
     ("sac", "Hopper-v5"): "2,326 ± 1,130 at 1M, Hopper-v3 (rl-baselines3-zoo); none at 100k",
     ("sac", "Walker2d-v5"): "3,863 ± 254 at 1M, Walker2d-v3 (rl-baselines3-zoo); none at 100k",
+    **{("crossq", f"{env}-v5"): "none tabulated (the CrossQ paper, Bhatt et al. 2024, gives curves); "
+       "beside the SAC row of the same env, steps and samplers" for env in ("HalfCheetah", "Hopper", "Walker2d")},
 }
 MINATAR_PAPER = {"Breakout": ("DQN ~10", "~17.5 (AC(λ))"), "SpaceInvaders": ("DQN ~43", "~185 (AC(λ))"),
                  "Asterix": ("DQN ~17", None), "Freeway": ("DQN ~50", None), "Seaquest": ("DQN ~20", None)}
