@@ -213,6 +213,21 @@ def test_vary_makes_the_product_of_values_with_short_labels():
         parse_vary(["lr=1"])
 
 
+def test_vary_takes_arrays_and_inline_tables_as_one_value_each():
+    groups = ["{ good = 'agent_*', adversaries = 'adversary_*' }", "{ all = '*' }"]
+    variants = parse_vary(["model.hidden_sizes=[64,64],[256, 256]", f"env.groups={groups[0]},{groups[1]}"])
+    assert [v.overrides for v in variants] == [(f"model.hidden_sizes={h}", f"env.groups={g}")
+                                               for h in ("[64,64]", "[256, 256]") for g in groups]
+    assert variants[0].label == "hidden_sizes=[64;64],groups={good=agent_*;adversaries=adversary_*}"
+    assert variants[0].method == variants[0].label  # a label's fields part at its commas alone
+    # a comma inside a string, escaped quotes included, belongs to the string
+    assert [v.overrides for v in parse_vary(['run.name="a,\\"b",c', "run.seed=1"])] == [
+        ('run.name="a,\\"b"', "run.seed=1"), ("run.name=c", "run.seed=1")]
+    exp = loading.load(CONFIGS / "simple_adversary_groups_ppo.toml", list(variants[2].overrides))
+    assert list(exp.env.groups.items()) == [("good", "agent_*"), ("adversaries", "adversary_*")]
+    assert exp.model.hidden_sizes == (256, 256)
+
+
 def test_concurrent_runs_get_distinct_free_ports():
     exp = loading.load(CONFIGS / "cartpole_ppo.toml", ["network.transport='tcp'"])
     ports = Ports()

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     c = sub.add_parser("grid", help="run every combination of --vary values and seeds, K runs at a time")
     c.add_argument("config", nargs="?", help="experiment TOML file")
     c.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
-                   help="values to try for a config field (repeatable: the grid is their product)")
+                   help="values to try for a config field, TOML literals (an array or inline table is one value: "
+                        "model.hidden_sizes=[64,64],[256,256]); repeatable: the grid is their product")
     c.add_argument("--seeds", help="run.seed values, comma-separated (default: 0)")
     c.add_argument("--parallel", type=int, metavar="K", help="runs at a time (default: as many as the cores hold; "
                                                              "with --resume: as the grid was started)")

@@ -58,19 +58,50 @@ class Variant:
 
 
 def parse_vary(items: list[str]) -> list[Variant]:
-    """The product of ``section.key=v1,v2,...`` items (values are TOML literals, no commas
-    inside one). Labels name a field by its key, or by section.key where two keys clash."""
+    """The product of ``section.key=v1,v2,...`` items (values are TOML literals; an array or an
+    inline table is one value, e.g. ``model.hidden_sizes=[64,64],[256,256]``). Labels name a
+    field by its key, or by section.key where two keys clash."""
     axes = []
     for item in items:
         key, sep, values = item.partition("=")
         if not sep or key.count(".") != 1 or not values:
             raise ConfigError(f"--vary {item!r}: expected section.key=value1,value2,... e.g. algo.lr=1e-3,3e-4")
-        axes.append((key.strip(), [v.strip() for v in values.split(",")]))
+        axes.append((key.strip(), split_values(values)))
     short = [key.split(".")[1] for key, _ in axes]
     names = [s if short.count(s) == 1 else key for s, (key, _) in zip(short, axes)]
-    return [Variant(",".join(f"{n}={literal(v)}" for n, v in zip(names, combo)),
+    return [Variant(",".join(f"{n}={_label(literal(v))}" for n, v in zip(names, combo)),
                     tuple(f"{key}={v}" for (key, _), v in zip(axes, combo)))
             for combo in itertools.product(*(values for _, values in axes))]
+
+
+def split_values(text: str) -> list[str]:
+    """``v1,v2,...`` split at the commas outside brackets, braces and quotes."""
+    out, depth, quote, escaped, start = [], 0, None, False, 0
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif quote:
+            escaped = quote == '"' and ch == "\\"  # a basic string's escape: the next character is not its end
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+    return out + [text[start:].strip()]
+
+
+def _label(value) -> str:
+    """A value as a label shows it, without commas: they part a label's fields (``Variant.method``)."""
+    if isinstance(value, dict):
+        return "{" + ";".join(f"{k}={_label(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ";".join(_label(v) for v in value) + "]"
+    return str(value)
 
 
 def literal(text: str):
