@@ -238,6 +238,11 @@ def test_concurrent_runs_get_distinct_free_ports():
     assert all(endpoints.port_free("127.0.0.1", p) for p in blocks[0] | blocks[1])
     ports.release(first)
     assert ports.assign(exp).network.metrics_port == first.network.metrics_port
+    # Another grid started at the same time (its own Ports: another process's, as flocks go)
+    # skips the ports this one handed out although nothing has bound them yet.
+    other = Ports().assign(exp)
+    assert other.network.metrics_port not in {first.network.metrics_port, second.network.metrics_port}
+    assert other.network.base_port not in {first.network.base_port, second.network.base_port}
     # the default run keeps 3 processes busy (sampler, replay, learner); 4 with a second sampler:
     # on 2 cores one run at a time
     assert processes_per_run(checks.resolve_inference(loading.load(CONFIGS / "cartpole_ppo.toml"))[0]) == 3

@@ -17,6 +17,7 @@ snapshot) in their own directory, and jobs never started start.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
 import os
 import sys
@@ -124,10 +125,17 @@ def default_parallel(exp: Experiment) -> int:
 
 
 class Ports:
-    """Ports handed to the grid's live runs: each run gets its own metrics port and tcp block."""
+    """Ports handed to the grid's live runs: each run gets its own metrics port and tcp block.
+
+    A port is free to hand out only while no other grid or tune of this user holds it: each
+    one handed out is claimed with an flock on ``<socket_base>/ports/<port>.lock`` until it is
+    released, so two grids started at once (both finding a port unbound, because neither run
+    has bound it yet) do not hand out the same one. The kernel drops a claim with the process
+    that held it, so a launcher killed with ``kill -9`` leaves none behind."""
 
     def __init__(self):
-        self.taken: set[int] = set()
+        self.taken: dict[int, Any] = {}
+        """port -> the open lock file that claims it."""
         self.lock = threading.Lock()
 
     def assign(self, exp: Experiment) -> Experiment:
@@ -141,18 +149,41 @@ class Ports:
 
     def release(self, exp: Experiment) -> None:
         net = exp.network
+        ports = [net.metrics_port] + (list(range(net.base_port, net.base_port + len(endpoints.tcp_offsets(exp))))
+                                      if net.transport == "tcp" else [])
         with self.lock:
-            self.taken.discard(net.metrics_port)
-            if net.transport == "tcp":
-                self.taken.difference_update(range(net.base_port, net.base_port + len(endpoints.tcp_offsets(exp))))
+            for port in ports:
+                held = self.taken.pop(port, None)
+                if held is not None:
+                    held.close()  # closing the file drops its flock
 
     def _block(self, host: str, start: int, count: int) -> int:
         for first in range(start, 65536 - count):
-            block = range(first, first + count)
-            if all(p not in self.taken and endpoints.port_free(host, p) for p in block):
-                self.taken.update(block)
+            claims = []
+            for port in range(first, first + count):
+                claim = None if port in self.taken or not endpoints.port_free(host, port) else _claim(port)
+                if claim is None:
+                    break
+                claims.append((port, claim))
+            else:
+                self.taken.update(claims)
                 return first
+            for _, claim in claims:
+                claim.close()
         raise ConfigError(f"no {count} free port(s) from {start} up on {host}")
+
+
+def _claim(port: int):
+    """The open lock file that claims ``port`` for this process, or None where another holds it."""
+    locks = endpoints.socket_base() / "ports"
+    rundirs.make_private_dir(locks)
+    f = open(locks / f"{port}.lock", "a")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
 
 
 class Launcher:
