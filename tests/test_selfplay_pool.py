@@ -324,6 +324,48 @@ def test_a_late_action_server_reply_never_lands_over_the_opponents_moves(tmp_pat
         assert (slot.action[~mask & (legal.sum(-1) > 1)] == 0).all()  # the learner seat's: the action-server's
 
 
+def test_a_restarted_server_inference_sampler_starts_its_opponent_at_the_runs_env_steps(tmp_path, run_id):
+    """A sampler (re)started into a run at 123456 env steps, with no announcement from the learner
+    since: its opponent copies act at the run's env steps (a Q agent's epsilon), not at 0."""
+    with served_sampler(tmp_path, run_id, 123_456) as (actions, sampler):
+        assert actions.steps.env_steps == 123_456
+        sampler.start(actions)
+        actions.wait(0)
+        assert actions.steps.env_steps == 123_456
+
+
+def test_a_server_inference_sampler_on_another_node_than_the_learner_starts_at_its_first_announcement(run_id,
+                                                                                                      tmp_path):
+    """Where the learner's parameter segment is on another node, the sampler waits for the
+    learner's next announcement (it re-announces every REANNOUNCE_MS while it waits for batches)
+    and starts its opponent at those env steps."""
+    from services.sampler.__main__ import announced_steps
+    from tests.test_params import announcing, make_net
+
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.inference='server'", "network.transport='tcp'",
+                                                               "placement.sampler='b'", "placement.action_server='b'"])
+    assert exp.placement.crosses("sampler", "learner")
+    ctx, writer, pub, sub = announcing(make_net(0), run_id, tmp_path)
+    stop = threading.Event()
+
+    def learner():
+        while not stop.wait(0.05):
+            pub.publish(4, 77_000)
+
+    thread = threading.Thread(target=learner)
+    thread.start()
+    try:
+        steps = announced_steps(exp, tmp_path, sub, None)  # no acting.json needed: nothing of the segment is read
+        assert steps.env_steps == 77_000
+    finally:
+        stop.set()
+        thread.join(5)
+        sub.close()
+        pub.ep.close()
+        writer.close()
+        ctx.destroy(linger=0)
+
+
 def test_progress_rows_name_the_pools_best_version_and_its_elo():
     from services.learner.progress import Progress
 
