@@ -7,15 +7,20 @@ after ``launch --resume``."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import shutil
 import signal
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import zmq
 
 pytest.importorskip("pettingzoo")
 mpe2 = pytest.importorskip("mpe2")
@@ -207,6 +212,158 @@ def test_a_board_keeps_the_version_it_drew_until_its_game_ends_and_its_games_sco
         scores.record(version, ret)
     assert {v: sum(s[o] for o in ("win", "draw", "loss")) for v, s in scores.versions.items()} == \
         {v: reported.count(v) for v in (3, 5, 7)}
+
+
+# ------------------------------------------------------------------ server inference, real sockets
+
+
+def fixed_move(agent, cell: int, value: float) -> None:
+    """Make ``agent`` (tictactoe_ppo's) play ``cell`` wherever it is legal and value every position at ``value``."""
+    with torch.no_grad():
+        agent.twin.weights[2].zero_()  # member 0 is the policy's head, member 1 the value's
+        agent.twin.biases[2][0, 0].copy_(torch.eye(9)[cell] * 50.0)
+        agent.twin.biases[2][1].fill_(value)
+
+
+@contextlib.contextmanager
+def served_sampler(tmp_path, run_id: str, env_steps: int, slow_forwards_s=()):
+    """Sampler 0 of a run (4 envs, one group, server inference, the pool holding version 5, which
+    takes the centre and values every position at 5) wired by ``served_actions`` as the sampler
+    process wires it, to a real ``ActionServer`` in a thread (its ROUTER socket, the doorbell, the
+    sampler's step slot in shared memory) whose policy takes the corner (cell 0) and values every
+    position at -5; the learner's parameter segment holds version 3 at ``env_steps`` and its PUB
+    socket announces nothing. The action-server's forward passes take ``slow_forwards_s`` more
+    seconds each, in order. Yields (actions, sampler)."""
+    from services.action_server.server import ActionServer
+    from services.build import example_step
+    from services.learner.transport import PublishedParams
+    from services.sampler.__main__ import served_actions
+    from shared.agents.acting import write_acting_file
+    from shared.agents.actor import acting_plan
+    from shared.config.endpoints import endpoint, socket_dir
+    from shared.data.layout import slot_spec
+    from shared.data.namedarraytuple import drop_leading_dims
+    from shared.launch.rundirs import make_private_dir
+    from shared.runtime import metrics
+    from shared.transport import shm, wire
+    from shared.transport.auth import read_secret, write_secret
+    from shared.transport.params import ParamWriter
+    from shared.transport.sockets import Endpoint
+
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=4", "sampler.alternating=false",
+                                                               "sampler.inference='server'", "sampler.timeout_ms=100"])
+    run_dir = tmp_path / run_id
+    run_dir.mkdir()
+    write_secret(run_dir)
+    make_private_dir(socket_dir(run_dir))
+    probe = env_probe(exp)
+    learner, centre, corner = (make_agent(exp, probe) for _ in range(3))
+    fixed_move(centre, 4, 5.0)
+    fixed_move(corner, 0, -5.0)
+    PoolFiles(run_dir, exp.selfplay.size).add(5, {field_name(k): t.numpy() for k, t in centre.state_dict().items()})
+    ctx = zmq.Context()
+    params = PublishedParams(ctx, endpoint(exp, run_dir, "params"),
+                             ParamWriter(learner, shm.segment_name(run_id, "learner", 0, "params")))
+    params.writer.write(3, env_steps)  # the learner's state before the sampler (re)started: no announcement since
+    write_acting_file(run_dir, params.writer.descriptor["spec"], acting_plan(learner))
+    topo = topology(exp)
+    router = Endpoint(ctx, zmq.ROUTER, endpoint(exp, run_dir, "action_server0"), bind=True, name="action_server0")
+    sub = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name="action_server0",
+                   subscribe=wire.topic("params"))
+    server = ActionServer(exp.action_server, corner, router, sub, metrics.for_service("action_server", 7),
+                          socket_dir(run_dir), run_id, read_secret(run_dir),
+                          drop_leading_dims(slot_spec(example_step(exp, probe), 1), 1), exp.sampler.envs,
+                          topo.total_envs, np.random.SeedSequence(3))
+    probe.close()
+    forward, delays = server.act, list(slow_forwards_s)
+
+    def slow_forward(*args):
+        time.sleep(delays.pop(0) if delays else 0.0)
+        return forward(*args)
+
+    server.act = slow_forward
+    stop = threading.Event()
+    thread = threading.Thread(target=server.run, args=(stop.is_set,), daemon=True)
+    thread.start()
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), run_id,
+                      metrics=metrics.for_service("sampler", 7))
+    actions = None
+    try:
+        actions = served_actions(exp, topo, sampler, run_dir, ctx, time.time_ns(), read_secret(run_dir))
+        yield actions, sampler
+    finally:
+        if actions is not None:
+            actions.close()
+        stop.set()
+        thread.join(5)
+        server.close()
+        router.close()
+        sampler.close()
+        params.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(socket_dir(run_dir), ignore_errors=True)
+
+
+def test_a_late_action_server_reply_never_lands_over_the_opponents_moves(tmp_path, run_id):
+    """The action-server's first forward pass outlasts the sampler's timeout_ms: the sampler says
+    hello again and rings again while the action-server, slow and not dead, still writes its
+    actions for the first ring into the step slot and replies. Whatever the order, the slot the
+    sampler steps its envs with holds the pool version's moves and agent info in the opponent's
+    columns, and keeps them: no write of the current policy lands after the opponent's."""
+    with served_sampler(tmp_path, run_id, 0, slow_forwards_s=(0.4, 0.05)) as (actions, sampler):
+        slot = sampler.slots[0]
+        sampler.start(actions)  # resets the boards and rings
+        actions.wait(0)
+        time.sleep(0.3)  # longer than the action-server's forward pass for the ring made again
+        mask = opponent_columns(sampler.env_base, 4)
+        legal = slot.observation.action_mask
+        to_move = mask & (legal.sum(-1) > 1) & (legal[:, 4] == 1)  # the opponent moves first on board 1
+        assert to_move.any()
+        assert (slot.action[to_move] == 4).all(), slot.action  # the pool version's centre, not the corner
+        assert (slot.agent_info.value[mask] == 5.0).all(), slot.agent_info.value
+        assert (slot.action[~mask & (legal.sum(-1) > 1)] == 0).all()  # the learner seat's: the action-server's
+
+
+def test_a_restarted_server_inference_sampler_starts_its_opponent_at_the_runs_env_steps(tmp_path, run_id):
+    """A sampler (re)started into a run at 123456 env steps, with no announcement from the learner
+    since: its opponent copies act at the run's env steps (a Q agent's epsilon), not at 0."""
+    with served_sampler(tmp_path, run_id, 123_456) as (actions, sampler):
+        assert actions.steps.env_steps == 123_456
+        sampler.start(actions)
+        actions.wait(0)
+        assert actions.steps.env_steps == 123_456
+
+
+def test_a_server_inference_sampler_on_another_node_than_the_learner_starts_at_its_first_announcement(run_id,
+                                                                                                      tmp_path):
+    """Where the learner's parameter segment is on another node, the sampler waits for the
+    learner's next announcement (it re-announces every REANNOUNCE_MS while it waits for batches)
+    and starts its opponent at those env steps."""
+    from services.sampler.__main__ import announced_steps
+    from tests.test_params import announcing, make_net
+
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.inference='server'", "network.transport='tcp'",
+                                                               "placement.sampler='b'", "placement.action_server='b'"])
+    assert exp.placement.crosses("sampler", "learner")
+    ctx, writer, pub, sub = announcing(make_net(0), run_id, tmp_path)
+    stop = threading.Event()
+
+    def learner():
+        while not stop.wait(0.05):
+            pub.publish(4, 77_000)
+
+    thread = threading.Thread(target=learner)
+    thread.start()
+    try:
+        steps = announced_steps(exp, tmp_path, sub, None)  # no acting.json needed: nothing of the segment is read
+        assert steps.env_steps == 77_000
+    finally:
+        stop.set()
+        thread.join(5)
+        sub.close()
+        pub.ep.close()
+        writer.close()
+        ctx.destroy(linger=0)
 
 
 def test_progress_rows_name_the_pools_best_version_and_its_elo():

@@ -103,7 +103,7 @@ def served_actions(exp, topo: Topology, sampler: Sampler, run_dir, ctx: zmq.Cont
                    secret: str):
     """Server inference: the action-server of ``sampler`` acts for every column; in self-play
     against a pool the opponent seat then acts here (``opponent.ServedWithOpponent``), following
-    the run's env steps from the learner's announcements."""
+    the run's env steps (``announced_steps``)."""
     instance, m = sampler.instance, sampler.metrics
     server = topo.action_server_of(instance)
     served = RemoteActions(ctx, endpoint(exp, run_dir, f"action_server{server}"), f"sampler{instance}", instance,
@@ -112,16 +112,46 @@ def served_actions(exp, topo: Topology, sampler: Sampler, run_dir, ctx: zmq.Cont
     if not exp.selfplay.on:
         return served
     from services.sampler.opponent import ServedWithOpponent
-    from shared.transport.params import AnnouncedSteps
 
+    sub = None
     try:
-        opponent = pool_opponent(exp, topo, run_dir, sampler, wait_for_acting(exp, run_dir))
+        published = wait_for_acting(exp, run_dir)
+        opponent = pool_opponent(exp, topo, run_dir, sampler, published)
         sub = Endpoint(ctx, zmq.SUB, endpoint(exp, run_dir, "params"), bind=False, name=f"sampler{instance}",
                        on_bad=metrics_mod.bad_message_counter(m), subscribe=wire.topic("params"))
+        steps = announced_steps(exp, run_dir, sub, published)
     except BaseException:
+        if sub is not None:
+            sub.close()
         served.close()
         raise
-    return ServedWithOpponent(served, opponent, sampler, AnnouncedSteps(sub), topo.total_envs)
+    return ServedWithOpponent(served, opponent, sampler, steps, topo.total_envs)
+
+
+def announced_steps(exp, run_dir, sub: Endpoint, published: dict):
+    """The run's env steps for the opponent of a server-inference sampler (``params.AnnouncedSteps``
+    on ``sub``), from where the run is when the sampler starts, not from 0: a restarted sampler's
+    opponent copies would otherwise explore as at env step 0 until the learner's next
+    announcement. Read once from the newest version in the learner's parameter segment, as a
+    local-inference sampler starts (``ParamFollower``; the copy of the state it loads is dropped at
+    once, a cost paid once a start; ``published``: the learner's acting.json, whose spec is the
+    segment's); where the learner runs on another node, its first announcement is waited for (as
+    a local sampler there waits for its first version)."""
+    from shared.transport.params import AnnouncedSteps, ParamFollower, StateArrays
+
+    limit_s = exp.run.watchdog_startup_s or ACTING_WAIT_S
+    if exp.placement.crosses("sampler", "learner"):
+        steps = AnnouncedSteps(sub)
+        wait_for("the learner's env steps", steps.poll, limit_s)
+        return steps
+    run_id = run_id_of(run_dir)
+    newest = ParamFollower(StateArrays(published["spec"]), shm.segment_name(run_id, "learner", 0, "params"),
+                           shm.Owner(run_id, "learner", 0))
+    try:
+        wait_for("the learner's first parameter version", newest.poll, limit_s)
+    finally:
+        newest.close()
+    return AnnouncedSteps(sub, newest.env_steps)
 
 
 def wait_for(what: str, ready, limit_s: float):

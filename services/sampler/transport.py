@@ -127,14 +127,26 @@ class RemoteActions:
 
     def _recover(self) -> None:
         """New socket, hello, and ring again for every outstanding group (the slots still hold their
-        observations). A doorbell that is gone again each time after the welcome is retried after
-        a pause that doubles, and given up on after ``give_up_s`` (RuntimeError)."""
+        observations), each under a new step number. A doorbell that is gone again each time after
+        the welcome is retried after a pause that doubles, and given up on after ``give_up_s``
+        (RuntimeError).
+
+        Why a new number: the ring we gave up on may still be answered. An action-server that was
+        slow, not dead, writes that ring's actions into the slot and replies after our time-out;
+        it welcomes our new hello only once it has detached our old peer (dropping what that one
+        had pending: its doorbell end closed when we reconnected), and it serves the
+        ring made here afterwards, writing the slot again. Under the old number the first reply
+        would be taken, and the second write would land after it, over whatever the caller put
+        into the slot since (the self-play opponent's actions; the actions the sampler already
+        copied into its segment). Under the new one ``wait`` takes only the reply to this ring,
+        and no write into the slot comes after it."""
         tries = Backoff(HELLO_BACKOFF_S, 8 * HELLO_BACKOFF_S, give_up_s=self.give_up_s)
         while True:
             self._reconnect()
             self._hello()
             try:
                 for g in sorted(self.outstanding):
+                    self.step[g] += 1
                     self.bell.ring(g, self.step[g])
                 return
             except PeerGone as e:

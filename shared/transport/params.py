@@ -233,11 +233,12 @@ class AnnouncedSteps:
     """The run's env steps as the learner announces them with each version (``params`` on ``sub``,
     a SUB endpoint subscribed to that type), no version loaded: for a sampler whose action-server
     acts for the current policy while its self-play opponent, acting in the sampler, explores by
-    the run's steps (a Q agent's epsilon). 0 until the first announcement comes."""
+    the run's steps (a Q agent's epsilon). ``env_steps``: the steps to hold until the first
+    announcement comes (the run's, read where the sampler starts: its parameter segment's)."""
 
-    def __init__(self, sub):
+    def __init__(self, sub, env_steps: int = 0):
         self.sub = sub
-        self.env_steps = 0
+        self.env_steps = env_steps
 
     def poll(self) -> bool:
         """Take the steps of the newest announcement since the last poll, without blocking; True if one came."""
