@@ -7,10 +7,12 @@ group as an input and plays the agent's actions."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,15 +21,15 @@ import torch
 pytest.importorskip("pettingzoo")
 pytest.importorskip("mpe2")
 
-from shared.agents import EVALUATE
+from shared.agents import EVALUATE, StepContext
 from shared.agents.acting import numpy_actor
 from shared.agents.actor import acting_plan, state_arrays
-from shared.agents.config import QAgentConfig
+from shared.agents.config import ModelConfig, QAgentConfig
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.config import loading
 from shared.config.schema import ConfigError
-from shared.data.namedarraytuple import torchify
+from shared.data.namedarraytuple import leaves, map_leaves, torchify, zip_map
 from shared.envs.backends import make_env_group
 from shared.envs.group import EnvConfig
 from shared.launch import api
@@ -125,6 +127,79 @@ def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_grou
                 assert torch.equal(agent.q_values(obs)[rows == k], member.q_values(obs)[rows == k])
 
 
+RECURRENT_MODEL = ModelConfig(hidden_sizes=(32,), lstm_size=8, lstm_prev_action=True, lstm_prev_reward=True)
+RECURRENT = {
+    "ppo": lambda example, act, space: PgAgent(example, act, RECURRENT_MODEL, obs_space=space),
+    "r2d1": lambda example, act, space: QAgent(example, act, RECURRENT_MODEL, QAgentConfig(eps_eval=0.0),
+                                               obs_space=space),
+}
+
+
+def _stacked(trees: list):
+    return zip_map(lambda *xs: torch.stack(xs), *trees)
+
+
+@pytest.mark.parametrize("which", list(RECURRENT))
+def test_a_recurrent_members_state_for_a_row_is_its_own_and_a_groups_rows_train_its_member_only(which):
+    """7 greedy steps of 6 simple_adversary columns: each row's action, value and stored state are
+    those of its group's member acting alone on its group's columns (a copy stepped beside it);
+    the learner's sequences from the stored state of step 1 (not zeros) replay the acting values,
+    and a group's rows' gradients reach its member only."""
+    group = make_env_group(ADVERSARY, 6, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    agent = RECURRENT[which](group.example_observation(), group.action_space, group.observation_space)
+    with torch.no_grad():  # members far apart: a row given another member's state or outputs shows
+        for p in agent.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    assert acting_plan(agent) is None  # recurrent agents act in torch
+    rows = torch.as_tensor(buf.obs.agent_group).clone()
+    alone = [copy.deepcopy(member) for member in agent.members]
+    first, reward = np.ones(6, bool), np.zeros(6, np.float32)
+    steps = []
+    for _ in range(7):
+        obs = torchify(map_leaves(np.copy, buf.obs))
+        action, info = agent.step(obs, StepContext(first=first, reward=reward, greedy=True))
+        for k, member in enumerate(alone):
+            mine = torch.nonzero(rows == k)[:, 0]
+            own = StepContext(env_index=mine.numpy(), first=first[mine], reward=reward[mine], envs_total=6, greedy=True)
+            own_action, own_info = member.step(obs[mine], own)
+            torch.testing.assert_close(own_action, action[mine])
+            for (path, got), (_, want) in zip(leaves(own_info), leaves(info[mine])):
+                torch.testing.assert_close(got, want, msg=f"group {k}'s {path}")
+        steps.append((obs, action, info, torch.as_tensor(reward)))
+        buf.actions[:] = action.numpy()
+        buf.step(group)
+        first, reward = buf.terminated | buf.truncated, buf.reward.copy()
+    group.close()
+    assert not first.any()  # no episode ended: the sequences have no resets
+    obs, action, info, _ = (_stacked([step[j] for step in steps[1:-1]]) for j in range(4))
+    reward = torch.stack([step[3] for step in steps[2:]])  # the reward of each sequence step
+    assert info.memory.state.h[0].abs().min() > 0
+    reset = torch.zeros(5, 6, dtype=torch.bool)
+    if which == "ppo":
+        log_prob, _, value = agent.evaluate(obs, action, info.memory, reset)
+        torch.testing.assert_close(log_prob, info.log_prob)
+        torch.testing.assert_close(value, info.value)
+        samples = SimpleNamespace(observation=obs, agent_info=info, action=action, reward=reward, terminated=reset,
+                                  truncated=reset, final_observation=obs)
+        value, bootstrap, _ = agent.segment_values(samples, steps[-1][0], reset)
+        torch.testing.assert_close(value, info.value)
+        torch.testing.assert_close(bootstrap, steps[-1][2].value)
+        trained = lambda: sum(agent.evaluate(obs, action, info.memory, reset))  # noqa: E731
+    else:
+        torch.testing.assert_close(agent.q_sequence(obs, info.memory, reset).max(-1).values, info.value)
+        h, c = agent.last_state(obs, info.memory, reset)
+        torch.testing.assert_close(h, steps[-1][2].memory.state.h[:, 0])
+        torch.testing.assert_close(c, steps[-1][2].memory.state.c[:, 0])
+        trained = lambda: agent.q_sequence(obs, info.memory, reset).sum(-1)  # noqa: E731
+    for k in range(2):
+        agent.zero_grad()
+        trained()[:, rows == k].sum().backward()
+        touched = [any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters()) for m in agent.members]
+        assert touched == [j == k for j in range(2)], (k, touched)
+
+
 @pytest.mark.parametrize("overrides, line", [
     (["env.groups={ x = 'x_*', good = 'agent_*' }"],
      "env.groups: 'x_*' matches no agent of 'pettingzoo:mpe2.simple_adversary_v3' (agents: adversary_0, agent_0, "
@@ -144,8 +219,10 @@ def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_grou
      "out)"),
     (["env.groups='adversary_*'"],
      "env.groups = 'adversary_*': expected a table, e.g. { name = \"value\" }, got str"),
-    (["model.lstm_size=16"],
-     "model.lstm_size = 16: agents with env.groups are feed-forward for now; set it 0 or leave env.groups out"),
+    (["env.id='pettingzoo:pettingzoo.classic.tictactoe_v3'", "env.kwargs=''", "sampler.envs=4",
+      "env.groups={ first = 'player_1', second = 'player_2' }", "selfplay.pool='uniform'", "model.lstm_size=16"],
+     "model.lstm_size = 16: the self-play pool's opponent keeps no recurrent state; use a feed-forward agent with "
+     "selfplay.pool"),
     (["model.encoder='tests.extending_for_tests:LayerNormEncoder'"],
      "model.encoder = 'tests.extending_for_tests:LayerNormEncoder': with env.groups no network may read the "
      "agent_group leaf, which only the built-in encoders leave out"),
