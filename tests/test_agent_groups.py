@@ -309,6 +309,52 @@ def test_an_export_routes_each_row_by_its_agent_group_input_as_the_agent_does(tm
             np.testing.assert_allclose(got[1], head.numpy(), rtol=1e-4, atol=1e-4, err_msg=fmt)
 
 
+RECURRENT_EXPORTS = {
+    "ppo": config("simple_adversary_groups_ppo.toml", model={"lstm_size": 16, "lstm_prev_action": True,
+                                                             "lstm_prev_reward": True}),
+    "r2d1": config("cartpole_novel_r2d1.toml", env={"id": ADVERSARY.id, "kwargs": '{"continuous_actions": false}',
+                                                    "groups": ADVERSARY.groups}, sampler={"envs": 6},
+                   model={"lstm_size": 16, "lstm_prev_action": True, "lstm_prev_reward": True},
+                   agent={"eps_eval": 0.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(RECURRENT_EXPORTS))
+def test_a_recurrent_export_with_groups_carries_each_rows_own_members_state(tmp_path, name):
+    """The export (every format) of a recurrent agent with groups, fed the agent's stored state at
+    each of 10 greedy steps of 6 simple_adversary columns, plays its actions and values and returns
+    the state each row's group's member moves on to."""
+    run_dir = checkpointed_run(tmp_path / "run", RECURRENT_EXPORTS[name])
+    exp, agent = loaded(run_dir)
+    group = make_env_group(exp.env, 6, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    first, reward = np.ones(6, bool), np.zeros(6, np.float32)
+    steps = []
+    with torch.inference_mode():
+        for _ in range(10):
+            obs = map_leaves(np.copy, buf.obs)
+            action, info = agent.step(torchify(obs), replace(EVALUATE, first=first, reward=reward))
+            memory = info.memory
+            inputs = [obs.agent_group, obs.observation, *(x.numpy() for x in (memory.state.h, memory.state.c,
+                                                                              memory.prev_action, memory.prev_reward))]
+            steps.append((inputs, action.numpy(), info.value.numpy()))
+            buf.actions[:] = action.numpy()
+            buf.step(group)
+            first, reward = buf.terminated | buf.truncated, buf.reward.copy()
+    group.close()
+    assert len(np.unique(np.concatenate([a for _, a, _ in steps]))) > 1
+    for fmt, run in runners(run_dir, tmp_path / "out").items():
+        for t, (inputs, action, value) in enumerate(steps):
+            got_action, head, h, c = run(inputs)
+            np.testing.assert_array_equal(got_action, action, err_msg=fmt)
+            np.testing.assert_allclose(head if name == "ppo" else head.max(-1), value, rtol=1e-4, atol=1e-4,
+                                       err_msg=fmt)
+            if t + 1 < len(steps):
+                np.testing.assert_allclose(h, steps[t + 1][0][2], rtol=1e-4, atol=1e-5, err_msg=fmt)
+                np.testing.assert_allclose(c, steps[t + 1][0][3], rtol=1e-4, atol=1e-5, err_msg=fmt)
+
+
 SERIAL = {
     "dqn": ("cartpole_dqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
     "rainbow": ("cartpole_rainbow.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
