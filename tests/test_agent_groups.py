@@ -1,9 +1,11 @@
 """Separate policies per agent group (``env.groups``, shared/agents/groups.py): each column carries
 its agent's group index as the ``agent_group`` leaf (agents of different observation lengths
 zero-padded to one column), each group's networks act and learn from their own rows only, a
-setting that cannot work is one config-error line, the numpy acting plan acts as the torch agent,
-two groups that must act differently learn to in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains through the pipeline; an export takes the
-group as an input and plays the agent's actions."""
+recurrent member's state for a row is the one it would have alone, a setting that cannot work is
+one config-error line, the numpy acting plan acts as the torch agent, two groups that must act
+differently learn to in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains
+through the pipeline; an export takes the group (and a recurrent agent's state) as inputs and plays
+the agent's actions."""
 
 from __future__ import annotations
 
@@ -361,13 +363,19 @@ SERIAL = {
     "iqn": ("cartpole_iqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
     "ppo_box": ("simple_adversary_groups_ppo.toml", ["env.kwargs='{\"continuous_actions\": true}'", "sampler.envs=6",
                                                      "run.max_env_steps=1200", "algo.epochs=2"]),
+    "ppo_lstm": ("simple_adversary_groups_ppo.toml", ["model.lstm_size=16", "model.lstm_prev_action=true",
+                                                      "sampler.envs=6", "run.max_env_steps=1200", "algo.epochs=2"]),
+    "r2d1": ("cartpole_novel_r2d1.toml", [f"env.id='{ADVERSARY.id}'", "env.kwargs='{\"continuous_actions\": false}'",
+                                          "env.groups={ adversaries = 'adversary_*', good = 'agent_*' }",
+                                          "model.lstm_size=16", "sampler.envs=6", "replay.min_size_to_sample=60",
+                                          "run.max_env_steps=1200"]),
 }
 
 
 @pytest.mark.parametrize("name", list(SERIAL))
 def test_other_agents_with_groups_train_in_serial_mode(tmp_path, name):
-    """The DQN family's agents (IQN: one draw of fractions for all groups), and PPO on continuous
-    actions (a log-std a group)."""
+    """The DQN family's agents (IQN: one draw of fractions for all groups), PPO on continuous
+    actions (a log-std a group), and recurrent PPO and R2D1 on simple_adversary (an LSTM a group)."""
     config, overrides = SERIAL[name]
     exp = loading.load(CONFIGS / config, [*overrides, f"run.runs_dir='{tmp_path}'"])
     result = api.train_serial(exp, out=io.StringIO())
