@@ -54,10 +54,11 @@ class PgAgent(nn.Module):
     the log-probabilities or the entropy.
 
     Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
-    feed-forward ``PgAgent`` a group built as this one would be without groups, and each row's
+    ``PgAgent`` a group built as this one would be without groups, and each row's
     policy output and value are its group's member's (``shared.agents.groups``); this agent then
     has no networks of its own; a Box policy's log-std is each row's group's too (``_log_std``).
-    A recurrent agent's members each have their cores, and each row's state is its group's member's.
+    A recurrent agent's members each have their cores, and each row's state is its group's member's
+    (the agent keeps the one acting memory, ``core_step``).
 
     Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
     policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each

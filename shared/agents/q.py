@@ -48,7 +48,7 @@ class QAgent(nn.Module):
     the learner evaluates whole sequences with ``q_sequence``.
 
     Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
-    feed-forward ``QAgent`` a group built as this one would be without groups, and each row's
+    ``QAgent`` a group built as this one would be without groups, and each row's
     head output is its group's member's (``shared.agents.groups``); this agent then has no
     networks of its own (it keeps C51's ``support`` and QR-DQN's ``taus``; IQN's fractions are
     drawn once for all members). A recurrent agent's members each have their core, and each row's
