@@ -1,16 +1,20 @@
 """Separate policies per agent group (``env.groups``, shared/agents/groups.py): each column carries
 its agent's group index as the ``agent_group`` leaf (agents of different observation lengths
 zero-padded to one column), each group's networks act and learn from their own rows only, a
-setting that cannot work is one config-error line, the numpy acting plan acts as the torch agent,
-two groups that must act differently learn to in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains through the pipeline; an export takes the
-group as an input and plays the agent's actions."""
+recurrent member's state for a row is the one it would have alone, a setting that cannot work is
+one config-error line, the numpy acting plan acts as the torch agent, two groups that must act
+differently learn to in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains
+through the pipeline; an export takes the group (and a recurrent agent's state) as inputs and plays
+the agent's actions."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,15 +23,15 @@ import torch
 pytest.importorskip("pettingzoo")
 pytest.importorskip("mpe2")
 
-from shared.agents import EVALUATE
+from shared.agents import EVALUATE, StepContext
 from shared.agents.acting import numpy_actor
 from shared.agents.actor import acting_plan, state_arrays
-from shared.agents.config import QAgentConfig
+from shared.agents.config import ModelConfig, QAgentConfig
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.config import loading
 from shared.config.schema import ConfigError
-from shared.data.namedarraytuple import torchify
+from shared.data.namedarraytuple import leaves, map_leaves, torchify, zip_map
 from shared.envs.backends import make_env_group
 from shared.envs.group import EnvConfig
 from shared.launch import api
@@ -125,6 +129,79 @@ def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_grou
                 assert torch.equal(agent.q_values(obs)[rows == k], member.q_values(obs)[rows == k])
 
 
+RECURRENT_MODEL = ModelConfig(hidden_sizes=(32,), lstm_size=8, lstm_prev_action=True, lstm_prev_reward=True)
+RECURRENT = {
+    "ppo": lambda example, act, space: PgAgent(example, act, RECURRENT_MODEL, obs_space=space),
+    "r2d1": lambda example, act, space: QAgent(example, act, RECURRENT_MODEL, QAgentConfig(eps_eval=0.0),
+                                               obs_space=space),
+}
+
+
+def _stacked(trees: list):
+    return zip_map(lambda *xs: torch.stack(xs), *trees)
+
+
+@pytest.mark.parametrize("which", list(RECURRENT))
+def test_a_recurrent_members_state_for_a_row_is_its_own_and_a_groups_rows_train_its_member_only(which):
+    """7 greedy steps of 6 simple_adversary columns: each row's action, value and stored state are
+    those of its group's member acting alone on its group's columns (a copy stepped beside it);
+    the learner's sequences from the stored state of step 1 (not zeros) replay the acting values,
+    and a group's rows' gradients reach its member only."""
+    group = make_env_group(ADVERSARY, 6, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    agent = RECURRENT[which](group.example_observation(), group.action_space, group.observation_space)
+    with torch.no_grad():  # members far apart: a row given another member's state or outputs shows
+        for p in agent.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    assert acting_plan(agent) is None  # recurrent agents act in torch
+    rows = torch.as_tensor(buf.obs.agent_group).clone()
+    alone = [copy.deepcopy(member) for member in agent.members]
+    first, reward = np.ones(6, bool), np.zeros(6, np.float32)
+    steps = []
+    for _ in range(7):
+        obs = torchify(map_leaves(np.copy, buf.obs))
+        action, info = agent.step(obs, StepContext(first=first, reward=reward, greedy=True))
+        for k, member in enumerate(alone):
+            mine = torch.nonzero(rows == k)[:, 0]
+            own = StepContext(env_index=mine.numpy(), first=first[mine], reward=reward[mine], envs_total=6, greedy=True)
+            own_action, own_info = member.step(obs[mine], own)
+            torch.testing.assert_close(own_action, action[mine])
+            for (path, got), (_, want) in zip(leaves(own_info), leaves(info[mine])):
+                torch.testing.assert_close(got, want, msg=f"group {k}'s {path}")
+        steps.append((obs, action, info, torch.as_tensor(reward)))
+        buf.actions[:] = action.numpy()
+        buf.step(group)
+        first, reward = buf.terminated | buf.truncated, buf.reward.copy()
+    group.close()
+    assert not first.any()  # no episode ended: the sequences have no resets
+    obs, action, info, _ = (_stacked([step[j] for step in steps[1:-1]]) for j in range(4))
+    reward = torch.stack([step[3] for step in steps[2:]])  # the reward of each sequence step
+    assert info.memory.state.h[0].abs().min() > 0
+    reset = torch.zeros(5, 6, dtype=torch.bool)
+    if which == "ppo":
+        log_prob, _, value = agent.evaluate(obs, action, info.memory, reset)
+        torch.testing.assert_close(log_prob, info.log_prob)
+        torch.testing.assert_close(value, info.value)
+        samples = SimpleNamespace(observation=obs, agent_info=info, action=action, reward=reward, terminated=reset,
+                                  truncated=reset, final_observation=obs)
+        value, bootstrap, _ = agent.segment_values(samples, steps[-1][0], reset)
+        torch.testing.assert_close(value, info.value)
+        torch.testing.assert_close(bootstrap, steps[-1][2].value)
+        trained = lambda: sum(agent.evaluate(obs, action, info.memory, reset))  # noqa: E731
+    else:
+        torch.testing.assert_close(agent.q_sequence(obs, info.memory, reset).max(-1).values, info.value)
+        h, c = agent.last_state(obs, info.memory, reset)
+        torch.testing.assert_close(h, steps[-1][2].memory.state.h[:, 0])
+        torch.testing.assert_close(c, steps[-1][2].memory.state.c[:, 0])
+        trained = lambda: agent.q_sequence(obs, info.memory, reset).sum(-1)  # noqa: E731
+    for k in range(2):
+        agent.zero_grad()
+        trained()[:, rows == k].sum().backward()
+        touched = [any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters()) for m in agent.members]
+        assert touched == [j == k for j in range(2)], (k, touched)
+
+
 @pytest.mark.parametrize("overrides, line", [
     (["env.groups={ x = 'x_*', good = 'agent_*' }"],
      "env.groups: 'x_*' matches no agent of 'pettingzoo:mpe2.simple_adversary_v3' (agents: adversary_0, agent_0, "
@@ -144,8 +221,10 @@ def test_a_groups_rows_reach_its_own_networks_only_and_no_network_reads_the_grou
      "out)"),
     (["env.groups='adversary_*'"],
      "env.groups = 'adversary_*': expected a table, e.g. { name = \"value\" }, got str"),
-    (["model.lstm_size=16"],
-     "model.lstm_size = 16: agents with env.groups are feed-forward for now; set it 0 or leave env.groups out"),
+    (["env.id='pettingzoo:pettingzoo.classic.tictactoe_v3'", "env.kwargs=''", "sampler.envs=4",
+      "env.groups={ first = 'player_1', second = 'player_2' }", "selfplay.pool='uniform'", "model.lstm_size=16"],
+     "model.lstm_size = 16: the self-play pool's opponent keeps no recurrent state; use a feed-forward agent with "
+     "selfplay.pool"),
     (["model.encoder='tests.extending_for_tests:LayerNormEncoder'"],
      "model.encoder = 'tests.extending_for_tests:LayerNormEncoder': with env.groups no network may read the "
      "agent_group leaf, which only the built-in encoders leave out"),
@@ -232,19 +311,71 @@ def test_an_export_routes_each_row_by_its_agent_group_input_as_the_agent_does(tm
             np.testing.assert_allclose(got[1], head.numpy(), rtol=1e-4, atol=1e-4, err_msg=fmt)
 
 
+RECURRENT_EXPORTS = {
+    "ppo": config("simple_adversary_groups_ppo.toml", model={"lstm_size": 16, "lstm_prev_action": True,
+                                                             "lstm_prev_reward": True}),
+    "r2d1": config("cartpole_novel_r2d1.toml", env={"id": ADVERSARY.id, "kwargs": '{"continuous_actions": false}',
+                                                    "groups": ADVERSARY.groups}, sampler={"envs": 6},
+                   model={"lstm_size": 16, "lstm_prev_action": True, "lstm_prev_reward": True},
+                   agent={"eps_eval": 0.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(RECURRENT_EXPORTS))
+def test_a_recurrent_export_with_groups_carries_each_rows_own_members_state(tmp_path, name):
+    """The export (every format) of a recurrent agent with groups, fed the agent's stored state at
+    each of 10 greedy steps of 6 simple_adversary columns, plays its actions and values and returns
+    the state each row's group's member moves on to."""
+    run_dir = checkpointed_run(tmp_path / "run", RECURRENT_EXPORTS[name])
+    exp, agent = loaded(run_dir)
+    group = make_env_group(exp.env, 6, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    first, reward = np.ones(6, bool), np.zeros(6, np.float32)
+    steps = []
+    with torch.inference_mode():
+        for _ in range(10):
+            obs = map_leaves(np.copy, buf.obs)
+            action, info = agent.step(torchify(obs), replace(EVALUATE, first=first, reward=reward))
+            memory = info.memory
+            inputs = [obs.agent_group, obs.observation, *(x.numpy() for x in (memory.state.h, memory.state.c,
+                                                                              memory.prev_action, memory.prev_reward))]
+            steps.append((inputs, action.numpy(), info.value.numpy()))
+            buf.actions[:] = action.numpy()
+            buf.step(group)
+            first, reward = buf.terminated | buf.truncated, buf.reward.copy()
+    group.close()
+    assert len(np.unique(np.concatenate([a for _, a, _ in steps]))) > 1
+    for fmt, run in runners(run_dir, tmp_path / "out").items():
+        for t, (inputs, action, value) in enumerate(steps):
+            got_action, head, h, c = run(inputs)
+            np.testing.assert_array_equal(got_action, action, err_msg=fmt)
+            np.testing.assert_allclose(head if name == "ppo" else head.max(-1), value, rtol=1e-4, atol=1e-4,
+                                       err_msg=fmt)
+            if t + 1 < len(steps):
+                np.testing.assert_allclose(h, steps[t + 1][0][2], rtol=1e-4, atol=1e-5, err_msg=fmt)
+                np.testing.assert_allclose(c, steps[t + 1][0][3], rtol=1e-4, atol=1e-5, err_msg=fmt)
+
+
 SERIAL = {
     "dqn": ("cartpole_dqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
     "rainbow": ("cartpole_rainbow.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
     "iqn": ("cartpole_iqn.toml", [*TWO_KINDS, "sampler.envs=6", "run.max_env_steps=2000"]),
     "ppo_box": ("simple_adversary_groups_ppo.toml", ["env.kwargs='{\"continuous_actions\": true}'", "sampler.envs=6",
                                                      "run.max_env_steps=1200", "algo.epochs=2"]),
+    "ppo_lstm": ("simple_adversary_groups_ppo.toml", ["model.lstm_size=16", "model.lstm_prev_action=true",
+                                                      "sampler.envs=6", "run.max_env_steps=1200", "algo.epochs=2"]),
+    "r2d1": ("cartpole_novel_r2d1.toml", [f"env.id='{ADVERSARY.id}'", "env.kwargs='{\"continuous_actions\": false}'",
+                                          "env.groups={ adversaries = 'adversary_*', good = 'agent_*' }",
+                                          "model.lstm_size=16", "sampler.envs=6", "replay.min_size_to_sample=60",
+                                          "run.max_env_steps=1200"]),
 }
 
 
 @pytest.mark.parametrize("name", list(SERIAL))
 def test_other_agents_with_groups_train_in_serial_mode(tmp_path, name):
-    """The DQN family's agents (IQN: one draw of fractions for all groups), and PPO on continuous
-    actions (a log-std a group)."""
+    """The DQN family's agents (IQN: one draw of fractions for all groups), PPO on continuous
+    actions (a log-std a group), and recurrent PPO and R2D1 on simple_adversary (an LSTM a group)."""
     config, overrides = SERIAL[name]
     exp = loading.load(CONFIGS / config, [*overrides, f"run.runs_dir='{tmp_path}'"])
     result = api.train_serial(exp, out=io.StringIO())

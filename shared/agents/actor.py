@@ -29,8 +29,8 @@ def acting_plan(agent, fields: dict[int, str] | None = None) -> dict | None:
     (on the CPU, that is: the plan says nothing of the device ``agent`` is on). ``fields``: the
     parameter-segment field of each of its tensors by ``id``, where ``agent`` is a member of the
     agent whose segment it is (``env.groups``); None: ``agent``'s own."""
-    if getattr(agent, "core", None) is not None or getattr(agent, "tau_embedding", None) is not None:
-        return None  # recurrent, or IQN's sampled fractions (shared.agents.acting's docstring)
+    if getattr(agent, "recurrent", False) or getattr(agent, "tau_embedding", None) is not None:
+        return None  # recurrent (with groups too), or IQN's sampled fractions (shared.agents.acting's docstring)
     if fields is None:
         fields = {id(t): field_name(k) for k, t in agent.state_dict(keep_vars=True).items()}
     if getattr(agent, "members", None) is not None:  # agent groups: each member's plan, rows routed by group

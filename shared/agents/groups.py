@@ -6,6 +6,14 @@ Every member runs on all rows and ``routed`` keeps, for each row, its own group'
 small (the kinds of agents in an env), the shapes stay fixed (no data-dependent indexing, so the
 forward pass exports), and ``torch.where`` sends a row's gradient to its group's member only. So
 the algorithm, its one optimizer, the parameter segment and checkpoints see one module as ever.
+
+A recurrent agent's state is routed the same way. The agent keeps one acting memory, and a
+column's state in it is its own group's member's; every member steps all rows from it and each
+row keeps its own member's new state, which is what goes into the agent info. A sequence in the
+learner starts every member from the stored state, so each row's member starts from its own
+state; the other members' outputs on that row, computed from a state not theirs, are dropped by
+the routing. A column is one agent, so its group, and the member whose state it carries, never
+changes.
 """
 
 from __future__ import annotations
@@ -23,11 +31,8 @@ def group_count(obs_space: gym.Space | None) -> int:
     return 0
 
 
-def members(groups: int, lstm_size: int, make) -> torch.nn.ModuleList:
-    """K members built by ``make()``; a recurrent agent is refused (its state would be routed too)."""
-    if lstm_size:
-        raise ValueError("env.groups: a recurrent agent is not supported with agent groups yet; groups need "
-                         "a feed-forward agent")
+def members(groups: int, make) -> torch.nn.ModuleList:
+    """K members built by ``make()``."""
     return torch.nn.ModuleList(make() for _ in range(groups))
 
 

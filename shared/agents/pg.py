@@ -54,9 +54,11 @@ class PgAgent(nn.Module):
     the log-probabilities or the entropy.
 
     Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
-    feed-forward ``PgAgent`` a group built as this one would be without groups, and each row's
+    ``PgAgent`` a group built as this one would be without groups, and each row's
     policy output and value are its group's member's (``shared.agents.groups``); this agent then
     has no networks of its own; a Box policy's log-std is each row's group's too (``_log_std``).
+    A recurrent agent's members each have their cores, and each row's state is its group's member's
+    (the agent keeps the one acting memory, ``core_step``).
 
     Recurrent (``ModelConfig.lstm_size``): an ``LstmCore`` after each encoder (one for the
     policy and one for the value, or one shared with ``shared_encoder``); ``step`` keeps each
@@ -112,8 +114,8 @@ class PgAgent(nn.Module):
         """One member agent a group (``env.groups``), or None."""
         groups = group_count(obs_space) if groups is None else groups
         if groups:
-            self.members = members(groups, cfg.lstm_size,
-                                   lambda: PgAgent(obs_example, action_space, cfg, agent_cfg, obs_space, groups=0))
+            self.members = members(groups, lambda: PgAgent(obs_example, action_space, cfg, agent_cfg, obs_space,
+                                                           groups=0))
             self.pi_encoder = self.v_encoder = self.core = self.v_core = self.pi_head = self.v_head = None
         elif not agent_cfg.shared_encoder and cfg.lstm_size == 0 and not has_cnn(obs_example, cfg) and \
                 not cfg.layer_norm and not self.value_only:
@@ -137,12 +139,15 @@ class PgAgent(nn.Module):
             self.v_core = None if agent_cfg.shared_encoder else make_core(v_dim, cfg, action_space)
             if self.core is not None:
                 feat_dim = v_dim = self.core.out_dim
-                example = np.zeros_like(action_space.sample(), dtype=np.int64 if self.kind != "box" else np.float32)
-                self.acting = ActingMemory(len(self._cores()), cfg.lstm_size, torch.as_tensor(example))
             self.pi_head = MLP(feat_dim, (), output_size=n_out, output_gain=POLICY_HEAD_GAIN)
             self.v_head = MLP(v_dim, (), output_size=1, output_gain=VALUE_HEAD_GAIN)
         if self.kind == "box" and self.members is None:
             self.log_std = nn.Parameter(torch.full((n_out,), float(agent_cfg.init_log_std)))
+        self.recurrent = bool(cfg.lstm_size)
+        if self.recurrent:
+            example = np.zeros_like(action_space.sample(), dtype=np.int64 if self.kind != "box" else np.float32)
+            cores = len((self if self.members is None else self.members[0])._cores())
+            self.acting = ActingMemory(cores, cfg.lstm_size, torch.as_tensor(example))
 
     @property
     def device(self) -> torch.device:
@@ -194,13 +199,11 @@ class PgAgent(nn.Module):
         # distribution objects costs more than the small networks' forward pass.
         greedy = ctx.greedy
         obs = obs_to(obs, self.device, self.obs_norm)
-        if self.core is None:
-            out, value = self._forward(obs)
-        else:
+        if self.recurrent:
             memory = self.acting.recall(ctx, leading_len(obs), self.device)
-            states = [core.run(encoder(obs)[None], map_leaves(lambda x: x[None], core_memory(memory, k)))
-                      for k, (core, encoder) in enumerate(self._cores())]  # (h, c) [1, n, H] per core
-            out, value = self.pi_head(states[0][0][0]), self.v_head(states[-1][0][0]).squeeze(-1)
+            out, value, h, c = self.core_step(obs, memory)
+        else:
+            out, value = self._forward(obs)
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
             log_std = self._log_std(obs)
@@ -217,11 +220,23 @@ class PgAgent(nn.Module):
                 idx.append(pick)
             stacked = torch.stack(idx, dim=-1)
             action = stacked[:, 0] if self.kind == "discrete" else stacked
-        if self.core is None:
+        if not self.recurrent:
             return action, AgentInfo(log_prob=log_prob.float(), value=value)
-        self.acting.remember(ctx, action, torch.stack([h[0] for h, _ in states], 1),
-                             torch.stack([c[0] for _, c in states], 1))
+        self.acting.remember(ctx, action, h, c)
         return action, RecurrentAgentInfo(log_prob=log_prob.float(), value=value, memory=memory)
+
+    def core_step(self, obs, memory: Memory) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Recurrent: one acting step for obs tree [B, ...] (on the device, normalised) from ``memory``
+        [B] (state [B, cores, H]): policy output [B, ...], value [B] and the cores' new states h, c
+        [B, cores, H], without grad."""
+        if self.members is not None:
+            group = getattr(obs, GROUP_KEY)
+            outs = zip(*(member.core_step(obs, memory) for member in self.members))
+            return tuple(routed(list(out), group) for out in outs)
+        states = [core.run(encoder(obs)[None], map_leaves(lambda x: x[None], core_memory(memory, k)))
+                  for k, (core, encoder) in enumerate(self._cores())]  # (h, c) [1, B, H] per core
+        return (self.pi_head(states[0][0][0]), self.v_head(states[-1][0][0]).squeeze(-1),
+                torch.stack([h[0] for h, _ in states], 1), torch.stack([c[0] for _, c in states], 1))
 
     def _cores(self) -> list[tuple]:
         """(core, encoder) of the policy, then of the value if it has its own."""
@@ -238,26 +253,35 @@ class PgAgent(nn.Module):
         obs = obs_to(obs, self.device, self.obs_norm)
         action = torch.as_tensor(action).to(self.device)
         ok = legal(obs, self.mask_path)
-        if self.core is None:
+        if not self.recurrent:
             out, value = self._forward(obs)
         else:
             lead = action.shape[:2]
-            h = [core(encoder(obs), core_memory(memory, k), reset) for k, (core, encoder) in enumerate(self._cores())]
-            out, value = self.pi_head(h[0]), self.v_head(h[-1]).squeeze(-1)
+            out, value = self._sequence(obs, memory, reset)
             out, value, action = out.flatten(0, 1), value.flatten(0, 1), action.flatten(0, 1)
             ok = None if ok is None else ok.flatten(0, 1)
         log_prob, entropy = self._log_prob_entropy(masked(out, ok), action,
                                                    self._log_std(obs) if self.kind == "box" else None)
-        if self.core is not None:
+        if self.recurrent:
             log_prob, entropy, value = log_prob.reshape(lead), entropy.reshape(lead), value.reshape(lead)
         return log_prob, entropy, value
 
+    def _sequence(self, obs, memory: Memory, reset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrent: policy output [T, B, ...] and value [T, B], with grad, for whole sequences: obs
+        tree [T, B, ...] (on the device, normalised) from their stored ``memory`` and ``reset`` [T, B]."""
+        if self.members is not None:
+            group = getattr(obs, GROUP_KEY)
+            outs = zip(*(member._sequence(obs, memory, reset) for member in self.members))
+            return tuple(routed(list(out), group) for out in outs)
+        h = [core(encoder(obs), core_memory(memory, k), reset) for k, (core, encoder) in enumerate(self._cores())]
+        return self.pi_head(h[0]), self.v_head(h[-1]).squeeze(-1)
+
     def _log_std(self, obs) -> torch.Tensor:
         """A Box policy's log-std: [*action_shape], or with groups each row's group's, [N, *action_shape]
-        for obs tree [N, ...]."""
+        for obs tree [N, ...] or [T, B, ...] (N = T * B)."""
         if self.members is None:
             return self.log_std.reshape(self.action_shape)
-        group = getattr(obs, GROUP_KEY)
+        group = getattr(obs, GROUP_KEY).reshape(-1)
         return routed([member.log_std.expand(len(group), -1) for member in self.members], group
                       ).reshape(-1, *self.action_shape)
 
@@ -290,27 +314,38 @@ class PgAgent(nn.Module):
         not terminated). A recurrent agent runs the segments as sequences from their stored
         memory; the bootstrap and final observations are one more step from the state after their step.
         """
-        if self.core is None:
+        if not self.recurrent:
             final = self.value(samples.final_observation[cut]) if bool(cut.any()) else \
                 samples.reward.new_zeros(0)
             if not recompute:
                 return None, None, final
             return self.value(samples.observation), self.value(bootstrap_observation), final
+        t, b = torch.nonzero(cut, as_tuple=True)
+        final = obs_to(samples.final_observation[t, b], self.device, self.obs_norm) if len(t) else None
+        return self._sequence_values(samples, obs_to(samples.observation, self.device, self.obs_norm),
+                                     obs_to(bootstrap_observation, self.device, self.obs_norm), t, b, final)
+
+    def _sequence_values(self, samples, obs, bootstrap_obs, t: torch.Tensor, b: torch.Tensor, final_obs
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Recurrent ``segment_values`` on observations on the device and normalised: obs [T, B, ...],
+        bootstrap_obs [B, ...] and final_obs [k, ...] (None if k = 0), those of steps (t, b) [k]."""
+        if self.members is not None:
+            group = getattr(obs, GROUP_KEY)  # a column is one agent: its bootstrap and final observations' group too
+            outs = zip(*(member._sequence_values(samples, obs, bootstrap_obs, t, b, final_obs)
+                         for member in self.members))
+            return tuple(routed(list(out), g) for out, g in zip(outs, (group, group[-1], group[t, b])))
         k = len(self._cores()) - 1
         core, encoder = self._cores()[k]
         memory = core_memory(samples.agent_info.memory, k)
         reset = sequence_reset(samples.terminated, samples.truncated)
-        h, c = core.run(encoder(obs_to(samples.observation, self.device, self.obs_norm)), memory, reset)
+        h, c = core.run(encoder(obs), memory, reset)
         value = self.v_head(h).squeeze(-1)
 
         def after(t, rows, obs):
-            feats = encoder(obs_to(obs, self.device, self.obs_norm))
-            return self.v_head(core.step_from(feats, h[t, rows], c[t, rows], samples.action[t, rows],
+            return self.v_head(core.step_from(encoder(obs), h[t, rows], c[t, rows], samples.action[t, rows],
                                               samples.reward[t, rows])).squeeze(-1)
 
-        last = torch.arange(h.shape[1], device=h.device)
-        bootstrap = after(-1, last, bootstrap_observation)
-        t, b = torch.nonzero(cut, as_tuple=True)
-        final = after(t, b, samples.final_observation[t, b]) if len(t) else value.new_zeros(0)
+        bootstrap = after(-1, torch.arange(h.shape[1], device=h.device), bootstrap_obs)
+        final = after(t, b, final_obs) if len(t) else value.new_zeros(0)
         return value, bootstrap, final
 

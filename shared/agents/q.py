@@ -48,10 +48,11 @@ class QAgent(nn.Module):
     the learner evaluates whole sequences with ``q_sequence``.
 
     Agent groups (``env.groups``: an observation with an ``agent_group`` leaf): ``members``, one
-    feed-forward ``QAgent`` a group built as this one would be without groups, and each row's
+    ``QAgent`` a group built as this one would be without groups, and each row's
     head output is its group's member's (``shared.agents.groups``); this agent then has no
     networks of its own (it keeps C51's ``support`` and QR-DQN's ``taus``; IQN's fractions are
-    drawn once for all members).
+    drawn once for all members). A recurrent agent's members each have their core, and each row's
+    state is its group's member's.
     """
 
     def __init__(
@@ -86,8 +87,8 @@ class QAgent(nn.Module):
         """One member agent a group (``env.groups``), or None."""
         groups = group_count(obs_space) if groups is None else groups
         if groups:
-            self.members = members(groups, model_cfg.lstm_size,
-                                   lambda: QAgent(obs_example, action_space, model_cfg, cfg, obs_space, quantiles, groups=0))
+            self.members = members(groups, lambda: QAgent(obs_example, action_space, model_cfg, cfg, obs_space,
+                                                          quantiles, groups=0))
             self.encoder = self.core = self.advantage = self.value = self.tau_embedding = self.merged = None
         else:
             self.encoder, feat_dim = make_encoder(obs_example, model_cfg, obs_space)
@@ -97,7 +98,6 @@ class QAgent(nn.Module):
                     raise ValueError("QAgent: a recurrent agent (model.lstm_size) has a scalar Q head; "
                                      "set agent.distributional = false and train it with r2d1")
                 feat_dim = self.core.out_dim
-                self.acting = ActingMemory(1, model_cfg.lstm_size, torch.zeros((), dtype=torch.int64))
             hidden, act = tuple(cfg.head_hidden_sizes), model_cfg.activation
             merge_sizes = tuple(quantiles.merge_hidden_sizes) if implicit else ()
             head_in = merge_sizes[-1] if merge_sizes else feat_dim
@@ -115,6 +115,9 @@ class QAgent(nn.Module):
             self.register_buffer("taus", (2 * torch.arange(n, dtype=torch.float32) + 1) / (2 * n))
         else:
             self.taus = None
+        self.recurrent = bool(model_cfg.lstm_size)
+        if self.recurrent:
+            self.acting = ActingMemory(1, model_cfg.lstm_size, torch.zeros((), dtype=torch.int64))
 
     @property
     def device(self) -> torch.device:
@@ -151,8 +154,34 @@ class QAgent(nn.Module):
         """Recurrent agents: Q [T, B, A] over whole sequences, with grad: obs tree [T, B, ...],
         their stored ``memory`` [T, B] (the state at step 0 is the one used, [cores = 1, H]) and ``reset``
         [T, B] (``memory.sequence_reset``)."""
-        h = self.core(self.encoder(obs_to(obs, self.device, self.obs_norm)), core_memory(memory, 0), reset)
-        return self._from_features(h)
+        obs = obs_to(obs, self.device, self.obs_norm)
+        if self.members is not None:
+            return routed([member.q_sequence(obs, memory, reset) for member in self.members], getattr(obs, GROUP_KEY))
+        return self._from_features(self.core(self.encoder(obs), core_memory(memory, 0), reset))
+
+    @torch.no_grad()
+    def last_state(self, obs, memory: Memory, reset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Recurrent agents: the core's state h, c [B, H] after the last step of sequences obs tree
+        [T, B, ...] from their stored ``memory`` [T, B] and ``reset`` [T, B], without grad (R2D1's burn-in)."""
+        obs = obs_to(obs, self.device, self.obs_norm)
+        if self.members is not None:
+            group = getattr(obs, GROUP_KEY)[-1]
+            outs = zip(*(member.last_state(obs, memory, reset) for member in self.members))
+            return tuple(routed(list(out), group) for out in outs)
+        h, c = self.core.run(self.encoder(obs), core_memory(memory, 0), reset, last_only=True)
+        return h[-1], c[-1]
+
+    def core_step(self, obs, memory: Memory) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Recurrent agents: one acting step for obs tree [B, ...] (on the device, normalised) from
+        ``memory`` [B] (state [B, cores = 1, H]): Q [B, A] and the core's new state h, c [B, 1, H],
+        without grad."""
+        if self.members is not None:
+            group = getattr(obs, GROUP_KEY)
+            outs = zip(*(member.core_step(obs, memory) for member in self.members))
+            return tuple(routed(list(out), group) for out in outs)
+        with torch.no_grad():
+            h, c = self.core.run(self.encoder(obs)[None], map_leaves(lambda x: x[None], core_memory(memory, 0)))
+            return self._from_features(h[0]), h[0][:, None], c[0][:, None]
 
     def q_values(self, obs) -> torch.Tensor:
         """Q(obs, .) float32 [N, A] for obs tree [N, ...]: the expectation over the support for C51,
@@ -200,14 +229,13 @@ class QAgent(nn.Module):
         (``cfg.epsilon``), or ``eps_eval`` for a greedy context."""
         n = leading_len(obs)
         eps = self.cfg.eps_eval if ctx.greedy else self.cfg.epsilon(ctx.env_steps, *ctx.rows(n))
-        if self.core is None:
+        if not self.recurrent:
             return self.epsilon_greedy(obs, eps)
         with torch.no_grad():
             memory = self.acting.recall(ctx, n, self.device)
-            features = self.encoder(obs_to(obs, self.device, self.obs_norm))
-            h, c = self.core.run(features[None], map_leaves(lambda x: x[None], core_memory(memory, 0)))
-            action, value = self._pick(self._from_features(h[0]), eps, self.legal_actions(obs))
-        self.acting.remember(ctx, action, h[0][:, None], c[0][:, None])
+            q, h, c = self.core_step(obs_to(obs, self.device, self.obs_norm), memory)
+            action, value = self._pick(q, eps, self.legal_actions(obs))
+        self.acting.remember(ctx, action, h, c)
         return action, RecurrentQAgentInfo(value=value, memory=memory)
 
     @torch.no_grad()

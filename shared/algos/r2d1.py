@@ -36,13 +36,12 @@ import torch
 
 from shared.agents.config import Memory, RnnState
 from shared.agents.masking import masked_argmax
-from shared.agents.memory import core_memory, sequence_reset
+from shared.agents.memory import sequence_reset
 from shared.agents.q import QAgent
 from shared.algos.hparams import R2D1Config
 from shared.algos.optim import adam, gradient_step, set_lr
 from shared.algos.target import TargetNetworkAlgo
 from shared.algos.update import Update
-from shared.agents.models import obs_to
 from shared.data.namedarraytuple import map_leaves
 from shared.data.batches import SequenceBatch
 
@@ -137,13 +136,10 @@ def burned_in_state(agent: QAgent, batch: SequenceBatch, burn_in: int, reset: to
     state = RnnState(h=batch.start_state.h.float(), c=batch.start_state.c.float())
     if burn_in == 0:
         return state
-    with torch.no_grad():
-        obs = map_leaves(lambda x: x[:burn_in], batch.observation)
-        features = agent.encoder(obs_to(obs, agent.device, agent.obs_norm))
-        hs, cs = agent.core.run(features, core_memory(_memory(batch, slice(0, burn_in), state), 0), reset[:burn_in],
-                                 last_only=True)
+    obs = map_leaves(lambda x: x[:burn_in], batch.observation)
+    h, c = agent.last_state(obs, _memory(batch, slice(0, burn_in), state), reset[:burn_in])
     keep = (~(batch.terminated[burn_in - 1] | batch.truncated[burn_in - 1])).float()[:, None]
-    return RnnState(h=(hs[-1] * keep)[:, None], c=(cs[-1] * keep)[:, None])
+    return RnnState(h=(h * keep)[:, None], c=(c * keep)[:, None])
 
 
 class R2D1(TargetNetworkAlgo):
@@ -152,7 +148,7 @@ class R2D1(TargetNetworkAlgo):
     """
 
     def __init__(self, agent: QAgent, cfg: R2D1Config = R2D1Config()) -> None:
-        if agent.core is None:
+        if not agent.recurrent:
             raise ValueError("R2D1 needs a recurrent QAgent: set model.lstm_size > 0")
         super().__init__(agent)
         self.cfg = cfg

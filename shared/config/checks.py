@@ -171,18 +171,15 @@ def _check_global_state(exp: Experiment) -> None:
 
 def _check_groups(exp: Experiment) -> None:
     """``env.groups`` gives each group its own networks inside one agent (``shared.agents.groups``):
-    feed-forward PPO, A2C, IMPALA and DQN-family agents with built-in encoders (the self-play
-    pool's copies are such agents too). The env's own checks (``validate_env_config``) refuse a
-    pattern that matches no agent, an agent in no group or in two, and a single-agent env."""
+    PPO, A2C, IMPALA and DQN-family agents, recurrent ones (R2D1's) included, with built-in encoders
+    (the self-play pool's copies are such agents too). The env's own checks (``validate_env_config``)
+    refuse a pattern that matches no agent, an agent in no group or in two, and a single-agent env."""
     if not exp.env.groups:
         return
     spec = exp.algo_spec
     if spec.agent.family not in ("pg", "q"):
         raise ConfigError(f"env.groups: {spec.name}'s agent has no networks per agent group; groups are for "
                           "policy-gradient (ppo, a2c, impala) and DQN-family algorithms")
-    if exp.model.lstm_size:
-        raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: agents with env.groups are feed-forward for "
-                          "now; set it 0 or leave env.groups out")
     if is_reference(exp.model.encoder):
         raise ConfigError(f"model.encoder = {exp.model.encoder!r}: with env.groups no network may read the "
                           "agent_group leaf, which only the built-in encoders leave out")

@@ -7,7 +7,8 @@ loads it) into a module of plain tensors in and out, which the three formats ser
   or Tuple observation gives one input per leaf, named by its key path, e.g. ``position``,
   ``action_mask``); a recurrent agent adds its state ``h`` and ``c`` [B, cores, H] and, where
   its core takes them, ``prev_action`` (the action it chose last) and ``prev_reward`` [B].
-  Zero all four where an episode starts.
+  Zero all four where an episode starts. With agent groups (``env.groups``) the ``agent_group``
+  leaf is an input too, and a row's state is its group's member's, as in the agent's info.
 - outputs: ``action`` (int64 [B] Discrete, [B, k] MultiDiscrete, float32 [B, *shape] Box),
   the family's value head (``value`` V(s) [B] for policy-gradient agents, ``q_values``
   [B, A] for Q agents, ``q`` [B, n_critics] Q_i(s, greedy action) for DDPG/TD3/SAC, quantile
@@ -40,7 +41,7 @@ from torch import nn
 from services.evaluator.episodes import Unloadable, load_agent
 from shared.agents.config import Memory, RnnState
 from shared.agents.masking import legal, masked, masked_argmax
-from shared.agents.memory import core_memory
+from shared.agents.memory import LstmCore
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.agents.qpg import QpgAgent
@@ -94,6 +95,13 @@ class ObsTree:
         return map_leaves(lambda _: next(it), self.example)
 
 
+def lstm_core(agent: nn.Module) -> LstmCore | None:
+    """A recurrent agent's LSTM core (with agent groups its first member's: members are built
+    alike), None for a feed-forward agent."""
+    members = getattr(agent, "members", None)
+    return getattr(agent if members is None else members[0], "core", None)
+
+
 class GreedyPolicy(nn.Module):
     """The agent's greedy action and value head over plain tensors (see the module docstring).
 
@@ -109,7 +117,7 @@ class GreedyPolicy(nn.Module):
         if not isinstance(agent, (PgAgent, QAgent, QpgAgent)):
             raise ExportError(f"{type(agent).__name__}: export knows PgAgent, QAgent and the DDPG/TD3/SAC agents")
         self.agent = agent
-        core = getattr(agent, "core", None)
+        core = lstm_core(agent)
         self.policy_only = bool(getattr(agent, "value_only", ()))
         if self.policy_only:
             if core is not None:
@@ -141,19 +149,10 @@ class GreedyPolicy(nn.Module):
     def _memory(self, state: tuple[torch.Tensor, ...]) -> Memory:
         """The recurrent inputs as the agent's acting ``Memory`` (state [B, cores, H])."""
         h, c, rest = state[0], state[1], list(state[2:])
-        core = self.agent.core
+        core = lstm_core(self.agent)
         prev_action = rest.pop(0) if core.use_action else torch.zeros(h.shape[0], dtype=torch.int64)
         prev_reward = rest.pop(0) if core.use_reward else torch.zeros(h.shape[0])
         return Memory(prev_action=prev_action, prev_reward=prev_reward, state=RnnState(h=h, c=c))
-
-    @staticmethod
-    def _core_steps(cores: list[tuple], obs, memory: Memory) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """One acting step of each (core, encoder) from ``memory``: (h, c) [B, H] per core."""
-        out = []
-        for k, (core, encoder) in enumerate(cores):
-            h, c = core.run(encoder(obs)[None], map_leaves(lambda x: x[None], core_memory(memory, k)))
-            out.append((h[0], c[0]))
-        return out
 
     def _pg(self, agent: PgAgent, obs, memory: Memory | None) -> tuple[torch.Tensor, ...]:
         obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
@@ -162,8 +161,7 @@ class GreedyPolicy(nn.Module):
         elif memory is None:
             out, value = agent._forward(obs)
         else:
-            states = self._core_steps(agent._cores(), obs, memory)
-            out, value = agent.pi_head(states[0][0]), agent.v_head(states[-1][0]).squeeze(-1)
+            out, value, h, c = agent.core_step(obs, memory)
         if agent.kind == "box":
             action = out.reshape(-1, *agent.action_shape)
         else:
@@ -174,7 +172,7 @@ class GreedyPolicy(nn.Module):
             return (action,)
         if memory is None:
             return action, value
-        return (action, value, torch.stack([h for h, _ in states], 1), torch.stack([c for _, c in states], 1))
+        return action, value, h, c
 
     def _q(self, agent: QAgent, obs, memory: Memory | None) -> tuple[torch.Tensor, ...]:
         ok = agent.legal_actions(obs)
@@ -182,9 +180,8 @@ class GreedyPolicy(nn.Module):
             q = agent.q_values(obs)
             return masked_argmax(q, ok), q
         obs = agent.obs_norm(obs) if agent.obs_norm is not None else obs
-        ((h, c),) = self._core_steps([(agent.core, agent.encoder)], obs, memory)
-        q = agent._from_features(h)
-        return masked_argmax(q, ok), q, h[:, None], c[:, None]
+        q, h, c = agent.core_step(obs, memory)
+        return masked_argmax(q, ok), q, h, c
 
 
 def example_inputs(policy: GreedyPolicy, batch: int = EXAMPLE_BATCH) -> tuple[torch.Tensor, ...]:
@@ -193,13 +190,13 @@ def example_inputs(policy: GreedyPolicy, batch: int = EXAMPLE_BATCH) -> tuple[to
     obs = [torch.as_tensor(np.repeat(np.asarray(x)[None], batch, 0)) for _, x in leaves(policy.obs.example)]
     if not policy.recurrent:
         return tuple(obs)
-    agent = policy.agent
+    agent, core = policy.agent, lstm_core(policy.agent)
     cores, size = agent.acting.cores, agent.acting.size
     state = [torch.zeros(batch, cores, size), torch.zeros(batch, cores, size)]
-    if agent.core.use_action:
+    if core.use_action:
         example = agent.acting.action_example
         state.append(torch.zeros(batch, *example.shape, dtype=example.dtype))
-    if agent.core.use_reward:
+    if core.use_reward:
         state.append(torch.zeros(batch))
     return tuple(obs + state)
 
