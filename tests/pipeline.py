@@ -154,7 +154,7 @@ class Run:
         out = rlpipe_here("scale", str(self.dir), f"sampler={count}")
         assert out.returncode == 0, out.stderr
         want = {str(i) for i in range(count)}
-        self.wait_for(lambda: instances(self.metrics(), "rlpipe_sampler_up") == want, 10,
+        self.wait_for(lambda: label_values(self.metrics(), "rlpipe_sampler_up") == want, 10,
                       f"the metrics endpoint to show samplers {sorted(want)}")
         assert self.config().sampler.count == count  # the run's config records it
         return time.monotonic() - t0
@@ -265,9 +265,9 @@ def maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def instances(metrics_text: str, name: str) -> set[str]:
-    """The instance labels of the samples of metric ``name`` in a Prometheus text page."""
-    return set(re.findall(rf'^{name}{{[^}}]*instance="(\d+)"', metrics_text, re.M))
+def label_values(metrics_text: str, name: str, label: str = "instance") -> set[str]:
+    """The values of label ``label`` of the samples of metric ``name`` in a Prometheus text page."""
+    return set(re.findall(rf'^{name}{{[^}}]*\b{label}="([^"]*)"', metrics_text, re.M))
 
 
 def metric_value(page: str, name: str, **labels: str) -> float:

@@ -2,11 +2,13 @@
 
 The Grafana dashboard may only query metric names shared.runtime.metrics defines (a renamed metric
 must fail here, not show an empty panel); prometheus.yml scrapes the default metrics port;
-and prometheus_client's multiprocess mode exposes those names and drops a dead process's
-`up` gauge, which services.metrics' reap_dead relies on.
+and the endpoint over prometheus_client's multiprocess files exposes those names, drops a dead
+process's `up` gauge, which services.metrics' reap_dead relies on, and the series a live one
+removed.
 """
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -150,7 +152,7 @@ def test_multiprocess_exposes_defined_names_and_forgets_dead_processes(tmp_path)
     assert child.returncode == 0, err
 
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(tmp_path))
+    registry.register(metrics.Served(tmp_path))  # as services.metrics serves them
     sampler0 = {"service": "sampler", "instance": "0", "node": "main"}  # node: the [placement] label
     assert registry.get_sample_value("rlpipe_sampler_env_steps_total", sampler0) == 7
     assert registry.get_sample_value("rlpipe_sampler_up", sampler0) == 1
@@ -161,3 +163,30 @@ def test_multiprocess_exposes_defined_names_and_forgets_dead_processes(tmp_path)
     assert registry.get_sample_value("rlpipe_learner_up", {"service": "learner", "instance": "0", "node": "main"}) is None
     # Counters outlive the process, so rates stay continuous across a restart.
     assert registry.get_sample_value("rlpipe_sampler_env_steps_total", sampler0) == 7
+
+
+def run_with_metrics(script: str, directory: Path) -> None:
+    """``script`` in a process of its own, recording into ``directory`` (prometheus_client picks
+    multiprocess mode at import time)."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    child = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert child.returncode == 0, child.stderr
+
+
+def test_a_pool_version_that_left_the_pool_leaves_the_endpoint(tmp_path):
+    """The learner's per-version Elo over versions 3 and 5, then 5 and 7: the multiprocess files keep
+    version 3's series (prometheus_client cannot remove one there), the endpoint serves 5 and 7."""
+    run_with_metrics("from shared.runtime import metrics\n"
+                     "m = metrics.for_service('learner', 0)\n"
+                     "m.pool_version_elo.replace({'3': 990.0, '5': 1010.0})\n"
+                     "m.pool_version_elo.replace({'5': 1004.5, '7': 1001.0})\n", tmp_path)
+
+    def versions(collector) -> dict[str, float]:
+        registry = CollectorRegistry()
+        registry.register(collector)
+        return {s.labels["version"]: s.value for family in registry.collect() for s in family.samples
+                if s.name == "rlpipe_learner_pool_version_elo"}
+
+    in_files = versions(MultiProcessCollector(None, path=str(tmp_path)))
+    assert set(in_files) == {"3", "5", "7"} and math.isnan(in_files["3"])
+    assert versions(metrics.Served(tmp_path)) == {"5": 1004.5, "7": 1001.0}

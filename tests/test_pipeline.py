@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared.launch import supervisor as launch
-from tests.pipeline import cpu_seconds, instances, maps_torch, metric_value, rlpipe, rlpipe_here
+from tests.pipeline import cpu_seconds, label_values, maps_torch, metric_value, rlpipe, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -118,7 +118,7 @@ def test_sampler_count_follows_config_metrics_show_instances_and_action_servers_
                "run.target_return=1e9")
     run.wait_steps(5_000)
     page = run.metrics()
-    assert instances(page, "rlpipe_sampler_up") == {"0", "1", "2"}
+    assert label_values(page, "rlpipe_sampler_up") == {"0", "1", "2"}
     kept = run.pid("sampler0"), run.pid("sampler2")
     out = rlpipe_here("scale", str(run.dir), "action_server=2")
     assert out.returncode == 0 and "restarted sampler1" in out.stdout, out
@@ -140,7 +140,7 @@ def test_pendulum_ppo_gaussian_one_sampler(runs):
     run = runs("pendulum_ppo.toml", "sampler.count=1", "sampler.envs=32", "learner.batch_segments=1",
                "replay.capacity=1")
     run.wait_steps(2_000)
-    assert instances(run.metrics(), "rlpipe_sampler_up") == {"0"}
+    assert label_values(run.metrics(), "rlpipe_sampler_up") == {"0"}
     result = run.wait_result(300)
     assert result["reason"] == "target" and result["mean_return"] > -500 and result["env_steps"] <= 200_000, result
     first = [float(r["mean_return"]) for r in run.progress() if r["mean_return"] != "nan"][0]

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from shared.launch import supervisor as launch
-from tests.pipeline import check_nstep, check_time_split, cpu_seconds, instances, metric_value, rlpipe_here
+from tests.pipeline import check_nstep, check_time_split, cpu_seconds, label_values, metric_value, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -63,7 +63,7 @@ def test_rate_limiter_holds_the_ratio_the_learner_waits_without_spinning_and_a_k
                "run.target_return=1e9", "run.max_env_steps=100000000", "sampler.timeout_ms=2000",
                "learner.timeout_ms=2000")
     run.wait_steps(20_000, timeout=120)
-    assert instances(run.metrics(), "rlpipe_sampler_up") == {"0", "1", "2"}
+    assert label_values(run.metrics(), "rlpipe_sampler_up") == {"0", "1", "2"}
     page = run.metrics()
     inserts = metric_value(page, "rlpipe_replay_insert_steps_total")
     samples = metric_value(page, "rlpipe_replay_samples_total")  # items

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from shared.runtime.metrics import PHASES
-from tests.pipeline import check_time_split, free_port
+from tests.pipeline import check_time_split, free_port, label_values
 from tests.test_deploy import DASHBOARD, PROMETHEUS
 
 pytestmark = pytest.mark.learning
@@ -142,6 +142,11 @@ def test_prometheus_scrapes_a_live_run_and_every_panel_returns_data(runs, promet
             empty = [(title, expr) for title, expr in exprs if not server.query(expr)]
             time.sleep(SCRAPE_S)
         assert not empty, f"panel expressions without data after 120 s: {empty}"
+        # A pool version's Elo series leaves the endpoint with the version: the pool's 8 at most, the first gone.
+        def versions_shown() -> set[int]:
+            return {int(v) for v in label_values(pool.metrics(), "rlpipe_learner_pool_version_elo", "version")}
+        pool.wait_for(lambda: 0 < min(versions_shown(), default=0) and len(versions_shown()) <= 8, 60,
+                      "version 0's Elo to leave the endpoint with it")
         # The evaluator's numbers went through Prometheus as the endpoint shows them.
         assert server.query("max(rlpipe_evaluator_policy_version) >= 0")
         # Every phase of every service's time split is there (the row's panels sum over them),

@@ -7,6 +7,7 @@ after ``launch --resume``."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -37,6 +38,7 @@ from shared.config import loading
 from shared.config.schema import ConfigError
 from shared.launch import api
 from shared.transport.params import ModuleState, field_name
+from shared.runtime.files import read_csv
 from shared.transport.pool import PoolFiles, Scores, draw
 from tests.pipeline import CONFIGS, metric_value, rlpipe, rlpipe_here
 from tests.test_memory import FixedParams
@@ -380,6 +382,68 @@ def test_progress_rows_name_the_pools_best_version_and_its_elo():
     assert row["pool_win"] == 0.333
 
 
+def pool_learner(exp, run_dir: Path, m):
+    from services.build import make_algo
+    from services.learner.learner import Learner
+
+    probe = env_probe(exp)
+    agent = make_agent(exp, probe)
+    probe.close()
+    return Learner(exp, agent, make_algo(exp, agent), torch.device("cpu"), run_dir, m)
+
+
+def test_each_pool_versions_elo_goes_to_pool_elo_csv_tensorboard_and_a_gauge_that_drops_a_version_gone(
+        tmp_path, monkeypatch):
+    """A learner with a pool of 2 (versions 0 and 5), games against both, a progress row; version 9
+    pushes version 0 out, a row; a learner resumed from the checkpoint, a row. pool_elo.csv has a
+    row per version the pool held at each progress row, under one header; TensorBoard a scalar per
+    version; the Prometheus gauge the versions the pool holds, version 0's series gone with it; the
+    row on the terminal the learner's Elo and the best version's."""
+    from prometheus_client import REGISTRY
+
+    from services.learner.progress import Progress
+    from shared.launch import follow, rundirs
+    from shared.runtime import metrics
+
+    def gauge() -> dict[str, float]:
+        return {s.labels["version"]: s.value for family in REGISTRY.collect()
+                if family.name == "rlpipe_learner_pool_version_elo" for s in family.samples
+                if s.labels["instance"] == "91"}
+
+    tensorboard = []
+    monkeypatch.setattr(Progress, "_tensorboard", lambda self, scalars: tensorboard.append(scalars))
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["selfplay.size=2"])
+    m = metrics.for_service("learner", 91)  # an instance of this test's own in the process's registry
+    learner = pool_learner(exp, tmp_path, m)
+    learner.pool.start(0)
+    learner.pool.add(5)
+    # [return, length, opponent version] of the learner seat's games: it beats 0, loses to 5 and draws
+    learner.progress.record_batch({"env_steps": 9, "episodes": [[1.0, 5, 0], [-1.0, 6, 5], [0.0, 9, 5]]})
+    learner.maybe_report(force=True)
+    first = dict(learner.pool.scores.versions)
+    assert gauge() == {"0": round(first[0]["elo"], 1), "5": round(first[5]["elo"], 1)}
+    assert first[5]["elo"] > 1000 > first[0]["elo"]
+    learner.pool.add(9)
+    learner.progress.record_batch({"env_steps": 9, "episodes": [[1.0, 5, 9]]})
+    learner.maybe_report(force=True)
+    assert set(gauge()) == {"5", "9"}  # version 0 left the pool, and the endpoint
+    learner.maybe_checkpoint(force=True)
+    resumed = pool_learner(exp, tmp_path, m)
+    assert resumed.resume()
+    resumed.maybe_report(force=True)
+
+    rows = [(r["env_steps"], r["version"], r["games"], r["score"]) for r in read_csv(tmp_path / "pool_elo.csv")]
+    assert rows == [("9", "0", "1", "0.0"), ("9", "5", "2", "0.75"),
+                    ("18", "5", "2", "0.75"), ("18", "9", "1", "0.0"),
+                    ("18", "5", "2", "0.75"), ("18", "9", "1", "0.0")]
+    assert (tmp_path / "pool_elo.csv").read_text().count("version") == 1  # the resumed learner added no header
+    assert read_csv(tmp_path / "pool_elo.csv")[1]["elo"] == str(round(first[5]["elo"], 1))
+    assert [sorted(tag for tag in scalars if tag.startswith("pool/elo/")) for scalars in tensorboard] == [
+        ["pool/elo/v0", "pool/elo/v5"], ["pool/elo/v5", "pool/elo/v9"], ["pool/elo/v5", "pool/elo/v9"]]
+    row = rundirs.read_progress(tmp_path)[0]
+    assert f"elo {float(row['pool_elo']):.0f} (best v5 {first[5]['elo']:.0f})" in follow.format_row(row)
+
+
 # ------------------------------------------------------------------ learning
 
 
@@ -424,7 +488,8 @@ def test_pool_self_play_through_the_pipeline_survives_a_learner_kill_and_a_resum
     killed with SIGKILL once the pool holds 3 versions: the restarted one finds them, and the
     samplers go on playing them (their games against versions of before the kill still count).
     Stopped, then resumed with ``launch --resume``: the pool is there, the run ends at its budget,
-    and the learner seat beats a random player."""
+    and the learner seat beats a random player; pool_elo.csv has one header and at most the pool's
+    8 versions at each progress row."""
     run = runs("tictactoe_ppo.toml", *POOL, "learner.checkpoint_interval_s=1.0", "sampler.inference=server")
     pool = PoolFiles(run.dir, 8)
     run.wait_for(lambda: len(pool.versions()) >= 3 and (run.dir / "checkpoints" / "latest.pt").exists()
@@ -456,6 +521,10 @@ def test_pool_self_play_through_the_pipeline_survives_a_learner_kill_and_a_resum
     assert result["reason"] == "budget", result
     assert run.logs("learner0").count("version(s) held") >= 2
     assert pool.versions()[-1] > held[-1]  # it went on adding versions after those it held
+    assert (run.dir / "pool_elo.csv").read_text().count("version") == 1  # no header again after the restart or the resume
+    elo_rows = read_csv(run.dir / "pool_elo.csv")
+    at_row = collections.Counter((r["wall_s"], r["env_steps"]) for r in elo_rows)
+    assert max(at_row.values()) <= 8 and len({r["version"] for r in elo_rows}) > 8, at_row
     # Against its own recent versions a learner that wins as first player wins about half its games.
     last = pool_rows(run.dir)[-1]
     assert sum(float(last[f"pool_{o}"]) for o in ("win", "draw", "loss")) == pytest.approx(1, abs=0.01), last

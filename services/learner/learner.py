@@ -222,6 +222,8 @@ class Learner:
             self.m.pool_elo.set(row["pool_elo"])
             self.m.pool_best_elo.set(row["pool_best_elo"])
             self.m.pool_best_version.set(row["pool_best_version"])
+        if self.m is not None and self.pool is not None:  # a version is rated from its entry on, before its games
+            self.m.pool_version_elo.replace({str(v): round(s["elo"], 1) for v, s in self.pool.scores.versions.items()})
         if self.identical_at is not None:
             log.info("parameters identical on %d ranks at update %d (crc32 %08x)", self.group.world, *self.identical_at)
             self.identical_at = None

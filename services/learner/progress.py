@@ -4,7 +4,8 @@ The counters (env steps, updates, episodes and their returns, dropped items, wal
 earlier incarnations) come from replay's batch metadata and the learner's updates; they are
 checkpointed with the model. A progress row goes to progress.csv, to TensorBoard (with the
 means of the algorithm's diagnostics since the last row), to W&B when configured (the same
-scalars: ``services/learner/wandb_run.py``) and to the log.
+scalars: ``services/learner/wandb_run.py``) and to the log; with a self-play pool, each pool
+version's Elo goes to pool_elo.csv and TensorBoard beside it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from shared.config.schema import RunConfig
 from shared.runtime import evaluation
 from shared.runtime.files import WriteErrors, append_csv
 from shared.runtime.metrics import Phases
-from shared.runtime.runfiles import PROGRESS, TB_DIR
+from shared.runtime.runfiles import POOL_ELO, PROGRESS, TB_DIR
 from shared.transport.pool import OUTCOMES, Scores
 from services.learner.wandb_run import WandbRun
 
@@ -36,12 +37,16 @@ POOL_FIELDS = ["pool_win", "pool_draw", "pool_loss", "pool_elo", "pool_best_vers
 over its last ``run.return_window`` games against the pool, its Elo (``shared.transport.pool``), and
 the pool's version of the highest Elo and that Elo (NaN before the pool holds one): how far the
 learner is ahead of the strongest past version it still meets."""
+POOL_ELO_FIELDS = ["wall_s", "env_steps", "version", "elo", "games", "score"]
+"""pool_elo.csv's columns, in long format because the pool's versions change: at each progress row a
+row per version the pool holds, with its Elo, the learner's games against it and its score against
+the learner ((the learner's losses + draws / 2) / games; NaN before the first game)."""
 COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
 """The counters a checkpoint keeps (with the returns, lengths and wall time)."""
 
 
 MAX_UNWRITTEN = 10_000
-"""Progress rows kept while progress.csv cannot be written (a full disk), oldest dropped first."""
+"""Rows kept while progress.csv or pool_elo.csv cannot be written (a full disk), oldest dropped first."""
 
 
 class Progress:
@@ -56,7 +61,7 @@ class Progress:
         pool, which the episodes tagged with an opponent version go to (None: no pool)."""
         self.run_dir, self.wandb, self.clock, self.budget = run_dir, wandb, clock, budget
         self.errors = WriteErrors() if errors is None else errors
-        self.unwritten: list[dict] = []  # progress rows not in progress.csv yet, oldest first
+        self.unwritten: list[tuple[str, list[str], dict]] = []  # (file, columns, row) not written yet, oldest first
         self.recent: collections.deque = collections.deque(maxlen=ETA_ROWS + 1)  # (wall_s, env_steps) of rows
         self.time_at_row = clock.totals() if clock is not None else {}
         self.env_steps = 0
@@ -139,6 +144,18 @@ class Progress:
         row["pool_best_elo"] = round(best[1]["elo"], 1) if best else float("nan")
         return row
 
+    def pool_elo_rows(self, row: dict) -> list[dict]:
+        """POOL_ELO_FIELDS of each version the pool holds, at progress row ``row`` (none without a pool)."""
+        if self.scores is None:
+            return []
+        rows = []
+        for version, s in sorted(self.scores.versions.items()):
+            games = s["win"] + s["draw"] + s["loss"]
+            score = (s["loss"] + s["draw"] / 2) / games if games else float("nan")
+            rows.append({"wall_s": row["wall_s"], "env_steps": row["env_steps"], "version": version,
+                         "elo": round(s["elo"], 1), "games": int(games), "score": round(score, 3)})
+        return rows
+
     def eta_s(self, now: float) -> float:
         """Seconds until the env-step budget at the env-step rate since the last ETA_ROWS rows of this
         incarnation, or until the wall budget if that comes first; NaN at its first row (the
@@ -162,12 +179,15 @@ class Progress:
         return {phase: t / total for phase, t in spent.items() if phase != "startup"} if total > 0 else {}
 
     def write(self, row: dict) -> None:
-        """``row`` to TensorBoard and W&B (``progress/<field>``, and ``algo/<term>``: the means of
-        the algorithm's diagnostics since the last row, at the run's env steps), progress.csv
-        (with the evaluator's latest result) and the log."""
+        """``row`` to TensorBoard and W&B (``progress/<field>``, ``algo/<term>``: the means of the
+        algorithm's diagnostics since the last row, and ``pool/elo/v<version>``: each pool
+        version's Elo, at the run's env steps), progress.csv (with the evaluator's latest result),
+        pool_elo.csv and the log."""
+        pool_rows = self.pool_elo_rows(row)
         scalars = {f"progress/{field}": value for field, value in row.items() if field != "env_steps"}
         scalars.update({f"algo/{term}": total / self.diag_updates for term, total in self.diag_sums.items()})
         scalars.update({f"time/learner_{phase}": share for phase, share in self.time_shares().items()})
+        scalars.update({f"pool/elo/v{r['version']}": r["elo"] for r in pool_rows})
         self.diag_sums.clear()
         self.diag_updates = 0
         # No mean return before the first episode ends.
@@ -177,7 +197,8 @@ class Progress:
             if self.wandb is not None:
                 self.wandb.log(scalars, self.env_steps)
             row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
-            self.unwritten = self.unwritten[-MAX_UNWRITTEN + 1:] + [row]
+            rows = [(PROGRESS, self.fields, row)] + [(POOL_ELO, POOL_ELO_FIELDS, r) for r in pool_rows]
+            self.unwritten = (self.unwritten + rows)[-MAX_UNWRITTEN:]
             self.write_rows()
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f, eta %.0f s",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
@@ -212,15 +233,16 @@ class Progress:
         self.errors.ok("tensorboard")
 
     def write_rows(self) -> None:
-        """The rows not yet in progress.csv, oldest first, each whole or not at all."""
+        """The rows not yet in progress.csv and pool_elo.csv, oldest first, each whole or not at all."""
         while self.unwritten:
+            name, fields, row = self.unwritten[0]
             try:
-                append_csv(self.run_dir / PROGRESS, self.fields, self.unwritten[0])
+                append_csv(self.run_dir / name, fields, row)
             except OSError as e:
-                self.errors.failed(PROGRESS, e)
+                self.errors.failed(name, e)
                 return
             del self.unwritten[0]
-        self.errors.ok(PROGRESS)
+            self.errors.ok(name)
 
     def state(self) -> dict:
         """What a checkpoint keeps."""

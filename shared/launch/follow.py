@@ -134,6 +134,10 @@ def format_row(row: dict) -> str:
         line += f"  eval {float(row['eval_return']):.1f} (v{row['eval_policy_version']})"
     if int(row.get("skipped_updates") or 0):  # updates that learned nothing (a non-finite loss)
         line += f"  skipped {row['skipped_updates']}"
+    if row.get("pool_elo"):  # against a self-play pool: the learner's Elo, and the best version's once it has one
+        line += f"  elo {float(row['pool_elo']):.0f}"
+        if math.isfinite(float(row.get("pool_best_elo") or "nan")):
+            line += f" (best v{row['pool_best_version']} {float(row['pool_best_elo']):.0f})"
     eta = float(row.get("eta_s") or "nan")  # rows of runs made before the ETA have none
     if math.isfinite(eta):
         line += f"  eta {duration(eta)}"

@@ -12,6 +12,14 @@ SIGBUS. So before the process's first metric, ``for_service`` allocates those fi
 (``reserve_files``); where the disk cannot hold them the process records its metrics in memory
 only (not served: a warning says so) and runs on. prometheus_client chooses between the two
 when it is first imported, which is why this module imports it late.
+
+A label whose values come and go (the self-play pool's versions: ``TRANSIENT_LABELS``) has its
+series set and removed together (``_Partial.replace``), so that the endpoint serves the current
+values only. prometheus_client's multiprocess mode cannot remove a series (a process's file keeps
+every series it wrote: prometheus/client_python#916), so there a removed series is set to REMOVED,
+which the endpoint's collector (``Served``) leaves out. The file still holds it, one entry (about
+200 bytes) a value for the process's life: about a thousand pool versions fit the file's
+reservation (MULTIPROC_FILE_BYTES) before prometheus_client grows it, sparse.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import math
 import os
 import sys
 import time
@@ -101,6 +110,7 @@ _DEFS: dict[str, dict[str, tuple]] = {
         "pool_elo": ("gauge", "pool_elo", "Elo rating of the learner from its self-play games against the pool", ()),
         "pool_best_elo": ("gauge", "pool_best_elo", "Elo rating of the self-play pool's highest-rated version", ()),
         "pool_best_version": ("gauge", "pool_best_version", "The self-play pool's highest-rated version", ()),
+        "pool_version_elo": ("gauge", "pool_version_elo", "Elo rating of each self-play pool version", ("version",)),
     },
     "evaluator": {
         "mean_return": ("gauge", "mean_return", "Mean return of the latest evaluation's greedy episodes", ()),
@@ -135,6 +145,10 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "side": ("sampler", "learner"),
     "file": (runfiles.PROGRESS, "checkpoint", "tensorboard", runfiles.RESULT),
 }
+TRANSIENT_LABELS = ("version",)
+"""Labels whose values come and go (``_Partial.replace``): at most the values of now are served."""
+REMOVED = math.nan
+"""What a series removed in multiprocess mode reads in its process's file (``Served`` leaves it out)."""
 # Where a service's wall time goes (``m.time``, a ``Phases`` clock; docs/architecture.md, "Where the
 # time goes"): every second of the process belongs to one phase, from the process's start
 # ("startup": imports, building, connecting) on. WAITING: the phases in which the service waits
@@ -229,7 +243,7 @@ def for_service(service: str, instance: int, node: str = "main") -> SimpleNamesp
     fixed = {"service": service, "instance": str(instance), "node": node}
     for attr, (kind, suffix, doc, extra, *buckets) in defs.items():
         fam = _family(kind, f"rlpipe_{service}_{suffix}", doc, LABELS + extra, buckets[0] if buckets else None)
-        out[attr] = _Partial(fam, fixed) if extra else fam.labels(**fixed)
+        out[attr] = _Partial(fam, fixed, extra) if extra else fam.labels(**fixed)
         known = {**KNOWN_LABEL_VALUES, "phase": PHASES.get(service, ())}
         if extra and kind == "counter" and all(label in known for label in extra):
             for values in itertools.product(*(known[label] for label in extra)):
@@ -239,6 +253,29 @@ def for_service(service: str, instance: int, node: str = "main") -> SimpleNamesp
     if service in PHASES:
         m.time = Phases(PHASES[service], m.phase)
     return m
+
+
+def transient_metrics() -> set[str]:
+    """The names of the metrics with a TRANSIENT_LABELS label."""
+    return {f"rlpipe_{service}_{suffix}" for service, defs in _DEFS.items()
+            for kind, suffix, doc, extra, *_ in defs.values() if set(extra) & set(TRANSIENT_LABELS)}
+
+
+class Served:
+    """What the metrics endpoint serves: prometheus_client's multiprocess collector over the run's
+    metrics ``directory``, less the series removed there (REMOVED in a metric of ``transient_metrics``)."""
+
+    def __init__(self, directory: Path):
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.files, self.transient = MultiProcessCollector(None, path=str(directory)), transient_metrics()
+
+    def collect(self):
+        for family in self.files.collect():
+            if family.name in self.transient:
+                family.samples = [s for s in family.samples if not math.isnan(s.value)]
+            if family.samples:
+                yield family
 
 
 def phase_metric(service: str) -> str:
@@ -318,8 +355,8 @@ class _Partial:
     once made (the family's own lookup takes a lock and builds its key on every call; a cached
     child skips both: docs/benchmarks.md, "Sampling throughput")."""
 
-    def __init__(self, fam, fixed: dict):
-        self.fam, self.fixed, self.children = fam, fixed, {}
+    def __init__(self, fam, fixed: dict, extra: tuple[str, ...]):
+        self.fam, self.fixed, self.extra, self.children = fam, fixed, extra, {}
 
     def labels(self, **rest):
         key = tuple(rest.items())
@@ -327,3 +364,17 @@ class _Partial:
         if child is None:
             child = self.children[key] = self.fam.labels(**self.fixed, **rest)
         return child
+
+    def replace(self, values: dict[str, float]) -> None:
+        """Set a series per entry of ``values`` (a value of the family's one label besides the fixed
+        ones -> its sample) and remove those of the other values this process set (a pool version
+        that left the pool): see the module's docstring for multiprocess mode."""
+        (label,) = self.extra
+        for key in [key for key in self.children if key[0][1] not in values]:
+            child = self.children.pop(key)
+            if MULTIPROC in os.environ:
+                child.set(REMOVED)
+            else:
+                self.fam.remove(*self.fixed.values(), key[0][1])
+        for value, sample in values.items():
+            self.labels(**{label: value}).set(sample)

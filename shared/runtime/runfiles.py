@@ -49,6 +49,9 @@ CLUSTER_FILE = "cluster.json"
 # The learner (services/learner/)
 PROGRESS = "progress.csv"
 """The learner's progress rows, one every `run.log_interval_s` (services/learner/progress.py)."""
+POOL_ELO = "pool_elo.csv"
+"""With a self-play pool: each pool version's Elo, games and score against the learner, one row a
+version at each progress row (services/learner/progress.py)."""
 RESULT = "result.json"
 """How the run ended: written by the learner at the end, or by the watchdog when it stops
 the run; every follower of the run ends at it."""
