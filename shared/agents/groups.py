@@ -3,16 +3,17 @@ member a group (an ``nn.ModuleList``) and routes each row of a batch to its grou
 the observation's ``agent_group`` leaf, which no network reads as a feature.
 
 ``by_group`` runs each member on its own group's rows only: it gathers them (every leaf of the
-inputs indexed alike), runs the member and puts its outputs back in row order, so a batch costs
-about one network's pass over it, and a row's gradient reaches its group's member only. That
-split has data-dependent shapes, so where the shapes must stay fixed (a trace or an export:
-TorchScript, torch.export, ONNX) every member runs on all rows instead and ``routed`` keeps, for
-each row, its own group's output with ``torch.where``: K is small (the kinds of agents in an
-env), the graph exports, and the gradient is routed alike. Tensors on an accelerator take that
-path too: splitting reads the groups' row counts back, a device sync every forward pass. Both
-paths give a row the same outputs, up to float rounding (a member's pass over fewer rows may
-round otherwise). So the algorithm, its one optimizer, the parameter segment and checkpoints see
-one module as ever.
+inputs indexed alike), runs the member and puts its outputs back in row order, so each row goes
+through its own member's networks alone, not all K, and a row's gradient reaches its group's
+member only. That split has data-dependent shapes, so where the shapes must stay fixed (a trace
+or an export: TorchScript, torch.export, ONNX) every member runs on all rows instead and
+``routed`` keeps, for each row, its own group's output with ``torch.where``: K is small (the
+kinds of agents in an env), the graph exports, and the gradient is routed alike. Tensors on an
+accelerator take that path too (splitting reads the groups' row counts back, a device sync every
+forward pass), and so do batches too small for the split to pay (``SPLIT_MIN_ROWS``). Both paths
+give a row the same outputs, up to float rounding (a member's pass over fewer rows may round
+otherwise). So the algorithm, its one optimizer, the parameter segment and checkpoints see one
+module as ever.
 
 A recurrent agent's state is routed the same way. The agent keeps one acting memory, and a
 column's state in it is its own group's member's; each member steps its rows from it and each
@@ -68,7 +69,7 @@ def fixed_shapes() -> Iterator[None]:
 SPLIT_MIN_ROWS = 64
 """Rows below which ``by_group`` runs every member on every row even in eager mode: on a few rows
 a member's pass costs the same whatever their number, and the split's own bookkeeping is not
-repaid (docs/benchmarks.md, "agent groups in the learner")."""
+repaid (docs/benchmarks.md, "Agent groups in the learner")."""
 
 
 def by_group(members: torch.nn.ModuleList, run: Callable, group: torch.Tensor, *inputs,
