@@ -225,8 +225,8 @@ def _far_apart(agent) -> None:
 
 
 def _columns(box: bool, n: int):
-    """An agent of ``SPLIT`` needs: the env group's example, spaces, and ``n`` columns' observations
-    (simple_adversary's 3 agents a world: group 0, 1, 1, ...), each made its own by noise."""
+    """The env group (for its example observation and spaces) and ``n`` columns' observations of
+    simple_adversary (3 agents a world: groups 0, 1, 1, ...), each made its own by noise."""
     group = make_env_group(replace(ADVERSARY, kwargs='{"continuous_actions": true}') if box else ADVERSARY, n, 0)
     buf = Buffers(group)
     group.reset(buf.obs)
@@ -240,19 +240,19 @@ def _split_outputs(which: str, agent, obs) -> tuple[torch.Tensor, ...]:
     """Every grouped method of the agent on ``obs`` [SPLIT_ROWS] (as sequences [4, 24] for a
     recurrent one), each result once."""
     gen = torch.Generator().manual_seed(2)
+    seq = map_leaves(lambda x: x.reshape(4, -1, *x.shape[1:]), obs)  # [T, B]
     if not which.endswith("_sequences"):
-        steps = map_leaves(lambda x: x.reshape(4, -1, *x.shape[1:]), obs)  # [T, B], a segment's values
         if isinstance(agent, QAgent):
             if which == "iqn":
                 values, _ = agent.quantiles(obs, torch.rand(len(obs.observation), 6, generator=gen))
                 return (values,)
             return (agent.q_values(obs),) + ((agent.dist(obs),) if which == "c51_dueling" else ())
         action, info = agent.step(obs, EVALUATE)
-        return (*agent.evaluate(obs, action), agent.policy_output(obs), agent.value(steps), action, *info)
-    seq = map_leaves(lambda x: x.reshape(4, -1, *x.shape[1:]), obs)
+        return (*agent.evaluate(obs, action), agent.policy_output(obs), agent.value(seq), action, *info)
     B = seq.observation.shape[1]
     cores = agent.acting.cores
-    memory = Memory(prev_action=torch.randint(0, 5, (4, B), generator=gen), prev_reward=torch.randn(4, B, generator=gen),
+    memory = Memory(prev_action=torch.randint(0, 5, (4, B), generator=gen),
+                    prev_reward=torch.randn(4, B, generator=gen),
                     state=RnnState(h=torch.randn(4, B, cores, 8, generator=gen),
                                    c=torch.randn(4, B, cores, 8, generator=gen)))
     reset = torch.rand(4, B, generator=gen) < 0.2

@@ -119,8 +119,8 @@ def _pays(group: torch.Tensor, inputs: tuple, dims: tuple, row_cost: int) -> boo
 
 def _rows_by_group(group: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """The rows of ``group`` [*L] (on the CPU, flattened: R rows) in group order (int64 [R]), each
-    group's count [K], and where each row is in that order (int64 [R]). Numpy: on a few hundred rows its calls cost a
-    fraction of torch's."""
+    group's count [K], and where each row is in that order (int64 [R]). In numpy: on a few hundred
+    rows its calls cost a fraction of torch's."""
     g = group.numpy().reshape(-1)
     g = np.where((g > 0) & (g < k), g, 0)  # routed's rule: any other value is member 0's
     order = np.argsort(g, kind="stable")
