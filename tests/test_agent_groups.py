@@ -286,6 +286,7 @@ def test_running_each_member_on_its_groups_rows_alone_gives_what_routing_every_m
     burn-in state and acting step) and each parameter's gradient, with the rows split by group
     (eager, on the CPU: what the learner runs) and with every member on every row (the shapes an
     export keeps), agree to float rounding."""
+    torch.manual_seed(0)
     group, obs = _columns(which == "pg_box", SPLIT_ROWS)
     agent = SPLIT[which](group.example_observation(), group.action_space, group.observation_space)
     _far_apart(agent)
@@ -303,8 +304,9 @@ def test_running_each_member_on_its_groups_rows_alone_gives_what_routing_every_m
     for name, want in where_grads.items():
         if want is None:
             assert split_grads[name] is None, name
-        else:
-            torch.testing.assert_close(split_grads[name], want, rtol=1e-5, atol=1e-5, msg=name)
+        else:  # a sum over the rows, added up in another order: rounding scales with the gradient's size
+            torch.testing.assert_close(split_grads[name], want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max()),
+                                       msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("fmt", ["torchscript", "exported"])
