@@ -278,16 +278,22 @@ def _with_gradients(agent, outputs) -> tuple[list[torch.Tensor], dict]:
     return [o.detach() for o in outs], {name: p.grad for name, p in agent.named_parameters()}
 
 
+@pytest.mark.parametrize("empty", [False, True], ids=["both_groups", "a_group_without_rows"])
 @pytest.mark.parametrize("which", list(SPLIT))
-def test_running_each_member_on_its_groups_rows_alone_gives_what_routing_every_members_rows_gives(which, monkeypatch):
+def test_running_each_member_on_its_groups_rows_alone_gives_what_routing_every_members_rows_gives(which, empty,
+                                                                                                   monkeypatch):
     """96 simple_adversary columns: each method of the agent with groups (PPO's evaluate, values,
     acting step and Box log-std; Q-values, C51 distribution, IQN quantiles at the same fractions;
     recurrent PPO's and R2D1's sequences, recomputed values with bootstrap and final observations,
     burn-in state and acting step) and each parameter's gradient, with the rows split by group
     (eager, on the CPU: what the learner runs) and with every member on every row (the shapes an
-    export keeps), agree to float rounding."""
+    export keeps), agree to float rounding. Also where a group has no rows in the batch: its
+    member's gradient is zero, not None, on both paths (Adam still moves it by its moments, and
+    data-parallel ranks all-reduce the same tensors)."""
     torch.manual_seed(0)
     group, obs = _columns(which == "pg_box", SPLIT_ROWS)
+    if empty:
+        obs = obs._replace(agent_group=torch.ones_like(obs.agent_group))
     agent = SPLIT[which](group.example_observation(), group.action_space, group.observation_space)
     _far_apart(agent)
     splits = []

@@ -93,15 +93,15 @@ def by_group(members: torch.nn.ModuleList, run: Callable, group: torch.Tensor, *
         outs = [run(member, *inputs) for member in members]
         return _joined(outs, outs_dim, lambda parts, d: routed(parts, group.reshape(*(1,) * d, *group.shape)))
     order, counts, back = split
-    if len(order) in counts:  # one group holds every row
-        return run(members[counts.index(len(order))], *inputs)
     last = group.dim() - 1  # rows [*L] are split as one flattened dim
 
     def rows_of(x, d, rows):
         return x if d is None else map_leaves(lambda leaf: leaf.flatten(d, d + last).index_select(d, rows), x)
 
+    # A member whose group has no rows runs too, on none: its parameters get a zero gradient as on
+    # the torch.where path, so Adam moves them alike and data-parallel ranks all-reduce the same tensors.
     outs = [run(member, *(rows_of(x, d, rows) for x, d in zip(inputs, dims)))
-            for member, rows in zip(members, torch.split(order, counts)) if len(rows)]
+            for member, rows in zip(members, torch.split(order, counts))]
     return _joined(outs, outs_dim,
                    lambda parts, d: torch.cat(parts, d).index_select(d, back).unflatten(d, group.shape))
 
