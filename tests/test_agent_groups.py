@@ -5,7 +5,10 @@ recurrent member's state for a row is the one it would have alone, a setting tha
 one config-error line, the numpy acting plan acts as the torch agent, two groups that must act
 differently learn to in serial mode, and deploy/configs/simple_adversary_groups_ppo.toml trains
 through the pipeline; an export takes the group (and a recurrent agent's state) as inputs and plays
-the agent's actions."""
+the agent's actions. Each member runs on its own group's rows alone in eager mode (from
+``groups.SPLIT_MIN_ROWS`` rows on the CPU) and on every row, routed by ``torch.where``, where the
+shapes must stay fixed: both give the same outputs and gradients, and a trace or an export takes
+the second whatever its rows."""
 
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ pytest.importorskip("mpe2")
 from shared.agents import EVALUATE, StepContext
 from shared.agents.acting import numpy_actor
 from shared.agents.actor import acting_plan, state_arrays
-from shared.agents.config import ModelConfig, QAgentConfig
+from shared.agents import groups
+from shared.agents.config import Memory, ModelConfig, QAgentConfig, QuantileHead, RnnState
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
 from shared.config import loading
@@ -200,6 +204,141 @@ def test_a_recurrent_members_state_for_a_row_is_its_own_and_a_groups_rows_train_
         trained()[:, rows == k].sum().backward()
         touched = [any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters()) for m in agent.members]
         assert touched == [j == k for j in range(2)], (k, touched)
+
+
+SPLIT_ROWS = 96
+"""Columns of the split-path checks: two feed-forward batches' worth of ``SPLIT_MIN_ROWS``, or
+sequences [4, 24]."""
+SPLIT = {
+    **AGENTS,
+    "iqn": lambda example, act, space: QAgent(example, act, obs_space=space,
+                                              quantiles=QuantileHead(n_cosines=8, acting_samples=4)),
+    **{f"{name}_sequences": make for name, make in RECURRENT.items()},
+}
+
+
+def _far_apart(agent) -> None:
+    """Members far apart, so that a row given another member's outputs or gradient shows."""
+    with torch.no_grad():
+        for p in agent.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+
+
+def _columns(box: bool, n: int):
+    """The env group (for its example observation and spaces) and ``n`` columns' observations of
+    simple_adversary (3 agents a world: groups 0, 1, 1, ...), each made its own by noise."""
+    group = make_env_group(replace(ADVERSARY, kwargs='{"continuous_actions": true}') if box else ADVERSARY, n, 0)
+    buf = Buffers(group)
+    group.reset(buf.obs)
+    group.close()
+    obs = torchify(map_leaves(np.copy, buf.obs))
+    noise = torch.randn(obs.observation.shape, generator=torch.Generator().manual_seed(1))
+    return group, obs._replace(observation=obs.observation + noise)
+
+
+def _split_outputs(which: str, agent, obs) -> tuple[torch.Tensor, ...]:
+    """Every grouped method of the agent on ``obs`` [SPLIT_ROWS] (as sequences [4, 24] for a
+    recurrent one), each result once."""
+    gen = torch.Generator().manual_seed(2)
+    seq = map_leaves(lambda x: x.reshape(4, -1, *x.shape[1:]), obs)  # [T, B]
+    if not which.endswith("_sequences"):
+        if isinstance(agent, QAgent):
+            if which == "iqn":
+                values, _ = agent.quantiles(obs, torch.rand(len(obs.observation), 6, generator=gen))
+                return (values,)
+            return (agent.q_values(obs),) + ((agent.dist(obs),) if which == "c51_dueling" else ())
+        action, info = agent.step(obs, EVALUATE)
+        return (*agent.evaluate(obs, action), agent.policy_output(obs), agent.value(seq), action, *info)
+    B = seq.observation.shape[1]
+    cores = agent.acting.cores
+    memory = Memory(prev_action=torch.randint(0, 5, (4, B), generator=gen),
+                    prev_reward=torch.randn(4, B, generator=gen),
+                    state=RnnState(h=torch.randn(4, B, cores, 8, generator=gen),
+                                   c=torch.randn(4, B, cores, 8, generator=gen)))
+    reset = torch.rand(4, B, generator=gen) < 0.2
+    step = map_leaves(lambda x: x.flatten(0, 1), memory)  # an acting step of all 96 columns
+    if isinstance(agent, QAgent):
+        return (agent.q_sequence(seq, memory, reset), *agent.last_state(seq, memory, reset),
+                *agent.core_step(obs, step))
+    action = torch.randint(0, 5, (4, B), generator=gen)
+    truncated = torch.rand(4, B, generator=gen) < 0.2
+    samples = SimpleNamespace(observation=seq, agent_info=SimpleNamespace(memory=memory), action=action,
+                              reward=torch.randn(4, B, generator=gen), terminated=torch.zeros_like(truncated),
+                              truncated=truncated, final_observation=map_leaves(lambda x: x.flip(0), seq))
+    return (*agent.evaluate(seq, action, memory, reset),
+            *agent.segment_values(samples, map_leaves(lambda x: x[-1], seq), truncated), *agent.core_step(obs, step))
+
+
+def _with_gradients(agent, outputs) -> tuple[list[torch.Tensor], dict]:
+    """``outputs()`` and every parameter's gradient of a fixed weighting of those with grad."""
+    agent.zero_grad(set_to_none=True)
+    outs = outputs()
+    loss = sum((o * torch.linspace(-1, 1, o.numel()).reshape(o.shape)).sum() for o in outs if o.requires_grad)
+    loss.backward()
+    return [o.detach() for o in outs], {name: p.grad for name, p in agent.named_parameters()}
+
+
+@pytest.mark.parametrize("empty", [False, True], ids=["both_groups", "a_group_without_rows"])
+@pytest.mark.parametrize("which", list(SPLIT))
+def test_running_each_member_on_its_groups_rows_alone_gives_what_routing_every_members_rows_gives(which, empty,
+                                                                                                   monkeypatch):
+    """96 simple_adversary columns: each method of the agent with groups (PPO's evaluate, values,
+    acting step and Box log-std; Q-values, C51 distribution, IQN quantiles at the same fractions;
+    recurrent PPO's and R2D1's sequences, recomputed values with bootstrap and final observations,
+    burn-in state and acting step) and each parameter's gradient, with the rows split by group
+    (eager, on the CPU: what the learner runs) and with every member on every row (the shapes an
+    export keeps), agree to float rounding. Also where a group has no rows in the batch: its
+    member's gradient is zero, not None, on both paths (Adam still moves it by its moments, and
+    data-parallel ranks all-reduce the same tensors)."""
+    torch.manual_seed(0)
+    group, obs = _columns(which == "pg_box", SPLIT_ROWS)
+    if empty:
+        obs = obs._replace(agent_group=torch.ones_like(obs.agent_group))
+    agent = SPLIT[which](group.example_observation(), group.action_space, group.observation_space)
+    _far_apart(agent)
+    splits = []
+    split_rows = groups._rows_by_group
+    monkeypatch.setattr(groups, "_rows_by_group", lambda *a: splits.append(a) or split_rows(*a))
+    split, split_grads = _with_gradients(agent, lambda: _split_outputs(which, agent, obs))
+    assert splits, "the rows were not split"
+    splits.clear()
+    with groups.fixed_shapes():
+        where, where_grads = _with_gradients(agent, lambda: _split_outputs(which, agent, obs))
+    assert not splits
+    for k, (got, want) in enumerate(zip(split, where)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"output {k}")
+    for name, want in where_grads.items():
+        if want is None:
+            assert split_grads[name] is None, name
+        else:  # a sum over the rows, added up in another order: rounding scales with the gradient's size
+            torch.testing.assert_close(split_grads[name], want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max()),
+                                       msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "exported"])
+def test_a_trace_or_an_export_routes_every_row_by_where_whatever_its_rows(fmt):
+    """A greedy policy with groups traced (TorchScript) or exported (torch.export) on 96 rows, as
+    many as split in eager mode, keeps no split: fed the rows with their groups swapped (each row
+    now another member's), it plays what the agent plays on them."""
+    from shared.launch.artefacts.export import GreedyPolicy
+
+    group, obs = _columns(False, SPLIT_ROWS)
+    agent = PgAgent(group.example_observation(), group.action_space, obs_space=group.observation_space)
+    _far_apart(agent)
+    policy = GreedyPolicy(agent, group.example_observation()).eval()
+    inputs = (obs.agent_group, obs.observation)
+    assert policy.signature.inputs == ("agent_group", "observation")
+    with torch.no_grad():
+        if fmt == "torchscript":
+            graph = torch.jit.trace(policy, inputs, check_trace=False)
+        else:
+            batch = torch.export.Dim("batch")
+            graph = torch.export.export(policy, inputs, dynamic_shapes=(({0: batch}, {0: batch}),)).module()
+        swapped = obs._replace(agent_group=1 - obs.agent_group)
+        action, info = agent.step(swapped, EVALUATE)
+        got_action, got_value = graph(swapped.agent_group, swapped.observation)
+    torch.testing.assert_close(got_action, action)
+    torch.testing.assert_close(got_value, info.value, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, line", [

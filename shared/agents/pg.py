@@ -20,7 +20,7 @@ from torch.distributions import Normal
 from shared.agents.config import AgentInfo, Memory, ModelConfig, PgAgentConfig, RecurrentAgentInfo
 from shared.agents import EXPLORE, HALF_LOG_2PI, StepContext
 from shared.agents.masking import legal, mask_path, masked
-from shared.agents.groups import group_count, members, routed
+from shared.agents.groups import by_group, group_count, members
 from shared.agents.memory import ActingMemory, core_memory, make_core, sequence_reset
 from shared.agents.models import MLP, EnsembleMLP, has_cnn, make_encoder, make_obs_norm, obs_to
 from shared.data.namedarraytuple import is_nat, leading_len, map_leaves
@@ -158,9 +158,7 @@ class PgAgent(nn.Module):
     def _forward(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Policy output (logits [N, sum(nvec)] or mean [N, dim]) and value [N] for obs [N, ...]."""
         if self.members is not None:
-            outs = [member._forward(obs) for member in self.members]
-            group = getattr(obs, GROUP_KEY)
-            return routed([out for out, _ in outs], group), routed([value for _, value in outs], group)
+            return by_group(self.members, PgAgent._forward, getattr(obs, GROUP_KEY), obs)
         if self.twin is not None:
             x = self.pi_encoder(obs)
             out = self.twin(x.expand(2, *x.shape))
@@ -174,7 +172,7 @@ class PgAgent(nn.Module):
         device and normalised, without the value's work: what an export of an agent with a
         centralised value computes, which has no global state to give it."""
         if self.members is not None:
-            return routed([member.policy_output(obs) for member in self.members], getattr(obs, GROUP_KEY))
+            return by_group(self.members, PgAgent.policy_output, getattr(obs, GROUP_KEY), obs)
         if self.twin is not None:
             return self.twin.member(0, self.pi_encoder(obs))
         return self.pi_head(self.pi_encoder(obs))
@@ -183,7 +181,7 @@ class PgAgent(nn.Module):
         """V(obs): obs tree [N, ...] -> float32 [N]."""
         obs = obs_to(obs, self.device, self.obs_norm)
         if self.members is not None:
-            return routed([member.value(obs) for member in self.members], getattr(obs, GROUP_KEY))
+            return by_group(self.members, PgAgent.value, getattr(obs, GROUP_KEY), obs)
         if self.twin is not None:  # the value member alone: a segment batch's values skip the policy's work
             return self.twin.member(1, self.pi_encoder(obs))[..., 0]
         return self.v_head((self.pi_encoder if self.v_encoder is None else self.v_encoder)(obs)).squeeze(-1)
@@ -230,9 +228,7 @@ class PgAgent(nn.Module):
         [B] (state [B, cores, H]): policy output [B, ...], value [B] and the cores' new states h, c
         [B, cores, H], without grad."""
         if self.members is not None:
-            group = getattr(obs, GROUP_KEY)
-            outs = zip(*(member.core_step(obs, memory) for member in self.members))
-            return tuple(routed(list(out), group) for out in outs)
+            return by_group(self.members, PgAgent.core_step, getattr(obs, GROUP_KEY), obs, memory)
         states = [core.run(encoder(obs)[None], map_leaves(lambda x: x[None], core_memory(memory, k)))
                   for k, (core, encoder) in enumerate(self._cores())]  # (h, c) [1, B, H] per core
         return (self.pi_head(states[0][0][0]), self.v_head(states[-1][0][0]).squeeze(-1),
@@ -269,10 +265,8 @@ class PgAgent(nn.Module):
     def _sequence(self, obs, memory: Memory, reset: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Recurrent: policy output [T, B, ...] and value [T, B], with grad, for whole sequences: obs
         tree [T, B, ...] (on the device, normalised) from their stored ``memory`` and ``reset`` [T, B]."""
-        if self.members is not None:
-            group = getattr(obs, GROUP_KEY)
-            outs = zip(*(member._sequence(obs, memory, reset) for member in self.members))
-            return tuple(routed(list(out), group) for out in outs)
+        if self.members is not None:  # a column is one agent, of one group at every step
+            return by_group(self.members, PgAgent._sequence, getattr(obs, GROUP_KEY)[0], obs, memory, reset, dim=1)
         h = [core(encoder(obs), core_memory(memory, k), reset) for k, (core, encoder) in enumerate(self._cores())]
         return self.pi_head(h[0]), self.v_head(h[-1]).squeeze(-1)
 
@@ -282,8 +276,8 @@ class PgAgent(nn.Module):
         if self.members is None:
             return self.log_std.reshape(self.action_shape)
         group = getattr(obs, GROUP_KEY).reshape(-1)
-        return routed([member.log_std.expand(len(group), -1) for member in self.members], group
-                      ).reshape(-1, *self.action_shape)
+        return by_group(self.members, lambda member, rows: member.log_std.expand(len(rows), -1), group, group
+                        ).reshape(-1, *self.action_shape)
 
     def _log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor, log_std: torch.Tensor | None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,32 +314,36 @@ class PgAgent(nn.Module):
             if not recompute:
                 return None, None, final
             return self.value(samples.observation), self.value(bootstrap_observation), final
-        t, b = torch.nonzero(cut, as_tuple=True)
-        final = obs_to(samples.final_observation[t, b], self.device, self.obs_norm) if len(t) else None
-        return self._sequence_values(samples, obs_to(samples.observation, self.device, self.obs_norm),
-                                     obs_to(bootstrap_observation, self.device, self.obs_norm), t, b, final)
+        value, bootstrap, final = self._sequence_values(
+            *(obs_to(x, self.device, self.obs_norm) for x in (samples.observation, bootstrap_observation,
+                                                              samples.final_observation)),
+            samples.agent_info.memory, sequence_reset(samples.terminated, samples.truncated), samples.action,
+            samples.reward, cut)
+        return value, bootstrap, final[cut]
 
-    def _sequence_values(self, samples, obs, bootstrap_obs, t: torch.Tensor, b: torch.Tensor, final_obs
+    def _sequence_values(self, obs, bootstrap_obs, final_obs, memory: Memory, reset: torch.Tensor,
+                         action: torch.Tensor, reward: torch.Tensor, cut: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Recurrent ``segment_values`` on observations on the device and normalised: obs [T, B, ...],
-        bootstrap_obs [B, ...] and final_obs [k, ...] (None if k = 0), those of steps (t, b) [k]."""
-        if self.members is not None:
-            group = getattr(obs, GROUP_KEY)  # a column is one agent: its bootstrap and final observations' group too
-            outs = zip(*(member._sequence_values(samples, obs, bootstrap_obs, t, b, final_obs)
-                         for member in self.members))
-            return tuple(routed(list(out), g) for out, g in zip(outs, (group, group[-1], group[t, b])))
+        """Recurrent ``segment_values`` on observations on the device and normalised, obs and
+        final_obs [T, B, ...], bootstrap_obs [B, ...], with the sequences' stored ``memory``, ``reset``,
+        ``action`` and ``reward`` [T, B]: V(obs) [T, B], V(bootstrap_obs) [B], and V(final_obs) [T, B]
+        at the ``cut`` [T, B] steps (0 at the others)."""
+        if self.members is not None:  # a column is one agent: its bootstrap and final observations' group too
+            return by_group(self.members, PgAgent._sequence_values, getattr(obs, GROUP_KEY)[0], obs, bootstrap_obs,
+                            final_obs, memory, reset, action, reward, cut, dim=(1, 0, 1, 1, 1, 1, 1, 1),
+                            out_dim=(1, 0, 1))
         k = len(self._cores()) - 1
         core, encoder = self._cores()[k]
-        memory = core_memory(samples.agent_info.memory, k)
-        reset = sequence_reset(samples.terminated, samples.truncated)
-        h, c = core.run(encoder(obs), memory, reset)
+        h, c = core.run(encoder(obs), core_memory(memory, k), reset)
         value = self.v_head(h).squeeze(-1)
 
         def after(t, rows, obs):
-            return self.v_head(core.step_from(encoder(obs), h[t, rows], c[t, rows], samples.action[t, rows],
-                                              samples.reward[t, rows])).squeeze(-1)
+            return self.v_head(core.step_from(encoder(obs), h[t, rows], c[t, rows], action[t, rows], reward[t, rows])
+                               ).squeeze(-1)
 
         bootstrap = after(-1, torch.arange(h.shape[1], device=h.device), bootstrap_obs)
-        final = after(t, b, final_obs) if len(t) else value.new_zeros(0)
+        final = torch.zeros_like(value)
+        t, b = torch.nonzero(cut, as_tuple=True)
+        if len(t):
+            final[t, b] = after(t, b, final_obs[t, b])
         return value, bootstrap, final
-

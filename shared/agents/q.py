@@ -21,7 +21,7 @@ from torch import nn
 
 from shared.agents.config import Memory, ModelConfig, QAgentConfig, QAgentInfo, QuantileHead, RecurrentQAgentInfo
 from shared.agents import EXPLORE, StepContext
-from shared.agents.groups import group_count, members, routed
+from shared.agents.groups import by_group, group_count, members
 from shared.agents.masking import legal, mask_path, masked, random_legal
 from shared.agents.memory import ActingMemory, core_memory, make_core
 from shared.agents.models import MLP, CosineEmbedding, make_encoder, make_obs_norm, obs_to
@@ -127,7 +127,7 @@ class QAgent(nn.Module):
         """Q [N, A] or C51 logits [N, A, atoms] for obs tree [N, ...], with grad."""
         if self.members is not None:
             obs = obs_to(obs, self.device, self.obs_norm)
-            return routed([member._head(obs) for member in self.members], getattr(obs, GROUP_KEY))
+            return by_group(self.members, QAgent._head, getattr(obs, GROUP_KEY), obs)
         return self._from_features(self.encoder(obs_to(obs, self.device, self.obs_norm)))
 
     def _from_features(self, features: torch.Tensor) -> torch.Tensor:
@@ -155,8 +155,8 @@ class QAgent(nn.Module):
         their stored ``memory`` [T, B] (the state at step 0 is the one used, [cores = 1, H]) and ``reset``
         [T, B] (``memory.sequence_reset``)."""
         obs = obs_to(obs, self.device, self.obs_norm)
-        if self.members is not None:
-            return routed([member.q_sequence(obs, memory, reset) for member in self.members], getattr(obs, GROUP_KEY))
+        if self.members is not None:  # a column is one agent, of one group at every step
+            return by_group(self.members, QAgent.q_sequence, getattr(obs, GROUP_KEY)[0], obs, memory, reset, dim=1)
         return self._from_features(self.core(self.encoder(obs), core_memory(memory, 0), reset))
 
     @torch.no_grad()
@@ -165,9 +165,8 @@ class QAgent(nn.Module):
         [T, B, ...] from their stored ``memory`` [T, B] and ``reset`` [T, B], without grad (R2D1's burn-in)."""
         obs = obs_to(obs, self.device, self.obs_norm)
         if self.members is not None:
-            group = getattr(obs, GROUP_KEY)[-1]
-            outs = zip(*(member.last_state(obs, memory, reset) for member in self.members))
-            return tuple(routed(list(out), group) for out in outs)
+            return by_group(self.members, QAgent.last_state, getattr(obs, GROUP_KEY)[-1], obs, memory, reset, dim=1,
+                            out_dim=0)
         h, c = self.core.run(self.encoder(obs), core_memory(memory, 0), reset, last_only=True)
         return h[-1], c[-1]
 
@@ -176,9 +175,7 @@ class QAgent(nn.Module):
         ``memory`` [B] (state [B, cores = 1, H]): Q [B, A] and the core's new state h, c [B, 1, H],
         without grad."""
         if self.members is not None:
-            group = getattr(obs, GROUP_KEY)
-            outs = zip(*(member.core_step(obs, memory) for member in self.members))
-            return tuple(routed(list(out), group) for out in outs)
+            return by_group(self.members, QAgent.core_step, getattr(obs, GROUP_KEY), obs, memory)
         with torch.no_grad():
             h, c = self.core.run(self.encoder(obs)[None], map_leaves(lambda x: x[None], core_memory(memory, 0)))
             return self._from_features(h[0]), h[0][:, None], c[0][:, None]
@@ -205,11 +202,12 @@ class QAgent(nn.Module):
                 raise ValueError("QAgent.quantiles: a QR-DQN head has fixed fractions; pass taus = None")
             values = self._head(obs)
             return values, self.taus.expand(values.shape[0], -1)
-        if self.members is not None:  # one draw of fractions, which every member reads
+        if self.members is not None:  # one draw of fractions for all rows; each member reads its own rows'
             obs = obs_to(obs, self.device, self.obs_norm)
             if taus is None:
                 taus = torch.rand(leading_len(obs), head.acting_samples, device=self.device)
-            return routed([member.quantiles(obs, taus)[0] for member in self.members], getattr(obs, GROUP_KEY)), taus
+            return by_group(self.members, lambda member, obs, taus: member.quantiles(obs, taus)[0],
+                            getattr(obs, GROUP_KEY), obs, taus, row_cost=taus.shape[1]), taus
         features = self.encoder(obs_to(obs, self.device, self.obs_norm))  # [N, F]
         if taus is None:
             taus = torch.rand(features.shape[0], head.acting_samples, device=features.device)

@@ -9,6 +9,7 @@ Both sides run in this process, one thread, alternating, on the same batch shape
   CartPole configs' networks and hyperparameters, divided by its gradient steps.
 
 Medians of 7 alternating rounds; the ratio rlpipe / plain is what the issue bounds (<= 1.2).
+The other cases time variants of rlpipe's learner against each other the same way.
 Run with `make bench`.
 """
 
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.learner.learner import Learner
+from shared.agents import groups
 from shared.config import loading as config
 from services.build import batch_spec, env_probe, example_step, make_agent, make_algo
 from shared.data.namedarraytuple import from_spec, leaves
@@ -164,3 +166,75 @@ def test_bf16_autocast_and_threads_vs_the_same_runs_fp32(config_file, overrides)
         f"{name} {statistics.median(t):.2f} ms ({statistics.median(t) / base:.2f}x)" for name, t in times.items()
         if name != "fp32"))
     assert base > 0
+
+
+SPREAD = ("env.id='pettingzoo:mpe2.simple_spread_v3'", "env.kwargs='{\"N\": 3, \"max_cycles\": 25}'")
+
+
+def test_agent_groups_vs_one_shared_policy():
+    """Issue 39: the learner's PPO gradient step with two agent groups (agent_0; agent_1 and agent_2,
+    each group its own 64x64 policy and value) against one shared policy, on simple_spread with
+    simple_adversary_groups_ppo.toml's learner (16 worlds x 3 agents x 25 steps: 600-row minibatches,
+    10 epochs x 2 minibatches, values recomputed for GAE), one thread. The groups' rows split by
+    member (eager mode on the CPU), and routed by ``torch.where`` with every member on every row
+    (``groups.fixed_shapes``: what an export computes, and the learner did before the split)."""
+    torch.set_num_threads(1)
+    shared, steps, n, _ = rlpipe_learner("simple_adversary_groups_ppo.toml", overrides=(*SPREAD, "env.groups={}"))
+    grouped, _, _, _ = rlpipe_learner("simple_adversary_groups_ppo.toml",
+                                      overrides=(*SPREAD, "env.groups={ a = 'agent_0', b = 'agent_[12]' }"))
+    times: dict[str, list[float]] = {"one policy": [], "groups, split": [], "groups, every row": []}
+    calls = max(1, 200 // steps)
+    for _ in range(ROUNDS):
+        times["one policy"].append(per_step_ms(shared, steps, calls))
+        times["groups, split"].append(per_step_ms(grouped, steps, calls))
+        with groups.fixed_shapes():
+            times["groups, every row"].append(per_step_ms(grouped, steps, calls))
+    base = statistics.median(times["one policy"])
+    print(f"\nsimple_spread PPO, batch {n}, {steps} gradient steps per batch: one policy {base:.2f} ms/step "
+          f"(runs {[round(x, 2) for x in times['one policy']]}); " + "; ".join(
+              f"{name} {statistics.median(t):.2f} ms ({statistics.median(t) / base:.2f}x; runs "
+              f"{[round(x, 2) for x in t]})" for name, t in times.items() if name != "one policy"))
+    assert base > 0
+
+
+@pytest.mark.parametrize("hidden", [64, 256])
+def test_agent_groups_split_against_every_member_on_every_row_by_rows(hidden, monkeypatch):
+    """Where the split of rows by group starts to pay (``groups.SPLIT_MIN_ROWS``): PPO's
+    ``evaluate`` + backward and its acting ``step`` on 16-128 simple_spread rows, two groups of
+    ``hidden`` x ``hidden`` networks, the rows split (the threshold set to 0) against every member
+    on every row; ratios < 1: the split is faster."""
+    from shared.agents.config import ModelConfig
+    from shared.agents.pg import PgAgent
+    from shared.data.namedarraytuple import map_leaves, torchify
+    from shared.envs.backends import make_env_group
+    from shared.envs.group import EnvConfig
+    from tests.test_envs import Buffers
+
+    torch.set_num_threads(1)
+    monkeypatch.setattr(groups, "SPLIT_MIN_ROWS", 0)
+    env = make_env_group(EnvConfig(id="pettingzoo:mpe2.simple_spread_v3", kwargs='{"N": 3, "max_cycles": 25}',
+                                   groups={"a": "agent_0", "b": "agent_[12]"}), 3, 0)
+    buf = Buffers(env)
+    env.reset(buf.obs)
+    env.close()
+    agent = PgAgent(env.example_observation(), env.action_space, ModelConfig(hidden_sizes=(hidden, hidden)),
+                    obs_space=env.observation_space)
+    lines = []
+    for n in (16, 32, 48, 64, 96, 128):
+        obs = torchify(map_leaves(lambda x: np.resize(x, (n, *x.shape[1:])), buf.obs))
+        action = torch.zeros(n, dtype=torch.int64)
+
+        def train():
+            sum(agent.evaluate(obs, action)).sum().backward()
+
+        ratios = []
+        for fn in (train, lambda: agent.step(obs)):
+            split, where = [], []
+            for _ in range(ROUNDS):
+                split.append(per_step_ms(fn, 1, 100))
+                with groups.fixed_shapes():
+                    where.append(per_step_ms(fn, 1, 100))
+            ratios.append(statistics.median(split) / statistics.median(where))
+        lines.append(f"{n} rows: evaluate + backward {ratios[0]:.2f}x, step {ratios[1]:.2f}x")
+    print(f"\n{hidden}x{hidden}, two groups, the split to every member on every row: " + "; ".join(lines))
+    assert ratios[0] > 0
