@@ -228,6 +228,16 @@ def test_vary_takes_arrays_and_inline_tables_as_one_value_each():
     assert exp.model.hidden_sizes == (256, 256)
 
 
+def test_a_vary_string_with_commas_keeps_its_labels_fields_apart():
+    """A string value may hold commas (env.kwargs is JSON in a string): its label shows none, so the
+    label's fields stay one per --vary axis and ``method`` drops the env.id field, not a piece of another."""
+    variants = parse_vary(["""env.kwargs='{"N": 2, "local_ratio": 0.5}','{"N": 3}'""", "env.id=A,B"])
+    assert [v.overrides[0] for v in variants[::2]] == ["""env.kwargs='{"N": 2, "local_ratio": 0.5}'""",
+                                                      """env.kwargs='{"N": 3}'"""]
+    assert variants[0].label == 'kwargs={"N": 2; "local_ratio": 0.5},id=A'
+    assert variants[0].method == variants[1].method == 'kwargs={"N": 2; "local_ratio": 0.5}'
+
+
 def test_concurrent_runs_get_distinct_free_ports():
     exp = loading.load(CONFIGS / "cartpole_ppo.toml", ["network.transport='tcp'"])
     ports = Ports()

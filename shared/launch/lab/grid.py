@@ -102,7 +102,7 @@ def _label(value) -> str:
         return "{" + ";".join(f"{k}={_label(v)}" for k, v in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ";".join(_label(v) for v in value) + "]"
-    return str(value)
+    return str(value).replace(",", ";")  # a string's own commas too (env.kwargs is JSON in a string)
 
 
 def literal(text: str):
