@@ -40,7 +40,7 @@ from shared.launch import api
 from shared.transport.params import ModuleState, field_name
 from shared.runtime.files import read_csv
 from shared.transport.pool import PoolFiles, Scores, draw
-from tests.pipeline import CONFIGS, metric_value, rlpipe, rlpipe_here
+from tests.pipeline import CONFIGS, metric_value, rlpipe, rlpipe_here, wait_for
 from tests.test_memory import FixedParams
 from tests.test_pettingzoo import assert_beats_random
 
@@ -235,7 +235,8 @@ def served_sampler(tmp_path, run_id: str, env_steps: int, slow_forwards_s=()):
     sampler's step slot in shared memory) whose policy takes the corner (cell 0) and values every
     position at -5; the learner's parameter segment holds version 3 at ``env_steps`` and its PUB
     socket announces nothing. The action-server's forward passes take ``slow_forwards_s`` more
-    seconds each, in order. Yields (actions, sampler)."""
+    seconds each, in order. Yields (actions, sampler, served): ``served`` gets a True each time the
+    action-server has answered a batch (written the slot and replied)."""
     from services.action_server.server import ActionServer
     from services.build import example_step
     from services.learner.transport import PublishedParams
@@ -284,6 +285,8 @@ def served_sampler(tmp_path, run_id: str, env_steps: int, slow_forwards_s=()):
         return forward(*args)
 
     server.act = slow_forward
+    serve_batch, served = server.serve_batch, []
+    server.serve_batch = lambda: served.append(serve_batch() or True)
     stop = threading.Event()
     thread = threading.Thread(target=server.run, args=(stop.is_set,), daemon=True)
     thread.start()
@@ -292,7 +295,7 @@ def served_sampler(tmp_path, run_id: str, env_steps: int, slow_forwards_s=()):
     actions = None
     try:
         actions = served_actions(exp, topo, sampler, run_dir, ctx, time.time_ns(), read_secret(run_dir))
-        yield actions, sampler
+        yield actions, sampler, served
     finally:
         if actions is not None:
             actions.close()
@@ -312,11 +315,13 @@ def test_a_late_action_server_reply_never_lands_over_the_opponents_moves(tmp_pat
     actions for the first ring into the step slot and replies. Whatever the order, the slot the
     sampler steps its envs with holds the pool version's moves and agent info in the opponent's
     columns, and keeps them: no write of the current policy lands after the opponent's."""
-    with served_sampler(tmp_path, run_id, 0, slow_forwards_s=(0.4, 0.05)) as (actions, sampler):
+    with served_sampler(tmp_path, run_id, 0, slow_forwards_s=(0.4, 0.05)) as (actions, sampler, served):
         slot = sampler.slots[0]
         sampler.start(actions)  # resets the boards and rings
         actions.wait(0)
-        time.sleep(0.3)  # longer than the action-server's forward pass for the ring made again
+        # Both rings answered (the first, given up on, and the one made again), however slow the
+        # machine: a write of the action-server's that would land after the opponent's has landed.
+        wait_for(lambda: len(served) >= 2, 60, "the action-server to answer the ring given up on and the new one")
         mask = opponent_columns(sampler.env_base, 4)
         legal = slot.observation.action_mask
         to_move = mask & (legal.sum(-1) > 1) & (legal[:, 4] == 1)  # the opponent moves first on board 1
@@ -329,7 +334,7 @@ def test_a_late_action_server_reply_never_lands_over_the_opponents_moves(tmp_pat
 def test_a_restarted_server_inference_sampler_starts_its_opponent_at_the_runs_env_steps(tmp_path, run_id):
     """A sampler (re)started into a run at 123456 env steps, with no announcement from the learner
     since: its opponent copies act at the run's env steps (a Q agent's epsilon), not at 0."""
-    with served_sampler(tmp_path, run_id, 123_456) as (actions, sampler):
+    with served_sampler(tmp_path, run_id, 123_456) as (actions, sampler, _):
         assert actions.steps.env_steps == 123_456
         sampler.start(actions)
         actions.wait(0)
