@@ -94,6 +94,28 @@ def test_progress_rows_that_cannot_be_written_are_written_later_in_order(tmp_pat
     assert p.unwritten == []
 
 
+def test_pool_elo_rows_that_cannot_be_written_take_no_room_from_the_progress_rows(tmp_path, monkeypatch):
+    """While the disk is full the learner keeps MAX_UNWRITTEN progress rows, with a self-play pool
+    too: each version's pool_elo.csv rows (a row per version at each progress row) are kept apart."""
+    from services.learner import progress as progress_mod
+    from shared.transport.pool import Scores
+
+    monkeypatch.setattr(progress_mod, "MAX_UNWRITTEN", 4)
+    scores = Scores()
+    for v in range(8):
+        scores.enter(v)
+    p = progress_mod.Progress(10, tmp_path, errors=progress_mod.WriteErrors(), scores=scores)
+    monkeypatch.setattr(p, "_tensorboard", lambda scalars: None)
+    real = progress_mod.append_csv
+    monkeypatch.setattr(progress_mod, "append_csv", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    for version in range(6):
+        p.write(p.row(version))
+    monkeypatch.setattr(progress_mod, "append_csv", real)
+    p.write_rows()
+    assert [r["policy_version"] for r in read_csv(tmp_path / "progress.csv")] == ["2", "3", "4", "5"]
+    assert len(read_csv(tmp_path / "pool_elo.csv")) == 4  # the newest 4 of 48, whole
+
+
 def test_the_footprint_sizes_a_ten_million_item_table_without_allocating_it():
     exp = api.experiment(CONFIGS / "cartpole_dqn.toml", ["replay.capacity=10000000", "replay.snapshot_interval_s=60"])
     t0 = time.monotonic()

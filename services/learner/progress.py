@@ -46,7 +46,8 @@ COUNTERS = ("env_steps", "updates", "episodes_seen", "dropped")
 
 
 MAX_UNWRITTEN = 10_000
-"""Rows kept while progress.csv or pool_elo.csv cannot be written (a full disk), oldest dropped first."""
+"""Rows kept while progress.csv cannot be written (a full disk), oldest dropped first; as many
+of pool_elo.csv's."""
 
 
 class Progress:
@@ -61,7 +62,9 @@ class Progress:
         pool, which the episodes tagged with an opponent version go to (None: no pool)."""
         self.run_dir, self.wandb, self.clock, self.budget = run_dir, wandb, clock, budget
         self.errors = WriteErrors() if errors is None else errors
-        self.unwritten: list[tuple[str, list[str], dict]] = []  # (file, columns, row) not written yet, oldest first
+        self.unwritten: list[dict] = []  # progress rows not in progress.csv yet, oldest first
+        self.unwritten_pool: list[dict] = []  # pool_elo.csv's rows not written yet, oldest first, kept apart:
+        # a row a pool version at each progress row would otherwise crowd the progress rows out
         self.recent: collections.deque = collections.deque(maxlen=ETA_ROWS + 1)  # (wall_s, env_steps) of rows
         self.time_at_row = clock.totals() if clock is not None else {}
         self.env_steps = 0
@@ -197,8 +200,8 @@ class Progress:
             if self.wandb is not None:
                 self.wandb.log(scalars, self.env_steps)
             row.update(evaluation.progress_columns(self.run_dir))  # the evaluator's latest result, if any
-            rows = [(PROGRESS, self.fields, row)] + [(POOL_ELO, POOL_ELO_FIELDS, r) for r in pool_rows]
-            self.unwritten = (self.unwritten + rows)[-MAX_UNWRITTEN:]
+            self.unwritten = self.unwritten[-MAX_UNWRITTEN + 1:] + [row]
+            self.unwritten_pool = (self.unwritten_pool + pool_rows)[-MAX_UNWRITTEN:]
             self.write_rows()
         log.info("steps %d (%.0f/s) updates %d version %d mean return %.1f over %d episodes, lag %.2f, eta %.0f s",
                  row["env_steps"], row["env_steps_per_s"], row["updates"], row["policy_version"], row["mean_return"],
@@ -234,15 +237,17 @@ class Progress:
 
     def write_rows(self) -> None:
         """The rows not yet in progress.csv and pool_elo.csv, oldest first, each whole or not at all."""
-        while self.unwritten:
-            name, fields, row = self.unwritten[0]
-            try:
-                append_csv(self.run_dir / name, fields, row)
-            except OSError as e:
-                self.errors.failed(name, e)
-                return
-            del self.unwritten[0]
-            self.errors.ok(name)
+        for name, fields, rows in ((PROGRESS, self.fields, self.unwritten),
+                                   (POOL_ELO, POOL_ELO_FIELDS, self.unwritten_pool)):
+            while rows:
+                try:
+                    append_csv(self.run_dir / name, fields, rows[0])
+                except OSError as e:
+                    self.errors.failed(name, e)
+                    break
+                del rows[0]
+            else:
+                self.errors.ok(name)
 
     def state(self) -> dict:
         """What a checkpoint keeps."""
