@@ -143,7 +143,7 @@ KNOWN_LABEL_VALUES: dict[str, tuple[str, ...]] = {
     "peer": ("action_server", "replay"),
     "on": ("actions", "replay"),
     "side": ("sampler", "learner"),
-    "file": (runfiles.PROGRESS, "checkpoint", "tensorboard", runfiles.RESULT),
+    "file": (runfiles.PROGRESS, runfiles.POOL_ELO, "checkpoint", "tensorboard", runfiles.RESULT),
 }
 TRANSIENT_LABELS = ("version",)
 """Labels whose values come and go (``_Partial.replace``): at most the values of now are served."""
