@@ -38,10 +38,6 @@ import torch
 from shared.data.namedarraytuple import leaves, map_leaves
 from shared.envs.pettingzoo_backend import GROUP_KEY
 
-_where_only = False
-"""True within ``fixed_shapes()``."""
-
-
 def group_count(obs_space: gym.Space | None) -> int:
     """K, the agent groups of an observation space with an ``agent_group`` leaf (``Discrete(K)``), else 0."""
     if isinstance(obs_space, gym.spaces.Dict) and GROUP_KEY in obs_space.spaces:
@@ -57,13 +53,14 @@ def members(groups: int, make) -> torch.nn.ModuleList:
 @contextlib.contextmanager
 def fixed_shapes() -> Iterator[None]:
     """Within it, ``by_group`` takes the fixed-shape path (every member on every row), as a trace or
-    an export does: for tests and benchmarks to compare the two paths in eager mode."""
-    global _where_only
-    before, _where_only = _where_only, True
+    an export does: for tests and benchmarks to compare the two paths in eager mode (no split pays
+    within it)."""
+    global SPLIT_MIN_ROWS
+    before, SPLIT_MIN_ROWS = SPLIT_MIN_ROWS, math.inf
     try:
         yield
     finally:
-        _where_only = before
+        SPLIT_MIN_ROWS = before
 
 
 SPLIT_MIN_ROWS = 64
@@ -110,7 +107,7 @@ def _pays(group: torch.Tensor, inputs: tuple, dims: tuple, row_cost: int) -> boo
     """Whether to split: in eager mode (a trace or an export keeps fixed shapes), on the CPU (splitting
     an accelerator's rows would read their counts back, a device sync every forward pass), from
     ``SPLIT_MIN_ROWS`` rows of the first input that is split."""
-    if _where_only or group.device.type != "cpu" or torch.jit.is_tracing() or torch.jit.is_scripting() or \
+    if group.device.type != "cpu" or torch.jit.is_tracing() or torch.jit.is_scripting() or \
             torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
         return False
     x, d = next((x, d) for x, d in zip(inputs, dims) if d is not None)
