@@ -215,7 +215,7 @@ class Learner:
             self.progress.diag_sums.clear()
             self.progress.diag_updates = 0
             return row
-        self.progress.write(row)  # the evaluator writes its own scalars
+        pool_rows = self.progress.write(row)  # the evaluator writes its own scalars
         if self.m is not None and self.pool is not None and self.progress.pool_outcomes:
             for outcome in ("win", "draw", "loss"):
                 self.m.pool_outcome.labels(outcome=outcome).set(row[f"pool_{outcome}"])
@@ -223,7 +223,7 @@ class Learner:
             self.m.pool_best_elo.set(row["pool_best_elo"])
             self.m.pool_best_version.set(row["pool_best_version"])
         if self.m is not None and self.pool is not None:  # a version is rated from its entry on, before its games
-            self.m.pool_version_elo.replace({str(v): round(s["elo"], 1) for v, s in self.pool.scores.versions.items()})
+            self.m.pool_version_elo.replace({str(r["version"]): r["elo"] for r in pool_rows})
         if self.identical_at is not None:
             log.info("parameters identical on %d ranks at update %d (crc32 %08x)", self.group.world, *self.identical_at)
             self.identical_at = None

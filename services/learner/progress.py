@@ -181,11 +181,11 @@ class Progress:
         total = sum(spent.values())
         return {phase: t / total for phase, t in spent.items() if phase != "startup"} if total > 0 else {}
 
-    def write(self, row: dict) -> None:
+    def write(self, row: dict) -> list[dict]:
         """``row`` to TensorBoard and W&B (``progress/<field>``, ``algo/<term>``: the means of the
         algorithm's diagnostics since the last row, and ``pool/elo/v<version>``: each pool
         version's Elo, at the run's env steps), progress.csv (with the evaluator's latest result),
-        pool_elo.csv and the log."""
+        pool_elo.csv and the log. Returns the pool's rows written (``pool_elo_rows``)."""
         pool_rows = self.pool_elo_rows(row)
         scalars = {f"progress/{field}": value for field, value in row.items() if field != "env_steps"}
         scalars.update({f"algo/{term}": total / self.diag_updates for term, total in self.diag_sums.items()})
@@ -210,7 +210,8 @@ class Progress:
             log.info("against the self-play pool: wins %.0f%% draws %.0f%% losses %.0f%% over %d games, Elo %.0f "
                      "(versions: %s)", 100 * row["pool_win"], 100 * row["pool_draw"], 100 * row["pool_loss"],
                      len(self.pool_outcomes), row["pool_elo"],
-                     ", ".join(f"v{v} {s['elo']:.0f}" for v, s in sorted(self.scores.versions.items())))
+                     ", ".join(f"v{r['version']} {r['elo']:.0f}" for r in pool_rows))
+        return pool_rows
 
     def _tensorboard(self, scalars: dict) -> None:
         """The scalars to TensorBoard; a writer that failed (a full disk) is dropped and the
