@@ -46,7 +46,7 @@ def local_actions(exp, topo: Topology, sampler: Sampler, run_dir, run_id: str, c
         return ParamStream(target, sub)
 
     published = wait_for_acting(exp, run_dir)
-    limit_s = exp.run.watchdog_startup_s or ACTING_WAIT_S
+    limit_s = startup_limit_s(exp)
     if published["plan"] is not None:
         state = StateArrays(published["spec"])
         act = numpy_actor(published["plan"], state.arrays, exp.agent, np.random.default_rng(seed))
@@ -68,8 +68,12 @@ def wait_for_acting(exp, run_dir) -> dict:
     """The learner's acting.json (``shared.agents.acting.read_acting_file``), waited for."""
     from shared.agents.acting import read_acting_file
 
-    return wait_for("the learner's acting.json", lambda: read_acting_file(run_dir),
-                    exp.run.watchdog_startup_s or ACTING_WAIT_S)
+    return wait_for("the learner's acting.json", lambda: read_acting_file(run_dir), startup_limit_s(exp))
+
+
+def startup_limit_s(exp) -> float:
+    """How long a starting sampler waits for what the learner publishes (its acting.json, versions, steps)."""
+    return exp.run.watchdog_startup_s or ACTING_WAIT_S
 
 
 def pool_opponent(exp, topo: Topology, run_dir, sampler: Sampler, published: dict):
@@ -139,7 +143,7 @@ def announced_steps(exp, run_dir, sub: Endpoint, published: dict):
     a local sampler there waits for its first version)."""
     from shared.transport.params import AnnouncedSteps, ParamFollower, StateArrays
 
-    limit_s = exp.run.watchdog_startup_s or ACTING_WAIT_S
+    limit_s = startup_limit_s(exp)
     if exp.placement.crosses("sampler", "learner"):
         steps = AnnouncedSteps(sub)
         wait_for("the learner's env steps", steps.poll, limit_s)
