@@ -175,8 +175,10 @@ class Ports:
 
 def _claim(port: int):
     """The open lock file that claims ``port`` for this process, or None where another holds it."""
-    locks = endpoints.socket_base() / "ports"
-    rundirs.make_private_dir(locks)
+    base = endpoints.socket_base()
+    locks = base / "ports"
+    for d in (base, locks):  # the base first: made as a parent it would take the umask's mode
+        rundirs.make_private_dir(d)
     f = open(locks / f"{port}.lock", "a")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
