@@ -165,7 +165,7 @@ class QAgent(nn.Module):
         [T, B, ...] from their stored ``memory`` [T, B] and ``reset`` [T, B], without grad (R2D1's burn-in)."""
         obs = obs_to(obs, self.device, self.obs_norm)
         if self.members is not None:
-            return by_group(self.members, QAgent.last_state, getattr(obs, GROUP_KEY)[-1], obs, memory, reset, dim=1,
+            return by_group(self.members, QAgent.last_state, getattr(obs, GROUP_KEY)[0], obs, memory, reset, dim=1,
                             out_dim=0)
         h, c = self.core.run(self.encoder(obs), core_memory(memory, 0), reset, last_only=True)
         return h[-1], c[-1]
