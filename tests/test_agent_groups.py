@@ -76,9 +76,11 @@ def test_each_column_carries_its_agents_group_and_its_observation_padded_to_the_
 AGENTS = {
     "pg": lambda example, act, space: PgAgent(example, act, obs_space=space),
     "pg_box": lambda example, act, space: PgAgent(example, act, obs_space=space),
-    "dqn": lambda example, act, space: QAgent(example, act, obs_space=space),
-    "c51_dueling": lambda example, act, space: QAgent(example, act, cfg=QAgentConfig(distributional=True, dueling=True),
-                                                      obs_space=space),
+    # eps_eval 0: the torch and the numpy agent draw their evaluation epsilon's coin from different
+    # generators, so at the default 0.001 one row of six in ~1% of runs explored in one and not the other.
+    "dqn": lambda example, act, space: QAgent(example, act, cfg=QAgentConfig(eps_eval=0.0), obs_space=space),
+    "c51_dueling": lambda example, act, space: QAgent(example, act, cfg=QAgentConfig(distributional=True, dueling=True,
+                                                                                   eps_eval=0.0), obs_space=space),
 }
 
 
