@@ -115,6 +115,11 @@ def test_evaluator_reports_rising_returns_and_survives_kill9(runs):
     run = runs("cartpole_ppo.toml", "eval.every_s=2.0", "eval.episodes=8")
     rows = run.wait_for(lambda: evaluation.read_rows(run.dir), 60, "a first evaluation")
     first = float(rows[0]["mean_return"])
+    # The kill must not land inside a report (its rows are written, then TensorBoard flushed, then the
+    # count taken: a niced evaluator on a loaded machine can sit there for a while), or the endpoint's
+    # count is one short of the rows for good: kill once the reports so far are counted.
+    run.wait_for(lambda: metric_value(run.metrics(), "rlpipe_evaluator_evaluations_total")
+                 >= len(evaluation.read_rows(run.dir)), 30, "the first evaluations to be counted")
 
     pid = run.pid("evaluator0")
     os.kill(pid, signal.SIGKILL)
