@@ -14,7 +14,7 @@ CONFIG = str(REPO / "tests" / "configs" / "cartpole_clipped_pg.toml")
 
 
 def _learned(result: dict) -> None:
-    assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 200_000, result
+    assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 300_000, result
 
 
 @pytest.mark.learning
