@@ -160,6 +160,33 @@ def test_results_group_seeds_of_one_config_with_median_spread_and_greedy_returns
     assert results.rows(dirs, "none published")[0]["reference"] == "none published"
 
 
+def test_results_of_a_two_player_game_show_each_opponents_win_rates_not_only_the_last_evaluation(tmp_path):
+    """`rlpipe evaluate --opponent heuristic`, then `--opponent random`, then a plain evaluation:
+    eval.json holds the last one alone, the row each opponent's latest games from eval.csv."""
+    from shared.launch import api
+
+    exp = api.experiment(CONFIGS / "cartpole_dqn.toml", [f"run.runs_dir='{tmp_path}'"])
+    d = rundirs.make_run_dir(exp)
+    (d / "result.json").write_text(json.dumps({"reason": "budget", "env_steps": 4000, "updates": 1,
+                                               "mean_return": 0.0, "wall_s": 10.0}))
+    base = {"policy_version": 3, "env_steps": 4000, "std_return": 1.0, "min_return": -1, "max_return": 1,
+            "eval_s": 1, "wall_time": 0, "video": ""}
+    for opponent, first, second in (("heuristic", 0.1, 0.2), ("heuristic", 0.395, 0.345), ("random", 0.89, 0.835)):
+        evaluation.record(d, {**base, "episodes": 400, "mean_return": 0.5, "opponent": opponent,
+                              "win_first": first, "draw_first": 0.0, "loss_first": 1 - first,
+                              "win_second": second, "draw_second": 0.0, "loss_second": 1 - second})
+    assert evaluation.latest(d)["opponent"] == "random"
+    (row,) = results.rows([d])
+    assert list(row["matches"][0]) == ["heuristic", "random"]
+    assert row["matches"][0]["heuristic"]["win_first"] == 0.395 and row["matches"][0]["random"]["win_second"] == 0.835
+    cells = results.markdown([row]).splitlines()[2].split(" | ")
+    assert cells[5] == ("vs heuristic: wins 39.5 / 34.5% as first / second player (200 games a seat at 4,000 env "
+                        "steps); vs random: wins 89.0 / 83.5% as first / second player (200 games a seat at 4,000 "
+                        "env steps)")
+    evaluation.record(d, {**base, "episodes": 10, "mean_return": 0.2})  # no opponent: not a match row
+    assert list(results.rows([d])[0]["matches"][0]) == ["heuristic", "random"]
+
+
 def test_runs_whose_configs_differ_by_a_field_one_of_them_lacks_are_two_groups():
     """A run made before a field existed has none in its config: a group of its own, labelled None."""
     from shared.launch.lab import plots

@@ -66,3 +66,16 @@ def progress_columns(run_dir: Path) -> dict:
 def read_rows(run_dir: Path) -> list[dict]:
     """eval.csv's rows as strings (empty before the first evaluation)."""
     return read_csv(Path(run_dir) / runfiles.EVAL_CSV)
+
+
+def matches(run_dir: Path) -> dict[str, dict]:
+    """Each opponent's latest games in eval.csv, in the order the opponents were first met:
+    opponent -> its episodes, env steps and MATCH_FIELDS as numbers. eval.json holds only the
+    last evaluation, so a run evaluated against two opponents in turn keeps the first one's
+    games here alone."""
+    games = {}
+    for row in read_rows(run_dir):
+        if row.get("opponent"):  # eval.csv of runs made before games against opponents has no such column
+            games[row["opponent"]] = {"episodes": int(row["episodes"]), "env_steps": int(row["env_steps"]),
+                                      **{field: float(row[field]) for field in MATCH_FIELDS}}
+    return games

@@ -83,6 +83,7 @@ def _row(label: str, dirs: list[Path], configs: dict[Path, dict], reference: str
         "final_returns": [stats.final_return(s) for s in summaries],
         "greedy_returns": [None if g is None else {k: g[k] for k in ("mean_return", "std_return", "episodes",
                                                                        "env_steps")} for g in greedy],
+        "matches": [evaluation.matches(d) for d in dirs],
         "wall_s": [_number(s["wall_s"]) for s in summaries],
         "created": [m.get("created") for m in metas], "commits": _unique(m.get("commit") for m in metas),
         "cpu": _unique(m.get("cpu") for m in metas), "gpu": _unique(m.get("gpu") for m in metas),
@@ -152,6 +153,8 @@ def _cells(r: dict) -> dict:
                             f"{g['env_steps']:,} env steps)" for g in greedy)
     if greedy:
         greedy_text += " (± over episodes)"
+    if any(r["matches"]):  # a two-player game's evaluations say more as win rates
+        greedy_text = _match_text(r)
     gpu = [g for g in r["gpu"] if g and g != "none"]
     host = "; ".join(r["cpu"]) + (f", GPU {'; '.join(gpu)}" if gpu else "")
     cells = {
@@ -168,6 +171,16 @@ def _cells(r: dict) -> dict:
         "reproduce": f"`{r['command']}`" if r["command"] else "—",
     }
     return {k: v.replace("|", "\\|") for k, v in cells.items()}  # a | inside a cell would end it
+
+
+def _match_text(r: dict) -> str:
+    """Win rates per seat against each opponent a run's greedy policy played, seed by seed."""
+    several = len(r["seeds"]) > 1
+    return "; ".join(
+        f"{f'seed {seed} ' if several else ''}vs {opponent}: wins {100 * g['win_first']:.1f} / "
+        f"{100 * g['win_second']:.1f}% as first / second player ({g['episodes'] // 2} games a seat at "
+        f"{g['env_steps']:,} env steps)"
+        for seed, games in zip(r["seeds"], r["matches"]) for opponent, g in games.items())
 
 
 def write(result_rows: list[dict], markdown_path: Path | None = None, json_path: Path | None = None) -> str:
