@@ -9,6 +9,7 @@ import zmq
 from services.sampler.sampler import Sampler, run_loop
 from services.sampler.transport import RemoteActions, RemoteSink
 from shared.runtime import heartbeat
+from shared.runtime.retry import worth_logging
 from shared.runtime import metrics as metrics_mod
 from shared.transport import shm
 from shared.transport import wire
@@ -136,12 +137,12 @@ def announced_steps(exp, run_dir, sub: Endpoint, published: dict):
     """The run's env steps for the opponent of a server-inference sampler (``params.AnnouncedSteps``
     on ``sub``), from where the run is when the sampler starts, not from 0: a restarted sampler's
     opponent copies would otherwise explore as at env step 0 until the learner's next
-    announcement. Read once from the newest version in the learner's parameter segment, as a
-    local-inference sampler starts (``ParamFollower``; the copy of the state it loads is dropped at
-    once, a cost paid once a start; ``published``: the learner's acting.json, whose spec is the
-    segment's); where the learner runs on another node, its first announcement is waited for (as
-    a local sampler there waits for its first version)."""
-    from shared.transport.params import AnnouncedSteps, ParamFollower, StateArrays
+    announcement. Read once from the stamps of the newest version in the learner's parameter
+    segment (``params.newest_stamp``; ``published``: the learner's acting.json, whose spec is the
+    segment's), waited for as a local-inference sampler waits for its first version; where the
+    learner runs on another node, its first announcement is waited for (as a local sampler there
+    waits for its first version)."""
+    from shared.transport.params import AnnouncedSteps, newest_stamp
 
     limit_s = startup_limit_s(exp)
     if exp.placement.crosses("sampler", "learner"):
@@ -149,13 +150,21 @@ def announced_steps(exp, run_dir, sub: Endpoint, published: dict):
         wait_for("the learner's env steps", steps.poll, limit_s)
         return steps
     run_id = run_id_of(run_dir)
-    newest = ParamFollower(StateArrays(published["spec"]), shm.segment_name(run_id, "learner", 0, "params"),
-                           shm.Owner(run_id, "learner", 0))
-    try:
-        wait_for("the learner's first parameter version", newest.poll, limit_s)
-    finally:
-        newest.close()
-    return AnnouncedSteps(sub, newest.env_steps)
+    name, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
+    refused = 0
+
+    def newest():
+        nonlocal refused
+        try:
+            return newest_stamp(name, published["spec"], owner)
+        except ValueError as e:  # a learner still sizing its new segment; one of another agent is waited out too
+            refused += 1
+            if worth_logging(refused):
+                log.warning("cannot read the learner's parameter segment (%d tries so far): %s", refused, e)
+            return None
+
+    _, env_steps = wait_for("the learner's first parameter version", newest, limit_s)
+    return AnnouncedSteps(sub, env_steps)
 
 
 def wait_for(what: str, ready, limit_s: float):
