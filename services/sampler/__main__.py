@@ -81,12 +81,13 @@ def pool_opponent(exp, topo: Topology, run_dir, sampler: Sampler, published: dic
     """The self-play pool's opponent seat of ``sampler``, set as ``sampler.opponent``: copies of
     the agent that load past versions and act in this process under either inference mode, in
     numpy where the learner published an acting plan (``published``: its acting.json), else in
-    torch on the cpu."""
+    torch on the cpu, all copies in one pass where they can (``shared.agents.stacked``)."""
     from services.sampler.opponent import sampler_opponent
     from shared.agents.acting import numpy_actor
     from shared.transport.params import ModuleState, StateArrays
 
     acting, drawing = topo.acting_seed("opponent", sampler.instance).spawn(2)
+    stack = None
     if published["plan"] is not None:
         def opponent_copy():
             past = StateArrays(published["spec"])
@@ -94,13 +95,14 @@ def pool_opponent(exp, topo: Topology, run_dir, sampler: Sampler, published: dic
             return numpy_actor(published["plan"], past.arrays, exp.agent, rng), past
     else:
         from shared.agents.actor import Actor
+        from shared.agents.stacked import stacked_actor as stack
 
         torch_device("cpu")
 
         def opponent_copy():
             other = make_agent(exp, env_probe(exp)).eval()
             return Actor(other, acting.spawn(1)[0]), ModuleState(other)
-    sampler.opponent = sampler_opponent(exp, run_dir, sampler, opponent_copy, drawing)
+    sampler.opponent = sampler_opponent(exp, run_dir, sampler, opponent_copy, drawing, stack)
     return sampler.opponent
 
 
