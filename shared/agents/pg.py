@@ -204,10 +204,11 @@ class PgAgent(nn.Module):
         return action, RecurrentAgentInfo(log_prob=info.log_prob, value=info.value, memory=memory)
 
     def acting_outputs(self, obs) -> tuple[torch.Tensor, ...]:
-        """Feed-forward: all that ``step`` reads of the parameters, for obs tree [N, ...] (torch, on
-        the device, not normalised): the policy output [N, ...], the value [N] and, for a Box
-        policy, each row's log-std [N, *action_shape]; ``choose`` takes it from there. Copies of
-        the agent with other parameters run this one stacked (``shared.agents.stacked``)."""
+        """Feed-forward: all that ``step`` reads of the parameters, for obs tree [N, ...]: the policy
+        output [N, ...], the value [N] and, for a Box policy, each row's log-std [N, *action_shape];
+        ``choose`` takes it from there. Copies of the agent with other parameters run this one
+        stacked (``shared.agents.stacked``)."""
+        obs = obs_to(obs, self.device)
         out, value = self._forward(obs if self.obs_norm is None else self.obs_norm(obs))
         return out, value, *self._box_log_std(obs)
 
@@ -219,7 +220,7 @@ class PgAgent(nn.Module):
 
     def choose(self, outputs: tuple[torch.Tensor, ...], obs, ctx: StepContext) -> tuple[torch.Tensor, AgentInfo]:
         """``step``'s actions and AgentInfo from ``acting_outputs``' ``outputs`` for obs tree [B, ...]
-        (torch, on the device: its action mask, if any, is read)."""
+        (its action mask, if any, is read)."""
         # No torch.distributions here: this runs once per action-server batch, and building
         # distribution objects costs more than the small networks' forward pass.
         out, value, *log_std = outputs
@@ -229,7 +230,8 @@ class PgAgent(nn.Module):
             action = mean + noise * log_std[0].exp()
             log_prob = (-0.5 * noise.square() - log_std[0] - HALF_LOG_2PI).flatten(1).sum(-1)
         else:
-            out = masked(out, legal(obs, self.mask_path))
+            ok = legal(obs, self.mask_path)
+            out = masked(out, None if ok is None else torch.as_tensor(ok).to(out.device))
             idx, log_prob = [], 0.0
             for chunk in torch.split(out, self.nvec, dim=-1):
                 # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits).
