@@ -1,8 +1,8 @@
 """Copies of one agent acting in one stacked pass (shared/agents/stacked.py), as a self-play
 opponent's past versions do: each row gets what its own copy alone computes (to float rounding)
 and, from the same seed, the same action; a copy no row acts with changes nothing; the agents
-that act in numpy or keep a memory are not stacked; and the opponent seat of a Connect Four
-sampler plays each board's own version through it."""
+that act in numpy or keep a memory are not stacked. (A Connect Four sampler's opponent seat
+playing each board's own version through it: tests/test_selfplay_pool.py.)"""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ import torch
 pytest.importorskip("pettingzoo")
 pytest.importorskip("mpe2")
 
-from services.build import agent_info, env_probe, make_agent
-from services.sampler.local import LocalActions
-from services.sampler.sampler import Sampler
-from services.serial import opponent
+from services.build import env_probe, make_agent
 from shared.agents import StepContext
 from shared.agents.actor import Actor
 from shared.agents.pg import PgAgent
@@ -24,14 +21,9 @@ from shared.agents.q import QAgent
 from shared.agents.config import QAgentConfig
 from shared.agents.stacked import StackedActor, stacked_actor
 from shared.config import loading
-from shared.config.topology import topology
 from shared.data.namedarraytuple import leaves, map_leaves, numpify, torchify
-from shared.transport.params import field_name
-from shared.transport.pool import PoolFiles
 from tests.pipeline import CONFIGS
 from tests.test_agent_groups import _columns, _far_apart
-from tests.test_memory import FixedParams
-from tests.test_selfplay_pool import Announced
 
 torch.set_num_threads(1)
 ROWS, COPIES = 24, 4
@@ -119,38 +111,3 @@ def test_only_agents_that_act_in_torch_and_keep_no_memory_are_stacked():
     recurrent = loading.load(CONFIGS / "connect_four_ppo.toml", ["model.lstm_size=16"])
     assert stacked_actor(Actor(make_agent(recurrent, probe), np.random.SeedSequence(0))) is None
     probe.close()
-
-
-def test_a_connect_four_opponent_plays_each_boards_own_version_in_one_stacked_pass(tmp_path):
-    """Versions 3, 5 and 7 in a uniform pool, each valuing every position at its own number: the
-    serial opponent's copies act stacked, every opponent move is valued at a version's number, and
-    a board's game holds one version from its first move to its last."""
-    exp = loading.load(CONFIGS / "connect_four_pool_ppo.toml", ["selfplay.pool='uniform'", "sampler.envs=16",
-                                                                "sampler.horizon=8", "sampler.ring=6"])
-    probe = env_probe(exp)
-    current, past = make_agent(exp, probe), make_agent(exp, probe)
-    probe.close()
-    files = PoolFiles(tmp_path, 8)
-    for version in (3, 5, 7):
-        with torch.no_grad():
-            past.v_head.net[0].weight.zero_()
-            past.v_head.net[0].bias.fill_(float(version))
-        files.add(version, {field_name(k): t.numpy() for k, t in past.state_dict().items()})
-    topo = topology(exp)
-    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "stackedtest", shared_memory=False)
-    seat = sampler.opponent = opponent(exp, tmp_path, sampler, make_agent(exp, env_probe(exp)))
-    actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
-                           seat)
-    sampler.start(actions)
-    for _ in range(exp.sampler.ring):
-        sampler.collect_segment(actions, Announced())
-    samples = sampler.ring.samples
-    sampler.close()
-    assert isinstance(seat.stacked, StackedActor) and seat.stacked.key is not None  # copies stacked, in one pass
-    value = samples.agent_info.value.reshape(-1, 16)[:, seat.mask]
-    ended = (samples.terminated | samples.truncated).reshape(-1, 16)[:, seat.mask]
-    assert set(np.unique(value)) == {3.0, 5.0, 7.0}
-    for board in range(8):
-        starts = np.flatnonzero(np.concatenate([[True], ended[:-1, board]]))
-        for game in np.split(value[:, board], starts[1:]):
-            assert len(set(game)) == 1, f"board {board}: one game against versions {sorted(set(game))}"
