@@ -203,6 +203,7 @@ class PgAgent(nn.Module):
         self.acting.remember(ctx, action, h, c)
         return action, RecurrentAgentInfo(log_prob=info.log_prob, value=info.value, memory=memory)
 
+    @torch.no_grad()
     def acting_outputs(self, obs) -> tuple[torch.Tensor, ...]:
         """Feed-forward: all that ``step`` reads of the parameters, for obs tree [N, ...]: the policy
         output [N, ...], the value [N] and, for a Box policy, each row's log-std [N, *action_shape];
@@ -218,6 +219,7 @@ class PgAgent(nn.Module):
             return ()
         return self._log_std(obs).expand(leading_len(obs), *self.action_shape),
 
+    @torch.no_grad()
     def choose(self, outputs: tuple[torch.Tensor, ...], obs, ctx: StepContext) -> tuple[torch.Tensor, AgentInfo]:
         """``step``'s actions and AgentInfo from ``acting_outputs``' ``outputs`` for obs tree [B, ...]
         (its action mask, if any, is read)."""
