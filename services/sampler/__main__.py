@@ -95,9 +95,10 @@ def pool_opponent(exp, topo: Topology, run_dir, sampler: Sampler, published: dic
             return numpy_actor(published["plan"], past.arrays, exp.agent, rng), past
     else:
         from shared.agents.actor import Actor
-        from shared.agents.stacked import stacked_actor as stack
+        from shared.agents.stacked import stacked_actor
 
         torch_device("cpu")
+        stack = stacked_actor
 
         def opponent_copy():
             other = make_agent(exp, env_probe(exp)).eval()
