@@ -34,6 +34,7 @@ from services.sampler.local import LocalActions
 from services.sampler.opponent import Opponent, sampler_opponent
 from services.sampler.sampler import Sampler
 from shared.agents.actor import Actor
+from shared.agents.stacked import stacked_actor
 from shared.config.schema import ConfigError, Experiment
 from shared.data.layout import segment_spec
 from shared.data.namedarraytuple import from_spec
@@ -138,7 +139,7 @@ def opponent(exp: Experiment, run_dir: Path, sampler: Sampler, agent) -> Opponen
     def make_copy():
         other = copy.deepcopy(agent)
         return Actor(other, acting.spawn(1)[0]), ModuleState(other)
-    return sampler_opponent(exp, run_dir, sampler, make_copy, drawing)
+    return sampler_opponent(exp, run_dir, sampler, make_copy, drawing, stacked_actor)
 
 
 def _train(exp: Experiment, run_dir: Path | None) -> dict:

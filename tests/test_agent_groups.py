@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -304,7 +305,7 @@ def test_running_each_member_on_its_groups_rows_alone_gives_what_routing_every_m
     split, split_grads = _with_gradients(agent, lambda: _split_outputs(which, agent, obs))
     assert splits, "the rows were not split"
     splits.clear()
-    with groups.fixed_shapes():
+    with groups.split_min_rows(math.inf):
         where, where_grads = _with_gradients(agent, lambda: _split_outputs(which, agent, obs))
     assert not splits
     for k, (got, want) in enumerate(zip(split, where)):

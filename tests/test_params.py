@@ -336,6 +336,31 @@ def test_announced_steps_take_the_newest_announcements_env_steps_and_load_nothin
         ctx.destroy(linger=0)
 
 
+def test_the_newest_stamp_is_the_newest_complete_versions_env_steps_read_without_the_state(run_id):
+    """What a server-inference sampler starting against a pool reads for its opponent's
+    exploration: nothing before the learner's segment or its first version, then the newest
+    version's env steps, without a copy of the state; nothing while that copy is being
+    overwritten (the seqlock); a segment of another layout is refused."""
+    net = make_net(0)
+    name, owner = shm.segment_name(run_id, "learner", 0, "params"), learner_owner(run_id)
+    spec = params.state_spec(net)
+    assert params.newest_stamp(name, spec, owner) is None  # no segment yet
+    writer = params.ParamWriter(net, name)
+    try:
+        assert params.newest_stamp(name, spec, owner) is None  # no version yet
+        writer.write(1, env_steps=100)
+        writer.write(2, env_steps=200)
+        assert params.newest_stamp(name, spec, owner) == (2, 200)
+        writer.slots.stamp[0, 0] = 4  # version 4 being written over version 2's copy: torn, not read
+        assert params.newest_stamp(name, spec, owner) is None
+        writer.write(4, env_steps=400)
+        assert params.newest_stamp(name, spec, owner) == (4, 400)
+        with pytest.raises(ValueError, match="bytes"):
+            params.newest_stamp(name, params.state_spec(make_net(0, hidden=16)), owner)
+    finally:
+        writer.close()
+
+
 def test_a_follower_keeps_its_parameters_when_the_segment_is_not_its_agents_and_follows_the_right_one_later(run_id):
     """An evaluator or local sampler did crash on it, and again after every restart."""
     name = shm.segment_name(run_id, "learner", 0, "params")

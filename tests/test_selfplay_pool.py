@@ -164,20 +164,36 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
     assert episodes and all(len(e) == 3 and e[2] == 5 for e in episodes)
 
 
-def test_a_board_keeps_the_version_it_drew_until_its_game_ends_and_its_games_score_that_version(tmp_path):
+def value_at(version: int):
+    """Make an agent value every position at ``version`` (tictactoe_ppo's twin MLP, whose member 1
+    is the value head; connect_four_pool_ppo's value head)."""
+    def set_value(agent) -> None:
+        with torch.no_grad():
+            weight, bias = (agent.twin.weights[2][1], agent.twin.biases[2][1]) if agent.twin is not None else \
+                (agent.v_head.net[0].weight, agent.v_head.net[0].bias)
+            weight.zero_()
+            bias.fill_(float(version))
+    return set_value
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("tictactoe_ppo.toml", ["sampler.envs=8", "sampler.horizon=4", "sampler.ring=12"]),  # copies act in numpy
+    ("connect_four_pool_ppo.toml", ["sampler.envs=16", "sampler.horizon=4", "sampler.ring=16"]),  # stacked, in torch
+])
+def test_a_board_keeps_the_version_it_drew_until_its_game_ends_and_its_games_score_that_version(tmp_path, config,
+                                                                                                overrides):
     """Versions 3, 5 and 7 in a uniform pool, each valuing every position at its own number, so
     the opponent columns' values name the version that acted. Segments of 4 steps, shorter than a
     game: each game's opponent moves are one version's, several versions play, the games the
-    learner seat reports name the versions their boards played, and they score once each."""
-    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=8", "sampler.horizon=4", "sampler.ring=12"])
+    learner seat reports name the versions their boards played, and they score once each. So too
+    where the copies act in one stacked pass (Connect Four's CNN acts in torch)."""
+    exp = loading.load(CONFIGS / config, POOL + overrides)
     probe = env_probe(exp)
     current, past = make_agent(exp, probe), make_agent(exp, probe)
     probe.close()
     files = PoolFiles(tmp_path, 8)
     for version in (3, 5, 7):
-        with torch.no_grad():
-            past.twin.weights[2][1].zero_()  # member 1 is the value head
-            past.twin.biases[2][1].fill_(float(version))
+        value_at(version)(past)
         files.add(version, {field_name(k): t.numpy() for k, t in past.state_dict().items()})
     topo = topology(exp)
     sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
@@ -192,11 +208,13 @@ def test_a_board_keeps_the_version_it_drew_until_its_game_ends_and_its_games_sco
     samples = sampler.ring.samples  # [ring, T, B]: the segments in order
     episodes = [e for meta in sink.metas for e in meta["episodes"]] + sampler.pending[3]  # the last one's too
     sampler.close()
-    mask = serial_opponent.mask
-    value = samples.agent_info.value.reshape(-1, 8)[:, mask]
-    ended = (samples.terminated | samples.truncated).reshape(-1, 8)[:, mask]
+    stacked = serial_opponent.stacked
+    assert (stacked is not None and stacked.key is not None) == config.startswith("connect_four")
+    B, mask = exp.sampler.envs, serial_opponent.mask
+    value = samples.agent_info.value.reshape(-1, B)[:, mask]
+    ended = (samples.terminated | samples.truncated).reshape(-1, B)[:, mask]
     played = []  # the version of each game that ended, by board
-    for board in range(4):
+    for board in range(B // 2):
         game = []
         for v, end in zip(value[:, board], ended[:, board]):
             game.append(v)

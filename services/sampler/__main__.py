@@ -9,6 +9,7 @@ import zmq
 from services.sampler.sampler import Sampler, run_loop
 from services.sampler.transport import RemoteActions, RemoteSink
 from shared.runtime import heartbeat
+from shared.runtime.retry import worth_logging
 from shared.runtime import metrics as metrics_mod
 from shared.transport import shm
 from shared.transport import wire
@@ -80,12 +81,13 @@ def pool_opponent(exp, topo: Topology, run_dir, sampler: Sampler, published: dic
     """The self-play pool's opponent seat of ``sampler``, set as ``sampler.opponent``: copies of
     the agent that load past versions and act in this process under either inference mode, in
     numpy where the learner published an acting plan (``published``: its acting.json), else in
-    torch on the cpu."""
+    torch on the cpu, all copies in one pass where they can (``shared.agents.stacked``)."""
     from services.sampler.opponent import sampler_opponent
     from shared.agents.acting import numpy_actor
     from shared.transport.params import ModuleState, StateArrays
 
     acting, drawing = topo.acting_seed("opponent", sampler.instance).spawn(2)
+    stack = None
     if published["plan"] is not None:
         def opponent_copy():
             past = StateArrays(published["spec"])
@@ -93,13 +95,15 @@ def pool_opponent(exp, topo: Topology, run_dir, sampler: Sampler, published: dic
             return numpy_actor(published["plan"], past.arrays, exp.agent, rng), past
     else:
         from shared.agents.actor import Actor
+        from shared.agents.stacked import stacked_actor
 
         torch_device("cpu")
+        stack = stacked_actor
 
         def opponent_copy():
             other = make_agent(exp, env_probe(exp)).eval()
             return Actor(other, acting.spawn(1)[0]), ModuleState(other)
-    sampler.opponent = sampler_opponent(exp, run_dir, sampler, opponent_copy, drawing)
+    sampler.opponent = sampler_opponent(exp, run_dir, sampler, opponent_copy, drawing, stack)
     return sampler.opponent
 
 
@@ -136,12 +140,12 @@ def announced_steps(exp, run_dir, sub: Endpoint, published: dict):
     """The run's env steps for the opponent of a server-inference sampler (``params.AnnouncedSteps``
     on ``sub``), from where the run is when the sampler starts, not from 0: a restarted sampler's
     opponent copies would otherwise explore as at env step 0 until the learner's next
-    announcement. Read once from the newest version in the learner's parameter segment, as a
-    local-inference sampler starts (``ParamFollower``; the copy of the state it loads is dropped at
-    once, a cost paid once a start; ``published``: the learner's acting.json, whose spec is the
-    segment's); where the learner runs on another node, its first announcement is waited for (as
-    a local sampler there waits for its first version)."""
-    from shared.transport.params import AnnouncedSteps, ParamFollower, StateArrays
+    announcement. Read once from the stamps of the newest version in the learner's parameter
+    segment (``params.newest_stamp``; ``published``: the learner's acting.json, whose spec is the
+    segment's), waited for as a local-inference sampler waits for its first version; where the
+    learner runs on another node, its first announcement is waited for (as a local sampler there
+    waits for its first version)."""
+    from shared.transport.params import AnnouncedSteps, newest_stamp
 
     limit_s = startup_limit_s(exp)
     if exp.placement.crosses("sampler", "learner"):
@@ -149,13 +153,21 @@ def announced_steps(exp, run_dir, sub: Endpoint, published: dict):
         wait_for("the learner's env steps", steps.poll, limit_s)
         return steps
     run_id = run_id_of(run_dir)
-    newest = ParamFollower(StateArrays(published["spec"]), shm.segment_name(run_id, "learner", 0, "params"),
-                           shm.Owner(run_id, "learner", 0))
-    try:
-        wait_for("the learner's first parameter version", newest.poll, limit_s)
-    finally:
-        newest.close()
-    return AnnouncedSteps(sub, newest.env_steps)
+    name, owner = shm.segment_name(run_id, "learner", 0, "params"), shm.Owner(run_id, "learner", 0)
+    refused = 0
+
+    def newest():
+        nonlocal refused
+        try:
+            return newest_stamp(name, published["spec"], owner)
+        except ValueError as e:  # a learner still sizing its new segment; one of another agent is waited out too
+            refused += 1
+            if worth_logging(refused):
+                log.warning("cannot read the learner's parameter segment (%d tries so far): %s", refused, e)
+            return None
+
+    _, env_steps = wait_for("the learner's first parameter version", newest, limit_s)
+    return AnnouncedSteps(sub, env_steps)
 
 
 def wait_for(what: str, ready, limit_s: float):

@@ -9,7 +9,8 @@ of a game is one version's and the game's outcome scores that version. The versi
 from copies of the agent, one a version, made when first needed and at most ``selfplay.size``
 (the pool's size bounds them): a version drawn that no copy holds is loaded from its snapshot
 file into a copy that no game in progress uses (one of a version that left the pool first). A
-step costs one batched forward pass a version in play, over that version's boards. The pool's
+step costs one batched forward pass a version in play, over that version's boards, or, where
+the copies act in torch, one pass for all (``shared.agents.stacked``). The pool's
 list of versions (and ``prioritised``'s scores) is read again every ``horizon`` steps, a
 segment's worth, not at every draw. Until the pool holds a version (the learner's first
 snapshot) a starting game's opponent keeps the current policy's actions, unscored.
@@ -35,22 +36,26 @@ def opponent_columns(env_base: int, envs: int) -> np.ndarray:
     return cols % 2 != (cols // 2) % 2
 
 
-def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed) -> "Opponent":
+def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed,
+                     stack: Callable | None = None) -> "Opponent":
     """The opponent seat of ``sampler`` in run ``run_dir`` (a pipeline sampler or serial mode's)."""
     return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
-                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, seed)
+                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, seed, stack)
 
 
 class Opponent:
     """The opponent's columns of one sampler and the past versions their games act with."""
 
     def __init__(self, cfg: SelfPlayConfig, files: PoolFiles, make_copy: Callable[[], tuple], mask: np.ndarray,
-                 horizon: int, seed: np.random.SeedSequence):
+                 horizon: int, seed: np.random.SeedSequence, stack: Callable | None = None):
         """``make_copy()``: a new copy of the agent as ``(act, target)``, an ``Actor`` or
         ``NumpyActor`` on it and its state (``params.ModuleState`` or ``StateArrays``) that the
         drawn versions load into; ``mask``: ``opponent_columns`` (one opponent column a board, so
-        the sampler's board j holds opponent column j)."""
-        self.cfg, self.files, self.make_copy, self.horizon = cfg, files, make_copy, horizon
+        the sampler's board j holds opponent column j); ``stack(act)``: for the first copy's
+        ``act``, what acts for all copies in one pass (``shared.agents.stacked.stacked_actor``),
+        or None where each copy acts on its own boards (also where ``stack`` is None)."""
+        self.cfg, self.files, self.make_copy, self.horizon, self.stack = cfg, files, make_copy, horizon, stack
+        self.stacked = None
         self.mask = mask
         self.columns = np.flatnonzero(mask)
         self.train_both = cfg.train_both_seats
@@ -89,12 +94,22 @@ class Opponent:
             copy_of[starting] = -1  # their games ended: their copies may take another version
             for board in starting:
                 copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
-        for held in np.unique(copy_of[copy_of >= 0]):
-            held_cols = c[copy_of == held]
-            action, info = self.copies[held][0](slot.observation[held_cols], env_index[held_cols],
-                                                slot.first[held_cols], slot.reward[held_cols], env_steps, envs_total)
-            slot.action[held_cols] = action
-            slot.agent_info[held_cols] = info
+        versioned = copy_of >= 0
+        if self.stacked is None:
+            for held in np.unique(copy_of[versioned]):
+                held_cols = c[copy_of == held]
+                action, info = self.copies[held][0](slot.observation[held_cols], env_index[held_cols],
+                                                    slot.first[held_cols], slot.reward[held_cols], env_steps,
+                                                    envs_total)
+                slot.action[held_cols] = action
+                slot.agent_info[held_cols] = info
+        elif versioned.any():
+            rows = c[versioned]
+            action, info = self.stacked([act for act, _ in self.copies], tuple(self.loaded), copy_of[versioned],
+                                        slot.observation[rows], env_index[rows], slot.first[rows], slot.reward[rows],
+                                        env_steps, envs_total)
+            slot.action[rows] = action
+            slot.agent_info[rows] = info
 
     def _copy_for(self, version: int) -> int:
         """The copy that holds ``version``, loading it where none does; where it cannot be loaded
@@ -109,6 +124,8 @@ class Opponent:
         if not free and len(self.copies) < self.cfg.size:
             self.copies.append(self.make_copy())
             self.loaded.append(-1)
+            if len(self.copies) == 1 and self.stack is not None:
+                self.stacked = self.stack(self.copies[0][0])
             free = [len(self.copies) - 1]
         if free and self.files.load(version, self.copies[free[0]][1]):
             self.loaded[free[0]] = version

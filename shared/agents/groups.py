@@ -28,6 +28,7 @@ routing.)
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from typing import Callable, Iterator
 
@@ -50,23 +51,25 @@ def members(groups: int, make) -> torch.nn.ModuleList:
     return torch.nn.ModuleList(make() for _ in range(groups))
 
 
-@contextlib.contextmanager
-def fixed_shapes() -> Iterator[None]:
-    """Within it, ``by_group`` takes the fixed-shape path (every member on every row), as a trace or
-    an export does: for tests and benchmarks to compare the two paths in eager mode (no split pays
-    within it)."""
-    global SPLIT_MIN_ROWS
-    before, SPLIT_MIN_ROWS = SPLIT_MIN_ROWS, math.inf
-    try:
-        yield
-    finally:
-        SPLIT_MIN_ROWS = before
-
-
 SPLIT_MIN_ROWS = 64
 """Rows below which ``by_group`` runs every member on every row even in eager mode: on a few rows
 a member's pass costs the same whatever their number, and the split's own bookkeeping is not
 repaid (docs/benchmarks.md, "Agent groups in the learner")."""
+
+_split_min_rows: contextvars.ContextVar[float] = contextvars.ContextVar("split_min_rows", default=SPLIT_MIN_ROWS)
+
+
+@contextlib.contextmanager
+def split_min_rows(rows: float) -> Iterator[None]:
+    """Within it (in this thread or task: a context variable), ``by_group`` splits from ``rows``
+    rows instead of ``SPLIT_MIN_ROWS``: ``math.inf`` takes the fixed-shape path (every member on
+    every row) as a trace or an export does, 0 splits every batch; for tests and benchmarks to
+    compare the two paths in eager mode."""
+    token = _split_min_rows.set(rows)
+    try:
+        yield
+    finally:
+        _split_min_rows.reset(token)
 
 
 def by_group(members: torch.nn.ModuleList, run: Callable, group: torch.Tensor, *inputs,
@@ -106,12 +109,12 @@ def by_group(members: torch.nn.ModuleList, run: Callable, group: torch.Tensor, *
 def _pays(group: torch.Tensor, inputs: tuple, dims: tuple, row_cost: int) -> bool:
     """Whether to split: in eager mode (a trace or an export keeps fixed shapes), on the CPU (splitting
     an accelerator's rows would read their counts back, a device sync every forward pass), from
-    ``SPLIT_MIN_ROWS`` rows of the first input that is split."""
+    ``SPLIT_MIN_ROWS`` rows (``split_min_rows``'s within it) of the first input that is split."""
     if group.device.type != "cpu" or torch.jit.is_tracing() or torch.jit.is_scripting() or \
             torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
         return False
     x, d = next((x, d) for x, d in zip(inputs, dims) if d is not None)
-    return math.prod(next(leaves(x))[1].shape[:d + group.dim()]) * row_cost >= SPLIT_MIN_ROWS
+    return math.prod(next(leaves(x))[1].shape[:d + group.dim()]) * row_cost >= _split_min_rows.get()
 
 
 def _rows_by_group(group: torch.Tensor, k: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:

@@ -193,35 +193,57 @@ class PgAgent(nn.Module):
         Returns action (int64 [B] Discrete, int64 [B, k] MultiDiscrete, float32 [B, *shape]
         Box, raw Gaussian sample) and AgentInfo(log_prob float32 [B], value float32 [B]).
         """
+        obs = obs_to(obs, self.device)
+        if not self.recurrent:
+            return self.choose(self.acting_outputs(obs), obs, ctx)
+        normed = obs if self.obs_norm is None else self.obs_norm(obs)
+        memory = self.acting.recall(ctx, leading_len(obs), self.device)
+        out, value, h, c = self.core_step(normed, memory)
+        action, info = self.choose((out, value, *self._box_log_std(obs)), obs, ctx)
+        self.acting.remember(ctx, action, h, c)
+        return action, RecurrentAgentInfo(log_prob=info.log_prob, value=info.value, memory=memory)
+
+    @torch.no_grad()
+    def acting_outputs(self, obs) -> tuple[torch.Tensor, ...]:
+        """Feed-forward: all that ``step`` reads of the parameters, for obs tree [N, ...]: the policy
+        output [N, ...], the value [N] and, for a Box policy, each row's log-std [N, *action_shape];
+        ``choose`` takes it from there. Copies of the agent with other parameters run this one
+        stacked (``shared.agents.stacked``)."""
+        obs = obs_to(obs, self.device)
+        out, value = self._forward(obs if self.obs_norm is None else self.obs_norm(obs))
+        return out, value, *self._box_log_std(obs)
+
+    def _box_log_std(self, obs) -> tuple[torch.Tensor, ...]:
+        """(log-std [N, *action_shape],) of a Box policy for obs tree [N, ...], () for others."""
+        if self.kind != "box":
+            return ()
+        return self._log_std(obs).expand(leading_len(obs), *self.action_shape),
+
+    @torch.no_grad()
+    def choose(self, outputs: tuple[torch.Tensor, ...], obs, ctx: StepContext) -> tuple[torch.Tensor, AgentInfo]:
+        """``step``'s actions and AgentInfo from ``acting_outputs``' ``outputs`` for obs tree [B, ...]
+        (its action mask, if any, is read)."""
         # No torch.distributions here: this runs once per action-server batch, and building
         # distribution objects costs more than the small networks' forward pass.
-        greedy = ctx.greedy
-        obs = obs_to(obs, self.device, self.obs_norm)
-        if self.recurrent:
-            memory = self.acting.recall(ctx, leading_len(obs), self.device)
-            out, value, h, c = self.core_step(obs, memory)
-        else:
-            out, value = self._forward(obs)
+        out, value, *log_std = outputs
         if self.kind == "box":
             mean = out.reshape(-1, *self.action_shape)
-            log_std = self._log_std(obs)
-            noise = torch.zeros_like(mean) if greedy else torch.randn_like(mean)
-            action = mean + noise * log_std.exp()
-            log_prob = (-0.5 * noise.square() - log_std - HALF_LOG_2PI).flatten(1).sum(-1)
+            noise = torch.zeros_like(mean) if ctx.greedy else torch.randn_like(mean)
+            action = mean + noise * log_std[0].exp()
+            log_prob = (-0.5 * noise.square() - log_std[0] - HALF_LOG_2PI).flatten(1).sum(-1)
         else:
-            out = masked(out, legal(obs, self.mask_path))
+            ok = legal(obs, self.mask_path)
+            out = masked(out, None if ok is None else torch.as_tensor(ok).to(out.device))
             idx, log_prob = [], 0.0
             for chunk in torch.split(out, self.nvec, dim=-1):
                 # Gumbel-max: argmax(logits + Gumbel noise) is a sample of softmax(logits).
-                pick = chunk.argmax(-1) if greedy else (chunk - torch.empty_like(chunk).exponential_().log()).argmax(-1)
+                pick = chunk.argmax(-1) if ctx.greedy else \
+                    (chunk - torch.empty_like(chunk).exponential_().log()).argmax(-1)
                 log_prob = log_prob + torch.log_softmax(chunk, -1).gather(-1, pick[:, None]).squeeze(-1)
                 idx.append(pick)
             stacked = torch.stack(idx, dim=-1)
             action = stacked[:, 0] if self.kind == "discrete" else stacked
-        if not self.recurrent:
-            return action, AgentInfo(log_prob=log_prob.float(), value=value)
-        self.acting.remember(ctx, action, h, c)
-        return action, RecurrentAgentInfo(log_prob=log_prob.float(), value=value, memory=memory)
+        return action, AgentInfo(log_prob=log_prob.float(), value=value)
 
     def core_step(self, obs, memory: Memory) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Recurrent: one acting step for obs tree [B, ...] (on the device, normalised) from ``memory``

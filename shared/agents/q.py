@@ -225,16 +225,35 @@ class QAgent(nn.Module):
     def step(self, obs, ctx: StepContext = EXPLORE) -> tuple[torch.Tensor, QAgentInfo]:
         """Epsilon-greedy actions for obs tree [B, ...]: each env's epsilon for ``ctx.env_steps``
         (``cfg.epsilon``), or ``eps_eval`` for a greedy context."""
-        n = leading_len(obs)
-        eps = self.cfg.eps_eval if ctx.greedy else self.cfg.epsilon(ctx.env_steps, *ctx.rows(n))
         if not self.recurrent:
-            return self.epsilon_greedy(obs, eps)
+            return self.choose(self.acting_outputs(obs), obs, ctx)
+        n = leading_len(obs)
         with torch.no_grad():
             memory = self.acting.recall(ctx, n, self.device)
             q, h, c = self.core_step(obs_to(obs, self.device, self.obs_norm), memory)
-            action, value = self._pick(q, eps, self.legal_actions(obs))
+            action, value = self._pick(q, self._epsilon(ctx, n), self.legal_actions(obs))
         self.acting.remember(ctx, action, h, c)
         return action, RecurrentQAgentInfo(value=value, memory=memory)
+
+    @torch.no_grad()
+    def acting_outputs(self, obs) -> tuple[torch.Tensor]:
+        """Feed-forward: all that ``step`` reads of the parameters, for obs tree [N, ...]: (Q [N, A],);
+        ``choose`` takes it from there. Copies of the agent with other parameters run this one
+        stacked (``shared.agents.stacked``)."""
+        return self.q_values(obs),
+
+    @torch.no_grad()
+    def choose(self, outputs: tuple[torch.Tensor], obs, ctx: StepContext) -> tuple[torch.Tensor, QAgentInfo]:
+        """``step``'s epsilon-greedy actions and QAgentInfo from ``acting_outputs``' ``outputs`` for
+        obs tree [B, ...] (its action mask, if any, is read)."""
+        q, = outputs
+        action, value = self._pick(q, self._epsilon(ctx, len(q)), self.legal_actions(obs))
+        return action, QAgentInfo(value=value)
+
+    def _epsilon(self, ctx: StepContext, n: int) -> np.ndarray | float:
+        """The epsilon of ``n`` rows for ``ctx``: each env's ``cfg.epsilon`` at ``ctx.env_steps``, or
+        ``eps_eval`` for a greedy context."""
+        return self.cfg.eps_eval if ctx.greedy else self.cfg.epsilon(ctx.env_steps, *ctx.rows(n))
 
     @torch.no_grad()
     def epsilon_greedy(self, obs, epsilon: torch.Tensor | np.ndarray | float) -> tuple[torch.Tensor, QAgentInfo]:

@@ -317,6 +317,8 @@ class PettingZooGroup(SplitStep):
         self.agents, self.observation_space, self.action_space = layout.agents, layout.observation_space, \
             layout.action_space
         self._masked, self._group_of, self._pad_to = layout.masked, layout.group_of, layout.pad_to
+        self._column_of = {a: j for j, a in enumerate(self.agents)}
+        """agent -> its column j within an env's N columns: looked up per agent every step."""
         N = len(self.agents)
         if n_envs < N or n_envs % N:
             first.close()
@@ -395,7 +397,7 @@ class PettingZooGroup(SplitStep):
         the env's ``state`` (``_state``)."""
         raw = self._raws[k]
         if self._parallel:
-            return {a: self._column_obs(o, self.agents.index(a), True, state) for a, o in self._last_obs[k].items()}
+            return {a: self._column_obs(o, self._column_of[a], True, state) for a, o in self._last_obs[k].items()}
         return {a: self._column_obs(raw.observe(a), j, a == raw.agent_selection and not self._over(k), state)
                 for j, a in enumerate(self.agents) if a in raw.agents}
 
@@ -434,12 +436,12 @@ class PettingZooGroup(SplitStep):
         raw, cols = self._raws[k], self._columns(k)
         if self._parallel:
             live = list(raw.agents)
-            obs, rewards, terms, truncs, _ = raw.step({a: env_actions[cols[self.agents.index(a)]] for a in live})
+            obs, rewards, terms, truncs, _ = raw.step({a: env_actions[cols[self._column_of[a]]] for a in live})
             self._last_obs[k] = {a: o for a, o in obs.items() if not (terms.get(a) or truncs.get(a))}
             moved = set(live)
         else:
             mover = raw.agent_selection
-            raw.step(env_actions[cols[self.agents.index(mover)]])
+            raw.step(env_actions[cols[self._column_of[mover]]])
             # A turn-based env hands the turn to agents that left so that they can be removed.
             while raw.agents and not self._over(k) and (raw.terminations[raw.agent_selection]
                                                         or raw.truncations[raw.agent_selection]):

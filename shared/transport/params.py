@@ -9,7 +9,8 @@ overwriting with v + 2) is detected instead of silently used.
 
 Action-servers learn of versions from the learner's announcements (``ParamAnnouncements``);
 local-inference samplers look at the stamps themselves before every step
-(``ParamFollower``: two int64 reads, no message, no syscall).
+(``ParamFollower``: two int64 reads, no message, no syscall). ``newest_stamp`` reads only the
+stamps: the newest version's env steps, for a process that loads no version.
 
 A reader loads versions into a torch module's state (any device), or into ``StateArrays``:
 numpy arrays of its own, for a sampler that acts in numpy and never imports torch (this
@@ -149,14 +150,12 @@ class ParamReader:
         """Load ``version``; False if the copy was torn or stale (a newer one follows)."""
         if descriptor.get("nonce") != self.nonce:
             self.attach(descriptor)
-        i = version % 2
-        stamp = self.slots.stamp[i]
-        if stamp[1] != version:
+        read = _seqlocked(self.slots, version, lambda i: (
+            [np.array(arr[i]) for _, arr in leaves(self.slots.tensors)],  # copies; 0-d stays an array
+            int(self.slots.env_steps[i])))
+        if read is None:
             return False
-        staged = [np.array(arr[i]) for _, arr in leaves(self.slots.tensors)]  # copies; 0-d stays an array
-        env_steps = int(self.slots.env_steps[i])
-        if stamp[0] != version:
-            return False
+        staged, env_steps = read
         self.state.load(staged)
         self.version, self.env_steps = version, env_steps
         return True
@@ -177,6 +176,37 @@ class ParamReader:
         self.segment, self.slots = shm.attach(descriptor, self.owner)
         self.nonce = descriptor.get("nonce")
         self.version = -1  # a restarted learner's segment: take whatever version it holds
+
+
+def _seqlocked(slots, version: int, read):
+    """``read(i)`` of copy ``i = version % 2`` of a segment's ``slots``, or None where that copy
+    does not hold ``version`` all through the read (not written yet, or being overwritten with
+    version + 2)."""
+    stamp = slots.stamp[version % 2]
+    if stamp[1] != version:
+        return None
+    value = read(version % 2)
+    return value if stamp[0] == version else None
+
+
+def newest_stamp(segment_name: str, spec, owner: shm.Owner) -> tuple[int, int] | None:
+    """(version, env steps) of the newest complete version in the learner's parameter segment
+    ``segment_name`` (layout ``spec``, owned by ``owner``), from its stamps alone: no copy of the
+    state is made or read. For a process that wants the run's env steps where it starts but acts
+    with no version of the learner's. None while the segment does not exist or holds no complete
+    version; ValueError where it is not the segment ``spec`` describes (or not yet its size: a
+    learner creating it)."""
+    try:
+        seg, slots = shm.attach({"name": segment_name, "spec": spec}, owner)
+    except FileNotFoundError:
+        return None
+    try:
+        version = int(slots.stamp[:, 1].max())
+        env_steps = _seqlocked(slots, version, lambda i: int(slots.env_steps[i])) if version >= 0 else None
+        return None if env_steps is None else (version, env_steps)
+    finally:
+        del slots  # the segment's arrays go before it is unmapped
+        seg.close()
 
 
 class _ThroughReader:

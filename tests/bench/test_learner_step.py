@@ -15,6 +15,7 @@ Run with `make bench`.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -177,7 +178,7 @@ def test_agent_groups_vs_one_shared_policy():
     simple_adversary_groups_ppo.toml's learner (16 worlds x 3 agents x 25 steps: 600-row minibatches,
     10 epochs x 2 minibatches, values recomputed for GAE), one thread. The groups' rows split by
     member (eager mode on the CPU), and routed by ``torch.where`` with every member on every row
-    (``groups.fixed_shapes``: what an export computes, and the learner did before the split)."""
+    (``groups.split_min_rows(math.inf)``: what an export computes, and the learner did before the split)."""
     torch.set_num_threads(1)
     shared, steps, n, _ = rlpipe_learner("simple_adversary_groups_ppo.toml", overrides=(*SPREAD, "env.groups={}"))
     grouped, _, _, _ = rlpipe_learner("simple_adversary_groups_ppo.toml",
@@ -187,7 +188,7 @@ def test_agent_groups_vs_one_shared_policy():
     for _ in range(ROUNDS):
         times["one policy"].append(per_step_ms(shared, steps, calls))
         times["groups, split"].append(per_step_ms(grouped, steps, calls))
-        with groups.fixed_shapes():
+        with groups.split_min_rows(math.inf):
             times["groups, every row"].append(per_step_ms(grouped, steps, calls))
     base = statistics.median(times["one policy"])
     print(f"\nsimple_spread PPO, batch {n}, {steps} gradient steps per batch: one policy {base:.2f} ms/step "
@@ -198,7 +199,7 @@ def test_agent_groups_vs_one_shared_policy():
 
 
 @pytest.mark.parametrize("hidden", [64, 256])
-def test_agent_groups_split_against_every_member_on_every_row_by_rows(hidden, monkeypatch):
+def test_agent_groups_split_against_every_member_on_every_row_by_rows(hidden):
     """Where the split of rows by group starts to pay (``groups.SPLIT_MIN_ROWS``): PPO's
     ``evaluate`` + backward and its acting ``step`` on 16-128 simple_spread rows, two groups of
     ``hidden`` x ``hidden`` networks, the rows split (the threshold set to 0) against every member
@@ -211,7 +212,6 @@ def test_agent_groups_split_against_every_member_on_every_row_by_rows(hidden, mo
     from tests.test_envs import Buffers
 
     torch.set_num_threads(1)
-    monkeypatch.setattr(groups, "SPLIT_MIN_ROWS", 0)
     env = make_env_group(EnvConfig(id="pettingzoo:mpe2.simple_spread_v3", kwargs='{"N": 3, "max_cycles": 25}',
                                    groups={"a": "agent_0", "b": "agent_[12]"}), 3, 0)
     buf = Buffers(env)
@@ -231,8 +231,9 @@ def test_agent_groups_split_against_every_member_on_every_row_by_rows(hidden, mo
         for fn in (train, lambda: agent.step(obs)):
             split, where = [], []
             for _ in range(ROUNDS):
-                split.append(per_step_ms(fn, 1, 100))
-                with groups.fixed_shapes():
+                with groups.split_min_rows(0):
+                    split.append(per_step_ms(fn, 1, 100))
+                with groups.split_min_rows(math.inf):
                     where.append(per_step_ms(fn, 1, 100))
             ratios.append(statistics.median(split) / statistics.median(where))
         lines.append(f"{n} rows: evaluate + backward {ratios[0]:.2f}x, step {ratios[1]:.2f}x")
