@@ -43,6 +43,12 @@ REFERENCES = {
     ("sac", "Walker2d-v5"): "3,863 ± 254 at 1M, Walker2d-v3 (rl-baselines3-zoo); none at 100k",
     **{("crossq", f"{env}-v5"): "none tabulated (the CrossQ paper, Bhatt et al. 2024, gives curves); "
        "beside the SAC row of the same env, steps and samplers" for env in ("HalfCheetah", "Hopper", "Walker2d")},
+    # MAPPO's Spread counts world steps (3 of our agent-steps each) and sums the three agents'
+    # rewards, with a collision penalty mpe2 drops at local_ratio 0: docs/benchmarks.md converts.
+    ("ppo", "pettingzoo:mpe2.simple_spread_v3"):
+        "MAPPO ≈ −120 at 20M world steps (60M of ours), in its units = 3 × ours − 75 − 2 × colliding "
+        "pair-steps, i.e. ≈ −15 of ours with no collision (marlbenchmark/on-policy `train_mpe_spread.sh`, "
+        "as its issues #49 and #112 report it; local_ratio 0)",
 }
 MINATAR_PAPER = {"Breakout": ("DQN ~10", "~17.5 (AC(λ))"), "SpaceInvaders": ("DQN ~43", "~185 (AC(λ))"),
                  "Asterix": ("DQN ~17", None), "Freeway": ("DQN ~50", None), "Seaquest": ("DQN ~20", None)}
