@@ -13,8 +13,8 @@ from tests.pipeline import REPO, rlpipe
 CONFIG = str(REPO / "tests" / "configs" / "cartpole_clipped_pg.toml")
 
 
-def _learned(result: dict) -> None:
-    assert result["reason"] == "target" and result["mean_return"] >= 475 and result["env_steps"] <= 300_000, result
+def _learned(result: dict, target: float = 475) -> None:
+    assert result["reason"] == "target" and result["mean_return"] >= target and result["env_steps"] <= 300_000, result
 
 
 @pytest.mark.learning
@@ -24,10 +24,13 @@ def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_in_serial_mode(tmp_
 
 
 @pytest.mark.learning
-@pytest.mark.parametrize("inference", ["local", "server"])
-def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_through_the_pipeline(runs, inference):
-    run = runs(CONFIG, f"sampler.inference={inference}")
-    _learned(run.wait_result(240))
+@pytest.mark.parametrize("inference,target", [("local", 475), ("server", 200)])
+def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_through_the_pipeline(runs, inference, target):
+    """Both inference modes act with the out-of-tree agent; 475 is reached in serial mode and
+    with local inference, 200 through the action-server, which costs a third of the time (in CI
+    its 475 took 69 s, the longest test of make test)."""
+    run = runs(CONFIG, f"sampler.inference={inference}", f"run.target_return={target}")
+    _learned(run.wait_result(240), target)
     assert "learner: tests.extending_for_tests:CLIPPED_PG on cpu" in run.logs("learner0")
 
 
