@@ -193,9 +193,9 @@ class PgAgent(nn.Module):
         Returns action (int64 [B] Discrete, int64 [B, k] MultiDiscrete, float32 [B, *shape]
         Box, raw Gaussian sample) and AgentInfo(log_prob float32 [B], value float32 [B]).
         """
-        obs = obs_to(obs, self.device)
-        if not self.recurrent:
+        if not self.recurrent:  # acting_outputs moves obs to the device; choose reads only its mask
             return self.choose(self.acting_outputs(obs), obs, ctx)
+        obs = obs_to(obs, self.device)
         normed = obs if self.obs_norm is None else self.obs_norm(obs)
         memory = self.acting.recall(ctx, leading_len(obs), self.device)
         out, value, h, c = self.core_step(normed, memory)
