@@ -17,10 +17,12 @@ run: install
 # One pass on both cores (pytest-xdist, whole modules a worker so module fixtures run once; the
 # conftest hands out the learning modules first): every test, live and learning checks included,
 # is sized to pass beside another test's processes (docs/benchmarks.md, "make test on two workers").
+# --no-loadscope-reorder: xdist >= 3.6 otherwise re-sorts the modules by their number of tests,
+# which put the one-test learning modules (R2D1's, 52-78 s) last, alone on one worker.
 UNIT = -m "not learning and not live"
 
 test: install
-	$(PYTHON) -m pytest -q tests --ignore=tests/bench -n 2 --dist loadscope --durations=25
+	$(PYTHON) -m pytest -q tests --ignore=tests/bench -n 2 --dist loadscope --no-loadscope-reorder --durations=25
 
 # The unit tier for iterating: no learning checks, no test that starts runs or processes.
 test-fast:

@@ -19,15 +19,18 @@ def _learned(result: dict, target: float = 475) -> None:
 
 @pytest.mark.learning
 def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_in_serial_mode(tmp_path):
-    result = api.train_serial(api.experiment(CONFIG, [f"run.runs_dir='{tmp_path}'"]), quiet=True)
-    _learned(result)
+    # 200, as through the action-server: local inference's pipeline check holds 475 for the same
+    # agent, and serial mode's 475 took 30 s of make test's 14:47.
+    result = api.train_serial(api.experiment(CONFIG, [f"run.runs_dir='{tmp_path}'", "run.target_return=200"]),
+                              quiet=True)
+    _learned(result, 200)
 
 
 @pytest.mark.learning
 @pytest.mark.parametrize("inference,target", [("local", 475), ("server", 200)])
 def test_an_out_of_tree_algorithm_and_encoder_learn_cartpole_through_the_pipeline(runs, inference, target):
-    """Both inference modes act with the out-of-tree agent; 475 is reached in serial mode and
-    with local inference, 200 through the action-server, which costs a third of the time (in CI
+    """Both inference modes act with the out-of-tree agent; 475 is reached with local inference,
+    200 through the action-server (and in serial mode), which costs a third of the time (in CI
     its 475 took 69 s, the longest test of make test)."""
     run = runs(CONFIG, f"sampler.inference={inference}", f"run.target_return={target}")
     _learned(run.wait_result(240), target)
