@@ -28,7 +28,7 @@ from pettingzoo.utils import BaseWrapper
 from services.evaluator import matches
 from shared.runtime import runfiles
 from shared.config import loading
-from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move
+from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move, tactics
 from shared.launch import api
 from shared.launch.artefacts import terminal_game
 from shared.launch.artefacts.terminal_game import board_text
@@ -68,6 +68,23 @@ def test_the_heuristic_wins_if_it_can_and_blocks_if_it_must(module, moves, expec
     for a in env.agents:  # it looked ahead on copies only
         np.testing.assert_array_equal(env.observe(a)["observation"], before[a])
     env.close()
+
+
+@pytest.mark.parametrize("module, moves, winning, safe, must_block", [
+    (tictactoe_v3, [0, 3, 1, 4], [2], [], False),  # a win: the safe moves are not looked at
+    (tictactoe_v3, [0, 3, 8, 4], [], [5], True),
+    (tictactoe_v3, [0, 4], [], [1, 2, 3, 5, 6, 7, 8], False),  # nothing threatens: every move is safe
+    (tictactoe_v3, [0, 3, 8, 4, 5, 1, 7], [], [], False),  # O threatens 6 and 2 at once: every move loses
+    (connect_four_v3, [0, 6, 1, 6, 2, 5], [3], [], False),
+    (connect_four_v3, [6, 0, 6, 1, 5, 2], [], [3], True),
+    # The first player holds columns 0-2 of the second row from the bottom, column 3 is empty: the
+    # second player's disc there would let it win above; every other column is safe.
+    (connect_four_v3, [2, 0, 0, 1, 1, 6, 2], [], [0, 1, 2, 4, 5, 6], True),
+])
+def test_tactics_finds_the_wins_at_once_and_the_moves_that_leave_none_to_the_opponent(module, moves, winning,
+                                                                                       safe, must_block):
+    t = tactics(position(module, moves))
+    assert (t.winning, t.safe, t.must_block) == (winning, safe, must_block)
 
 
 @pytest.mark.parametrize("module", [tictactoe_v3, connect_four_v3])
@@ -169,6 +186,28 @@ def test_evaluate_against_an_opponent_reports_and_records_rates_per_seat(trained
     assert f"against {opponent}: as first player wins {100 * p:.1f}% +- {100 * se:.1f}" in out.stdout
     row = evaluation.read_rows(trained)[-1]
     assert row["opponent"] == opponent and float(row["loss_second"]) == recorded["loss_second"]
+
+
+def test_evaluate_with_tactics_counts_the_wins_and_blocks_each_seat_missed(trained, tmp_path):
+    """A trained policy misses fewer of its wins at once than an untrained one, whose greedy moves
+    follow its random initial preferences; the counts are recorded and printed per seat."""
+    missed = {}
+    for name, run in [("trained", trained), ("untrained", checkpointed_run(tmp_path, "pettingzoo:pettingzoo.classic.tictactoe_v3"))]:
+        out = rlpipe_here("evaluate", str(run), "--opponent", "random", "--episodes", "100", "--tactics")
+        assert out.returncode == 0, out.stderr
+        row = evaluation.latest(run)
+        for seat in ("first", "second"):
+            assert 0 <= row[f"wins_missed_{seat}"] <= row[f"win_chances_{seat}"]
+            assert 0 <= row[f"blocks_missed_{seat}"] <= row[f"must_blocks_{seat}"]
+            assert (f"missed {row[f'wins_missed_{seat}']} of {row[f'win_chances_{seat}']} wins at once, "
+                    f"{row[f'blocks_missed_{seat}']} of {row[f'must_blocks_{seat}']} blocks") in out.stdout
+        chances = row["win_chances_first"] + row["win_chances_second"]
+        assert chances >= 30, row
+        missed[name] = (row["wins_missed_first"] + row["wins_missed_second"]) / chances
+    assert missed["trained"] < missed["untrained"] - 0.2, missed
+    out = rlpipe_here("evaluate", str(trained), "--tactics")
+    assert (out.returncode, out.stderr.strip()) == (2, "rlpipe: --tactics without --opponent: missed wins and blocks "
+                                                       "are counted in games against an opponent"), out
 
 
 @pytest.fixture(scope="module")

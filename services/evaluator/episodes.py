@@ -73,14 +73,17 @@ def summary(returns: np.ndarray, policy_version: int, env_steps: int) -> dict:
 
 
 def match(exp: Experiment, agent: torch.nn.Module, opponent: str, episodes: int, policy_version: int,
-          env_steps: int, rival: torch.nn.Module | None = None) -> dict:
+          env_steps: int, rival: torch.nn.Module | None = None, tactics: bool = False) -> dict:
     """``episodes`` greedy games of ``agent`` against ``opponent`` (``matches.OPPONENTS``, or the
     name of another run whose agent is ``rival``; a two-player turn-based game), half of them
     (rounded up) in each seat: the ``summary`` of the policy seat's returns, the ``opponent`` and
-    its ``matches.rates`` per seat."""
-    first, second = matches.play_games(exp, agent, opponent if rival is None else rival, -(-episodes // 2), env_steps)
-    return {**summary(np.concatenate([first, second]), policy_version, env_steps), "opponent": opponent,
-            **matches.rates(first, second)}
+    its ``matches.rates`` per seat; with ``tactics`` its missed wins and blocks per seat too
+    (``matches.tactic_counts``)."""
+    games = matches.play_games(exp, agent, opponent if rival is None else rival, -(-episodes // 2), env_steps,
+                               tactics)
+    counts = {} if games.tactics is None else matches.tactic_counts(games.tactics)
+    return {**summary(np.concatenate([games.first, games.second]), policy_version, env_steps), "opponent": opponent,
+            **matches.rates(games.first, games.second), **counts}
 
 
 def recording(directory: Path) -> MakeEnv:
@@ -141,12 +144,14 @@ def load_agent(exp: Experiment, run_dir: Path) -> tuple[torch.nn.Module, dict]:
 
 
 def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None = None,
-             opponent: str | None = None, rival: tuple[Experiment, Path] | None = None) -> dict:
+             opponent: str | None = None, rival: tuple[Experiment, Path] | None = None,
+             tactics: bool = False) -> dict:
     """``summary`` of ``episodes`` greedy episodes of the run's latest checkpoint; with
     ``video`` they are played in one env and the first one is recorded there. With an
     ``opponent`` they are games against it (``match``); with ``rival`` (another run's config and
     directory, checked by ``matches.check_opponent``) against that run's latest checkpoint, recorded with the
-    ``opponent`` its directory's name, its ``opponent_version`` and ``opponent_env_steps``.
+    ``opponent`` its directory's name, its ``opponent_version`` and ``opponent_env_steps``; ``tactics``:
+    the games' missed wins and blocks too (``match``).
     ValueError (one line naming ``--opponent``) where the rival run has no checkpoint to load."""
     torch.set_num_threads(1)
     agent, state = load_agent(exp, run_dir)
@@ -155,10 +160,11 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None =
             other, theirs = load_agent(*rival)
         except (FileNotFoundError, Unloadable) as e:
             raise ValueError(f"--opponent {rival[1].name}: {e}") from e
-        return {**match(exp, agent, rival[1].name, episodes, state["version"], state["env_steps"], other.eval()),
+        return {**match(exp, agent, rival[1].name, episodes, state["version"], state["env_steps"], other.eval(),
+                        tactics),
                 "opponent_version": int(theirs["version"]), "opponent_env_steps": int(theirs["env_steps"])}
     if opponent is not None:
-        return match(exp, agent, opponent, episodes, state["version"], state["env_steps"])
+        return match(exp, agent, opponent, episodes, state["version"], state["env_steps"], tactics=tactics)
     if video is None:
         returns = play(exp, agent, episodes, exp.eval.envs)
     else:

@@ -20,6 +20,7 @@ games score +1 / 0 / -1.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ from shared.config.topology import topology
 from shared.data.namedarraytuple import numpify, torchify
 from shared.envs.backends import make_env_group
 from shared.envs.pettingzoo_backend import check_two_player_game, not_two_player_game
+from shared.envs import players
 from shared.envs.players import PLAYERS
 from shared.runtime import heartbeat
 
@@ -68,15 +70,31 @@ def service_opponents(exp: Experiment) -> tuple[str, ...]:
     return exp.eval.opponents
 
 
+TACTICS = ("win_chances", "wins_missed", "must_blocks", "blocks_missed")
+"""What ``play_games`` counts of the policy's moves with ``tactics``, per seat: positions where a
+move won at once, those of them where the policy played another; positions where the policy had
+to block (``Tactics.must_block``), those where it let the opponent win at once."""
+
+
+class Games(NamedTuple):
+    first: np.ndarray
+    """The policy's returns as first player, float64 [games]."""
+    second: np.ndarray
+    """As second player."""
+    tactics: np.ndarray | None
+    """int64 [2 seats, len(TACTICS)] where asked for, else None."""
+
+
 def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str | torch.nn.Module, games: int,
-               env_steps: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(returns as first player, returns as second player), float64 [games] each: greedy games of
-    ``agent`` against ``opponent`` (OPPONENTS, or another run's agent, greedy too) on
-    ``exp.eval.envs`` boards (at least 2) side by side. ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration.
-    Each board plays a fixed share of its seat's games: taking the first ``games`` to end would
-    favour short games. The callers have checked ``opponent`` and the game (``check_opponent``:
-    the command line; ``service_opponents``: the evaluator at its start), so an evaluation builds
-    no env for the check."""
+               env_steps: int = 0, tactics: bool = False) -> Games:
+    """Greedy games of ``agent`` against ``opponent`` (OPPONENTS, or another run's agent, greedy
+    too), ``games`` in each seat, on ``exp.eval.envs`` boards (at least 2) side by side.
+    ``env_steps``: the run's env steps at the checkpoint, for ``latest``'s exploration.
+    ``tactics``: count the policy's missed wins and blocks (TACTICS; two moves of lookahead on
+    copies of each position, ~5 ms a move on Connect Four). Each board plays a fixed share of its
+    seat's games: taking the first ``games`` to end would favour short games. The callers have
+    checked ``opponent`` and the game (``check_opponent``: the command line;
+    ``service_opponents``: the evaluator at its start), so an evaluation builds no env for the check."""
     boards = 2 * max(1, min(exp.eval.envs, games) // 2)
     n = 2 * boards
     seed = topology(exp).eval_seed
@@ -90,6 +108,7 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str | torch.nn
     rival = None if isinstance(opponent, str) else opponent
     sampling = StepContext(env_steps=env_steps)
     results: tuple[list[float], list[float]] = ([], [])
+    counts = np.zeros((2, len(TACTICS)), np.int64)
     try:
         slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, group, n)
         group.reset(slot.observation)
@@ -105,11 +124,13 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str | torch.nn
                 elif player is None:  # latest
                     other, _ = agent.step(obs, replace(sampling, first=first, reward=reward))
                     slot.action[theirs_col] = numpify(other)[theirs_col]
-            if player is not None:
-                for k in range(boards):
-                    game = group.game(k)
-                    if game.agent_selection == game.possible_agents[1 - ours[k]]:
+            for k in range(boards) if player is not None or tactics else ():
+                game = group.game(k)
+                if game.agent_selection == game.possible_agents[1 - ours[k]]:
+                    if player is not None:
                         slot.action[theirs_col[k]] = player(game, rng)
+                elif tactics and played[k] < quota[k]:  # a move of a game that will count
+                    counts[ours[k]] += _judge(players.tactics(game), int(slot.action[2 * k + ours[k]]))
             ended = group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
             np.logical_or(terminated, truncated, out=first)
             for i, ret, _ in ended:
@@ -119,7 +140,13 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str | torch.nn
                     played[k] += 1
     finally:
         group.close()
-    return tuple(np.array(r, np.float64) for r in results)
+    return Games(*(np.array(r, np.float64) for r in results), counts if tactics else None)
+
+
+def _judge(t: players.Tactics, move: int) -> np.ndarray:
+    """One move's TACTICS counts."""
+    return np.array([bool(t.winning), bool(t.winning) and move not in t.winning,
+                     t.must_block, t.must_block and move not in t.safe], np.int64)
 
 
 def rates(first: np.ndarray, second: np.ndarray) -> dict:
@@ -134,11 +161,20 @@ def rates(first: np.ndarray, second: np.ndarray) -> dict:
     return row
 
 
+def tactic_counts(counts: np.ndarray) -> dict:
+    """``{count}_{seat}`` (TACTICS x first, second) of ``Games.tactics``, as ints."""
+    return {f"{name}_{seat}": int(counts[i, j]) for i, seat in enumerate(SEATS) for j, name in enumerate(TACTICS)}
+
+
 def describe(row: dict) -> str:
-    """One line of a match's rates per seat, in percent with their standard errors."""
+    """One line of a match's rates per seat, in percent with their standard errors, and where the
+    row has them its missed wins and blocks (``tactic_counts``)."""
     seats = []
     for seat in SEATS:
         parts = [f"{_PLURALS[outcome]} {100 * row[f'{outcome}_{seat}']:.1f}% +- {100 * row[f'{outcome}_{seat}_se']:.1f}"
                  for outcome in OUTCOMES]
+        if f"win_chances_{seat}" in row:
+            parts += [f"missed {row[f'wins_missed_{seat}']} of {row[f'win_chances_{seat}']} wins at once",
+                      f"{row[f'blocks_missed_{seat}']} of {row[f'must_blocks_{seat}']} blocks"]
         seats.append(f"as {seat} player {', '.join(parts)}")
     return f"against {row['opponent']}: " + "; ".join(seats)

@@ -11,7 +11,7 @@ copy of the env (``copy_game``), so it plays any such game whose state can be co
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 from gymnasium.spaces import Space
@@ -93,25 +93,47 @@ def _over(game: AECEnv) -> bool:
         game.truncations.get(game.agent_selection, False)
 
 
-def heuristic_move(env: AECEnv, rng: np.random.Generator) -> int:
-    """A move that wins at once if one does; else a random one of those after which the opponent
-    has no winning reply (the block), if any; else a random legal move. Looks two moves ahead on
-    copies of ``env`` (``copy_game``; NotCopyable for a game it cannot copy)."""
+class Tactics(NamedTuple):
+    """What two moves of lookahead say of a position (``tactics``)."""
+
+    moves: np.ndarray
+    """The legal moves."""
+    winning: list[int]
+    """The moves that win at once."""
+    safe: list[int]
+    """Where no move wins: the moves after which the opponent has no winning reply (the game
+    drawn counts as safe); all of ``moves`` where nothing threatens, none where every move loses.
+    Empty where a move wins (not looked at)."""
+
+    @property
+    def must_block(self) -> bool:
+        """No move wins, some moves let the opponent win at once, and some do not."""
+        return not self.winning and 0 < len(self.safe) < len(self.moves)
+
+
+def tactics(env: AECEnv) -> Tactics:
+    """The position of the agent to move in ``env``, two moves ahead on copies of it
+    (``copy_game``; NotCopyable for a game it cannot copy)."""
     me = env.agent_selection
     moves = legal_moves(env)
     after = {int(a): _after(env, int(a), check=i == 0) for i, a in enumerate(moves)}
     winning = [a for a, game in after.items() if _won(game, me)]
-    if winning:
-        return int(rng.choice(winning))
     safe = []
-    for a, game in after.items():
+    for a, game in () if winning else after.items():
         if _over(game):
             safe.append(a)  # a draw: nothing to block
             continue
         them = game.agent_selection
         if not any(_won(_after(game, int(b)), them) for b in legal_moves(game)):
             safe.append(a)
-    return int(rng.choice(safe if safe else moves))
+    return Tactics(moves, winning, safe)
+
+
+def heuristic_move(env: AECEnv, rng: np.random.Generator) -> int:
+    """A move that wins at once if one does; else a random one of those after which the opponent
+    has no winning reply (the block), if any; else a random legal move (``tactics``)."""
+    t = tactics(env)
+    return int(rng.choice(t.winning or t.safe or t.moves))
 
 
 PLAYERS: dict[str, Player] = {"random": random_move, "heuristic": heuristic_move}
