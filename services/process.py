@@ -57,7 +57,9 @@ def start_service(service: str, argv=None) -> tuple[schema.Experiment, Path, int
     _lock = lock_service(run_dir, service, args.instance)
     if socket_dir(run_dir).is_dir():  # made by the launch on this host (a Ray node may have none: no watchdog there)
         heartbeat.start(socket_dir(run_dir) / heartbeat.DIR / f"{service}{args.instance}")  # no beat yet: start-up grace
-    exp = loading.load(run_dir / RUN_CONFIG)
+    # The launch checked the env; a service that steps one builds it, and one that does not (the
+    # replay, the metrics endpoint) need not import its family (MinAtar's costs ~1.5 s).
+    exp = loading.load(run_dir / RUN_CONFIG, check_env=False)
     if exp.network.transport == "tcp":
         from shared.transport import auth
         from shared.transport import sockets

@@ -260,9 +260,10 @@ def check_time_split(run: Run) -> str:
     return out.stdout
 
 
-def maps_torch(pid: int) -> bool:
-    """Whether process ``pid`` has torch's shared library mapped (it imported torch)."""
-    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+def maps_torch(pid: int, library: str = "libtorch") -> bool:
+    """Whether process ``pid`` has torch's shared library mapped (it imported torch), or another
+    ``library`` (a part of its path)."""
+    return library in Path(f"/proc/{pid}/maps").read_text()
 
 
 def label_values(metrics_text: str, name: str, label: str = "instance") -> set[str]:

@@ -15,7 +15,7 @@ from shared.agents.config import Memory, ModelConfig, PgAgentConfig, RnnState
 from shared.agents.models import make_encoder
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
-from tests.pipeline import metric_value
+from tests.pipeline import maps_torch, metric_value
 
 pytest.importorskip("minatar")
 
@@ -169,11 +169,15 @@ def test_breakout_dqn_with_the_papers_network_beats_a_random_policy_sixfold_with
     """The shipped Breakout DQN config (the paper's network, sticky actions) made faster by
     BREAKOUT_FAST, through the pipeline: the mean return of the last 100 training episodes,
     epsilon-greedy, reaches 6x a random policy's, measured here (in serial mode seeds 0-2
-    reached 8x at 21-22k env steps)."""
+    reached 8x at 21-22k env steps). Only the processes that step or probe the env import MinAtar,
+    whose renderer's matplotlib and seaborn cost ~1.5 s of each process's start."""
     target = 6 * random_return("Breakout", 500)
     assert 0.2 < target / 6 < 0.6
     run = runs("minatar_breakout_dqn.toml", f"run.target_return={target}", "run.max_env_steps=40000",
                "sampler.inference=local", *BREAKOUT_FAST)
+    run.wait_steps(2_000)
+    pids = {name: pid for name, (_, pid) in run.status().items() if pid is not None}
+    assert {name for name, pid in pids.items() if maps_torch(pid, "matplotlib")} == {"learner0", "sampler0", "sampler1"}
     result = run.wait_result(60)
     assert result["reason"] == "target" and result["mean_return"] >= target, result
     ran_cleanly(run, result, 1000)

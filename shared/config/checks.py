@@ -20,8 +20,9 @@ from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, O
 from shared.config.topology import SAMPLER_SEED_STRIDE, topology
 
 
-def check(exp: Experiment, check_ports: bool) -> None:
-    """Cross-field and value checks; one line naming the field each."""
+def check(exp: Experiment, check_ports: bool, check_env: bool = True) -> None:
+    """Cross-field and value checks; one line naming the field each. ``check_env``: also the checks
+    that build or inspect the env (its id, spaces, agents, whether a game is zero-sum)."""
     positive = {
         "sampler.count": exp.sampler.count, "sampler.envs": exp.sampler.envs, "sampler.horizon": exp.sampler.horizon,
         "sampler.ring": exp.sampler.ring, "sampler.timeout_ms": exp.sampler.timeout_ms,
@@ -122,14 +123,15 @@ def check(exp: Experiment, check_ports: bool) -> None:
             raise ConfigError(f"{name} = {port}: must be in 1..65535" + (" (0 = off)" if "metrics" in name else ""))
     _check_placement(exp)
     _check_watchdog(exp)
-    try:
-        validate_env_config(exp.env)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    _check_agent_columns(exp)
+    if check_env:
+        try:
+            validate_env_config(exp.env)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _check_agent_columns(exp)
     _check_global_state(exp)
     _check_groups(exp)
-    _check_selfplay(exp)
+    _check_selfplay(exp, check_env)
     if check_ports:
         ports = {"network.metrics_port": net.metrics_port} if net.metrics_port else {}
         if net.transport == "tcp":
@@ -236,7 +238,7 @@ def _check_placement(exp: Experiment) -> None:
                           f"and parameters from its node ({place.learner!r})")
 
 
-def _check_selfplay(exp: Experiment) -> None:
+def _check_selfplay(exp: Experiment, check_env: bool) -> None:
     """A pool of past versions needs a two-player zero-sum game (``not_zero_sum_game``: the rule)
     and a feed-forward agent (the opponent's copies keep no recurrent state)."""
     sp = exp.selfplay
@@ -250,7 +252,7 @@ def _check_selfplay(exp: Experiment) -> None:
     if exp.model.lstm_size:
         raise ConfigError(f"model.lstm_size = {exp.model.lstm_size}: the self-play pool's opponent keeps no "
                           "recurrent state; use a feed-forward agent with selfplay.pool")
-    why = not_zero_sum_game(exp.env)
+    why = not_zero_sum_game(exp.env) if check_env else None
     if why is not None:
         raise ConfigError(f"selfplay.pool = {sp.pool!r}: needs a two-player zero-sum turn-based game; "
                           f"env.id = {exp.env.id!r} {why}")

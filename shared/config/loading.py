@@ -16,8 +16,10 @@ from shared.algos import registry
 from shared.config.schema import ConfigError, Experiment, SECTIONS
 
 
-def load(path: str | Path, overrides: list[str] = (), check_ports: bool = False) -> Experiment:
-    """Read, override and validate an experiment file."""
+def load(path: str | Path, overrides: list[str] = (), check_ports: bool = False, check_env: bool = True) -> Experiment:
+    """Read, override and validate an experiment file (``checks.check``; ``check_env = False``
+    leaves out the checks that build or inspect the env: for a run's config, which its launch
+    checked, read by a process that steps no env)."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -25,7 +27,7 @@ def load(path: str | Path, overrides: list[str] = (), check_ports: bool = False)
         raise ConfigError(f"config file {path} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    return from_dict(apply_overrides(raw, overrides), check_ports=check_ports)
+    return from_dict(apply_overrides(raw, overrides), check_ports=check_ports, check_env=check_env)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -53,7 +55,7 @@ holds, what replaces the key). A run made before the removal still loads (its co
 the default, which is dropped); a config that sets another value is told what to set instead."""
 
 
-def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
+def from_dict(raw: dict, check_ports: bool = False, check_env: bool = True) -> Experiment:
     known = set(SECTIONS) | {"algo", "agent"}
     for name in raw:
         if name not in known:
@@ -71,7 +73,7 @@ def from_dict(raw: dict, check_ports: bool = False) -> Experiment:
     algo = _build("algo", spec.config, algo_raw)
     agent = _build("agent", spec.agent.config, raw.get("agent", {}))
     exp = Experiment(algo_name=algo_name, algo=algo, agent=agent, **sections)
-    check(exp, check_ports)
+    check(exp, check_ports, check_env)
     return exp
 
 

@@ -167,36 +167,42 @@ def _parse_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
-_plugins_loaded = False
+PLUGINS = {"ALE": "ale_py", "MinAtar": "minatar"}
+"""The optional env families registered with gymnasium on their ids' first use, by namespace: the
+id ``ALE/Pong-v5`` loads ale_py alone. Importing minatar imports matplotlib and seaborn for its
+renderer (~1.5 s), so it is done only where a MinAtar id is asked for."""
+
+_plugins_loaded: set[str] = set()
 
 
-def _load_env_plugins() -> None:
-    """Register the optional env families (ALE, MinAtar) with gymnasium, once, if installed."""
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    try:
-        import ale_py
+def _load_env_plugins(env_id: str) -> None:
+    """Register with gymnasium the family of ``env_id``'s namespace, or every family (ALE,
+    MinAtar) for an id of none of theirs, each once, where installed."""
+    namespace = env_id.split("/", 1)[0] if "/" in env_id else ""
+    for family in [namespace] if namespace in PLUGINS else list(PLUGINS):
+        if family in _plugins_loaded:
+            continue
+        _plugins_loaded.add(family)
+        # minatar logs root-logger warnings about its optional plotting dependencies on import.
+        logging.disable(logging.WARNING)
+        try:
+            if family == "ALE":
+                import ale_py
 
-        gym.register_envs(ale_py)
-    except ImportError:
-        pass
-    # minatar logs root-logger warnings about its optional plotting dependencies on import.
-    logging.disable(logging.WARNING)
-    try:
-        import minatar.gym
+                gym.register_envs(ale_py)
+            else:
+                import minatar.gym
 
-        minatar.gym.register_envs()
-    except ImportError:
-        pass
-    finally:
-        logging.disable(logging.NOTSET)
+                minatar.gym.register_envs()
+        except ImportError:
+            pass
+        finally:
+            logging.disable(logging.NOTSET)
 
 
 def _env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
     if env_id not in gym.registry:
-        _load_env_plugins()
+        _load_env_plugins(env_id)
     spec = gym.registry.get(env_id)
     if spec is None:
         close = difflib.get_close_matches(env_id, list(gym.registry), n=5, cutoff=0.5)
@@ -306,6 +312,7 @@ def make_env(cfg: EnvConfig, render_mode: str | None = None) -> tuple[gym.Env, E
             kwargs.setdefault("obs_type", "grayscale")
         elif limit:
             kwargs["max_episode_steps"] = limit
+        _env_spec(cfg.id)  # its family registered here too: a service that reads a run's config checks no env
         # EnvGroup checks every observation itself; gymnasium's passive checker would only add a layer.
         env = gym.make(cfg.id, disable_env_checker=True, **kwargs)
     needs_ale = [w for w in ("atari", "episodic_life") if w in wrappers]

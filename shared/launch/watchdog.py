@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     run_dir = Path(p.parse_args(argv).run_dir)
     setup_logging("watchdog")  # stderr: the protocol has its own descriptor
     install_signal_handlers()
-    exp = loading.load(run_dir / RUN_CONFIG)
+    exp = loading.load(run_dir / RUN_CONFIG, check_env=False)  # checked at launch; the watchdog steps no env
     dog = Watchdog(socket_dir(run_dir) / heartbeat.DIR, exp.run.watchdog_s, exp.run.watchdog_startup_s,
                    metrics.for_service("watchdog", 0).kills)
     server = supervisor.rpc(run_dir).supervisor
