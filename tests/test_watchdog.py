@@ -171,17 +171,18 @@ def test_the_watchdog_is_in_supervisord_conf_unless_off(tmp_path):
 
 
 def test_a_slow_env_is_not_killed_a_stopped_sampler_is_and_a_module_that_prints_does_not_blind_the_watchdog(runs):
-    """An env taking 40 ms a step, 2 envs, 128 steps a segment: 10 s a segment, past
-    run.watchdog_s = 4 (the sampler beats every step, not every segment). One segment shows it:
+    """An env taking 40 ms a step, 2 envs, 96 steps a segment: 7.7 s a segment, past
+    run.watchdog_s = 2 (the sampler beats every step, not every segment). One segment shows it:
     the sampler beats as it starts to sample (and at each segment's start), so a sampler that beat
-    only per segment would be 10 s silent in its first, and a TICK_5 check falls in that silence
-    past its 4 s deadline. Its module prints at import, in the watchdog too (which reads the run's
-    config). Then sampler0 is SIGSTOPped: the watchdog kills it (its process group) and
-    supervisord restarts it."""
+    only per segment would be 7.7 s silent in its first, and a TICK_5 check (one every 5 s) falls
+    in that silence past its 2 s deadline. Its module prints at import, in the watchdog too (which
+    reads the run's config, and the module names the algorithm). Then sampler0 is SIGSTOPped: the
+    watchdog kills it (its process group) and supervisord restarts it."""
     run = runs("cartpole_ppo.toml", "env.id='tests.noisy_envs_for_tests:make_slow_cartpole'", "sampler.envs=2",
-               "sampler.horizon=128", "sampler.inference='local'", "run.watchdog_s=4", "run.target_return=1e9")
+               "algo.name='tests.noisy_envs_for_tests:PPO'",
+               "sampler.horizon=96", "sampler.inference='local'", "run.watchdog_s=2", "run.target_return=1e9")
     pid = run.pid("sampler0")
-    run.wait_steps(2 * 128, timeout=90)  # one segment: 10 s of a sampler busy in its env
+    run.wait_steps(2 * 96, timeout=90)  # one segment: 7.7 s of a sampler busy in its env
     assert run.status()["sampler0"] == ("RUNNING", pid), run.logs("watchdog")
     assert "killed (SIGKILL" not in run.logs("watchdog")
     os.kill(pid, signal.SIGSTOP)
@@ -195,7 +196,7 @@ def test_a_slow_env_is_not_killed_a_stopped_sampler_is_and_a_module_that_prints_
         except ProcessLookupError:
             pass
     steps = max(int(r["env_steps"]) for r in run.progress())
-    run.wait_steps(steps + 2 * 128, timeout=60)  # only the restarted sampler samples
+    run.wait_steps(steps + 2 * 96, timeout=60)  # only the restarted sampler samples
     log = run.logs("watchdog")
     assert "noisy_envs_for_tests: imported" in log, log  # its print went to the log, not the protocol
     assert f"sampler0 (pid {pid}): no heartbeat for" in log and "while sampling: killed (SIGKILL" in log, log
