@@ -33,7 +33,6 @@ from shared.data.namedarraytuple import numpify, torchify
 from shared.envs.backends import make_env_group
 from shared.envs.pettingzoo_backend import check_two_player_game, not_two_player_game
 from shared.envs import players
-from shared.envs.players import PLAYERS
 from shared.runtime import heartbeat
 
 SEATS = ("first", "second")
@@ -104,7 +103,7 @@ def play_games(exp: Experiment, agent: torch.nn.Module, opponent: str | torch.nn
     theirs_col = 2 * np.arange(boards) + 1 - ours
     quota = games // (boards // 2) + (np.arange(boards) // 2 < games % (boards // 2))
     played = np.zeros(boards, np.int64)
-    player = PLAYERS.get(opponent) if isinstance(opponent, str) else None
+    player = players.PLAYERS.get(opponent) if isinstance(opponent, str) else None
     rival = None if isinstance(opponent, str) else opponent
     sampling = StepContext(env_steps=env_steps)
     results: tuple[list[float], list[float]] = ([], [])
