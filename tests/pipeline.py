@@ -260,9 +260,9 @@ def check_time_split(run: Run) -> str:
     return out.stdout
 
 
-def maps_torch(pid: int, library: str = "libtorch") -> bool:
-    """Whether process ``pid`` has torch's shared library mapped (it imported torch), or another
-    ``library`` (a part of its path)."""
+def maps_library(pid: int, library: str = "libtorch") -> bool:
+    """Whether process ``pid`` has a shared library mapped whose path contains ``library``
+    (the default: torch's, so it imported torch)."""
     return library in Path(f"/proc/{pid}/maps").read_text()
 
 

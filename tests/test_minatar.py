@@ -15,7 +15,7 @@ from shared.agents.config import Memory, ModelConfig, PgAgentConfig, RnnState
 from shared.agents.models import make_encoder
 from shared.agents.pg import PgAgent
 from shared.agents.q import QAgent
-from tests.pipeline import maps_torch, metric_value
+from tests.pipeline import maps_library, metric_value
 
 pytest.importorskip("minatar")
 
@@ -177,7 +177,7 @@ def test_breakout_dqn_with_the_papers_network_beats_a_random_policy_sixfold_with
                "sampler.inference=local", *BREAKOUT_FAST)
     run.wait_steps(2_000)
     pids = {name: pid for name, (_, pid) in run.status().items() if pid is not None}
-    assert {name for name, pid in pids.items() if maps_torch(pid, "matplotlib")} == {"learner0", "sampler0", "sampler1"}
+    assert {name for name, pid in pids.items() if maps_library(pid, "matplotlib")} == {"learner0", "sampler0", "sampler1"}
     result = run.wait_result(60)
     assert result["reason"] == "target" and result["mean_return"] >= target, result
     ran_cleanly(run, result, 1000)

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from shared.launch import supervisor as launch
-from tests.pipeline import cpu_seconds, label_values, maps_torch, metric_value, rlpipe, rlpipe_here
+from tests.pipeline import cpu_seconds, label_values, maps_library, metric_value, rlpipe, rlpipe_here
 
 pytestmark = pytest.mark.learning
 
@@ -27,7 +27,7 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
                "action_server.peer_timeout_s=60")
     run.wait_steps(25_000)
     sampler_pid = run.pid("sampler0")
-    assert not maps_torch(sampler_pid)  # local inference acts in numpy from the learner's acting.json
+    assert not maps_library(sampler_pid)  # local inference acts in numpy from the learner's acting.json
     os.kill(sampler_pid, signal.SIGKILL)
     t_kill = time.monotonic()
     if inference == "server":
@@ -38,7 +38,7 @@ def test_ppo_cartpole_learns_through_kills_of_sampler_and_learner(runs, inferenc
                  "supervisord to restart sampler0")
     run.wait_for(lambda: run.logs("sampler0").count("services.sampler: sampler 0:") >= 2, 30,
                  "the restarted sampler0 to step its envs")
-    assert not maps_torch(run.pid("sampler0"))
+    assert not maps_library(run.pid("sampler0"))
 
     run.wait_for(lambda: (run.dir / "checkpoints" / "latest.pt").exists(), 30, "a checkpoint")
     version_before = max(int(r["policy_version"]) for r in run.progress())
@@ -96,7 +96,7 @@ def test_an_idle_pipeline_waits_without_spinning_and_only_networks_load_torch(ru
     run = runs("cartpole_ppo.toml", "sampler.inference=server", "sampler.count=2", "run.target_return=1000.0")
     run.wait_steps(3_000)
     pids = {name: pid for name, (state, pid) in run.status().items() if state == "RUNNING"}
-    assert {name for name in pids if not maps_torch(pids[name])} == {"replay0", "metrics0", "sampler0", "sampler1",
+    assert {name for name in pids if not maps_library(pids[name])} == {"replay0", "metrics0", "sampler0", "sampler1",
                                                                      "watchdog"}
     launch.supervisorctl(run.dir, "stop", "learner:learner0", capture=True)
     time.sleep(2.0)

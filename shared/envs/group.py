@@ -167,7 +167,19 @@ def _parse_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
-PLUGINS = {"ALE": "ale_py", "MinAtar": "minatar"}
+def _register_ale() -> None:
+    import ale_py
+
+    gym.register_envs(ale_py)
+
+
+def _register_minatar() -> None:
+    import minatar.gym
+
+    minatar.gym.register_envs()
+
+
+PLUGINS = {"ALE": _register_ale, "MinAtar": _register_minatar}
 """The optional env families registered with gymnasium on their ids' first use, by namespace: the
 id ``ALE/Pong-v5`` loads ale_py alone. Importing minatar imports matplotlib and seaborn for its
 renderer (~1.5 s), so it is done only where a MinAtar id is asked for."""
@@ -178,7 +190,7 @@ _plugins_loaded: set[str] = set()
 def _load_env_plugins(env_id: str) -> None:
     """Register with gymnasium the family of ``env_id``'s namespace, or every family (ALE,
     MinAtar) for an id of none of theirs, each once, where installed."""
-    namespace = env_id.split("/", 1)[0] if "/" in env_id else ""
+    namespace = env_id.split("/", 1)[0]
     for family in [namespace] if namespace in PLUGINS else list(PLUGINS):
         if family in _plugins_loaded:
             continue
@@ -186,14 +198,7 @@ def _load_env_plugins(env_id: str) -> None:
         # minatar logs root-logger warnings about its optional plotting dependencies on import.
         logging.disable(logging.WARNING)
         try:
-            if family == "ALE":
-                import ale_py
-
-                gym.register_envs(ale_py)
-            else:
-                import minatar.gym
-
-                minatar.gym.register_envs()
+            PLUGINS[family]()
         except ImportError:
             pass
         finally:
