@@ -55,6 +55,13 @@ POOL = ["selfplay.pool='uniform'", "selfplay.snapshot_every=10"]
     (["model.lstm_size=32"], "model.lstm_size = 32"),
     (["selfplay.pool='best'"], "allowed: latest, uniform, prioritised"),
     (["selfplay.size=0"], "selfplay.size = 0"),
+    (["selfplay.pool=''", "selfplay.scripted={ heuristic = 0.5 }"], "set selfplay.pool too"),
+    (["selfplay.scripted={ best = 0.5 }"], "'best' is unknown; give some of random, heuristic"),
+    (["selfplay.scripted={ heuristic = 0 }"], "selfplay.scripted.heuristic = 0.0: a share of the games"),
+    (["selfplay.scripted={ heuristic = 0.75, random = 0.5 }"], "the shares add up to more than 1"),
+    (["selfplay.scripted={ heuristic = 0.5 }", "selfplay.train_both_seats=true"], "train the learner's seat only"),
+    (["env.id='pettingzoo:tests.uncopyable_game_for_tests'", "selfplay.scripted={ heuristic = 0.5 }"],
+     "selfplay.scripted: game 'tictactoe_v3': the heuristic player cannot copy its state"),
 ])
 def test_a_pool_where_there_can_be_none_is_one_config_error_line(overrides, mentions):
     with pytest.raises(ConfigError) as e:
@@ -162,6 +169,65 @@ def test_the_opponent_plays_the_pool_version_its_columns_train_nothing_and_games
     assert (samples.action[:, ~mask][centre_free[:, ~mask]] != 4).any()  # the current policy plays elsewhere too
     episodes = [e for meta in sink.metas for e in meta["episodes"]]
     assert episodes and all(len(e) == 3 and e[2] == 5 for e in episodes)
+
+
+LINES = [(0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6)]
+
+
+def open_cells(board: np.ndarray, me: int) -> set[int]:
+    """Tic-tac-toe cells that complete a line of plane ``me`` of ``board`` [3, 3, 2] (cell a is
+    board[a // 3, a % 3])."""
+    cells = board.reshape(9, 2)
+    return {a for line in LINES if cells[list(line), me].sum() == 2 and not cells[list(line), 1 - me].any()
+            for a in line if not cells[a, me]}
+
+
+def test_scripted_players_hold_their_share_of_the_games_and_play_their_moves(tmp_path):
+    """A uniform pool holding version 5 (valuing every position at 5) and the heuristic player for
+    half the games. The opponent columns' values tell the pool's games from the heuristic's: about
+    half are the heuristic's, reported without a version (the pool's name version 5); in them the
+    opponent takes every win the board offers and blocks every single threat, as the heuristic
+    does and the pool's untrained version does not."""
+    exp = loading.load(CONFIGS / "tictactoe_ppo.toml", POOL + ["sampler.envs=8", "sampler.horizon=16", "sampler.ring=12",
+                                                               "selfplay.scripted={ heuristic = 0.5 }"])
+    probe = env_probe(exp)
+    current, past = make_agent(exp, probe), make_agent(exp, probe)
+    probe.close()
+    value_at(5)(past)
+    files = PoolFiles(tmp_path, 8)
+    files.add(5, {field_name(k): t.numpy() for k, t in past.state_dict().items()})
+    topo = topology(exp)
+    sampler = Sampler(exp.sampler, exp.env, topo, 0, agent_info(exp), "pooltest", shared_memory=False)
+    sampler.opponent = opponent(exp, tmp_path, sampler, make_agent(exp, env_probe(exp)))
+    actions = LocalActions(Actor(current, topo.acting_seed("sampler", 0)), sampler, FixedParams(), topo.total_envs,
+                           sampler.opponent)
+    sink = Announced()
+    sampler.start(actions)
+    for _ in range(exp.sampler.ring):
+        sampler.collect_segment(actions, sink)
+    samples = sampler.ring.samples
+    episodes = [e for meta in sink.metas for e in meta["episodes"]] + sampler.pending[3]
+    sampler.close()
+    B, mask = exp.sampler.envs, sampler.opponent.mask
+    scripted = (samples.agent_info.value.reshape(-1, B)[:, mask] != 5.0)  # [steps, boards]
+    board = samples.observation.observation.reshape(-1, B, 3, 3, 2)[:, mask]
+    legal = samples.observation.action_mask.reshape(-1, B, 9)[:, mask]
+    action = samples.action.reshape(-1, B)[:, mask]
+    counts = collections.Counter()
+    for t, j in np.ndindex(*action.shape):
+        if not np.array_equal(legal[t, j], board[t, j].sum(-1).reshape(9) == 0):
+            continue  # a pass: its one legal action is no free cell
+        wins, threats = open_cells(board[t, j], 0), open_cells(board[t, j], 1)
+        if wins:
+            counts["scripted" if scripted[t, j] else "pool", "win", int(action[t, j]) in wins] += 1
+        elif len(threats) == 1:
+            counts["scripted" if scripted[t, j] else "pool", "block", int(action[t, j]) in threats] += 1
+    assert counts["scripted", "win", True] >= 5 and counts["scripted", "win", False] == 0, counts
+    assert counts["scripted", "block", True] >= 5 and counts["scripted", "block", False] == 0, counts
+    assert counts["pool", "win", False] + counts["pool", "block", False] > 0, counts
+    versions = collections.Counter(e[2] if len(e) == 3 else None for e in episodes)
+    assert set(versions) == {5, None} and len(episodes) >= 60, versions
+    assert 0.3 <= versions[None] / len(episodes) <= 0.7, versions
 
 
 def value_at(version: int):

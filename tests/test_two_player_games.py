@@ -12,7 +12,6 @@ import pty
 import re
 import select
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -23,7 +22,6 @@ import torch
 pettingzoo = pytest.importorskip("pettingzoo")
 
 from pettingzoo.classic import connect_four_v3, tictactoe_v3
-from pettingzoo.utils import BaseWrapper
 
 from services.evaluator import matches
 from shared.runtime import runfiles
@@ -34,6 +32,7 @@ from shared.launch.artefacts import terminal_game
 from shared.launch.artefacts.terminal_game import board_text
 from shared.runtime import evaluation
 from shared.runtime.runfiles import RUN_CONFIG
+from tests import uncopyable_game_for_tests
 from tests.pipeline import CONFIGS, metric_value, rlpipe_command, rlpipe_here
 from tests.test_evaluator_service import checkpointed_run, tensorboard_scalars, untrained_agent
 
@@ -131,16 +130,8 @@ def test_a_copy_of_a_game_is_independent_of_it():
     env.close()
 
 
-class Locked(BaseWrapper):
-    """A game holding a lock, which cannot be copied."""
-
-    def __init__(self, env):
-        super().__init__(env)
-        self.lock = threading.Lock()
-
-
 def test_a_game_that_cannot_be_copied_is_a_one_line_error_naming_it():
-    env = Locked(tictactoe_v3.env())
+    env = uncopyable_game_for_tests.env()
     env.reset(seed=0)
     with pytest.raises(NotCopyable) as e:
         heuristic_move(env, np.random.default_rng(0))

@@ -15,6 +15,11 @@ list of versions (and ``prioritised``'s scores) is read again every ``horizon`` 
 segment's worth, not at every draw. Until the pool holds a version (the learner's first
 snapshot) a starting game's opponent keeps the current policy's actions, unscored.
 
+With ``selfplay.scripted`` a starting game draws first whether a scripted player
+(``shared.envs.players``) holds the opponent's seat, by the players' shares; such a game's moves
+are the player's, chosen on the board's PettingZoo env (``PettingZooGroup.game``) at each of the
+opponent's turns, and it is reported unscored like a game against the current policy.
+
 What the sampler does with the columns (``Sampler.opponent``): it masks them out of every loss
 (``Samples.failed``) unless ``selfplay.train_both_seats``, and reports the episodes of the
 learner's columns only, each with the version its game was played against (``version_of``).
@@ -27,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from shared.config.schema import SelfPlayConfig
+from shared.envs.players import PLAYERS
 from shared.transport.pool import PoolFiles, draw
 
 
@@ -39,21 +45,30 @@ def opponent_columns(env_base: int, envs: int) -> np.ndarray:
 def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed,
                      stack: Callable | None = None) -> "Opponent":
     """The opponent seat of ``sampler`` in run ``run_dir`` (a pipeline sampler or serial mode's)."""
+
+    def game_of(board: int):
+        column = 2 * board
+        g = next(i for i, cols in enumerate(sampler.groups) if cols.start <= column < cols.stop)
+        return sampler.envs[g].game((column - sampler.groups[g].start) // 2)
+
     return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
-                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, seed, stack)
+                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, seed, stack,
+                    game_of if exp.selfplay.scripted else None)
 
 
 class Opponent:
     """The opponent's columns of one sampler and the past versions their games act with."""
 
     def __init__(self, cfg: SelfPlayConfig, files: PoolFiles, make_copy: Callable[[], tuple], mask: np.ndarray,
-                 horizon: int, seed: np.random.SeedSequence, stack: Callable | None = None):
+                 horizon: int, seed: np.random.SeedSequence, stack: Callable | None = None,
+                 game_of: Callable | None = None):
         """``make_copy()``: a new copy of the agent as ``(act, target)``, an ``Actor`` or
         ``NumpyActor`` on it and its state (``params.ModuleState`` or ``StateArrays``) that the
         drawn versions load into; ``mask``: ``opponent_columns`` (one opponent column a board, so
         the sampler's board j holds opponent column j); ``stack(act)``: for the first copy's
         ``act``, what acts for all copies in one pass (``shared.agents.stacked.stacked_actor``),
-        or None where each copy acts on its own boards (also where ``stack`` is None)."""
+        or None where each copy acts on its own boards (also where ``stack`` is None); ``game_of(j)``:
+        board j's PettingZoo env, for the scripted players (``cfg.scripted``)."""
         self.cfg, self.files, self.make_copy, self.horizon, self.stack = cfg, files, make_copy, horizon, stack
         self.stacked = None
         self.mask = mask
@@ -68,6 +83,11 @@ class Opponent:
         self.pool: list[int] = []
         self.scores: dict = {}
         self.steps = 0
+        self.game_of = game_of
+        self.players = [PLAYERS[name] for name in cfg.scripted]
+        self.shares = np.cumsum(list(cfg.scripted.values()))
+        self.player_of = np.full(len(self.columns), -1)
+        """The scripted player each board's game is played against (an index of ``players``; -1: none)."""
 
     def version_of(self, column: int) -> int:
         """The version the game on ``column``'s board (a sampler column of either seat) is played
@@ -89,11 +109,19 @@ class Opponent:
         boards = slice(start // 2, (start + len(slot.first)) // 2)
         c = self.columns[boards] - start
         copy_of = self.copy_of[boards]  # a view: a draw here is the board's for ``_copy_for`` too
+        player_of = self.player_of[boards]
         starting = np.flatnonzero(slot.first[c])
+        if starting.size and self.players:
+            player_of[starting] = np.searchsorted(self.shares, self.rng.random(starting.size), side="right")
+            player_of[player_of >= len(self.players)] = -1  # beyond the shares: the pool's
+            copy_of[starting[player_of[starting] >= 0]] = -1
+            starting = starting[player_of[starting] < 0]
         if starting.size and self.pool:
             copy_of[starting] = -1  # their games ended: their copies may take another version
             for board in starting:
                 copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
+        for board in np.flatnonzero(player_of >= 0):
+            self._scripted_move(slot, c[board], boards.start + board, self.players[player_of[board]])
         versioned = copy_of >= 0
         if self.stacked is None:
             for held in np.unique(copy_of[versioned]):
@@ -110,6 +138,13 @@ class Opponent:
                                         env_steps, envs_total)
             slot.action[rows] = action
             slot.agent_info[rows] = info
+
+    def _scripted_move(self, slot, column: int, board: int, player) -> None:
+        """The scripted player's move in ``slot``'s column ``column`` where it is the opponent's
+        turn on the sampler's board ``board`` (elsewhere the column waits: the pass stays)."""
+        game = self.game_of(board)
+        if game.agents and game.agent_selection == game.possible_agents[self.columns[board] % 2]:
+            slot.action[column] = player(game, self.rng)
 
     def _copy_for(self, version: int) -> int:
         """The copy that holds ``version``, loading it where none does; where it cannot be loaded

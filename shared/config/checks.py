@@ -10,13 +10,13 @@ import math
 import os
 from pathlib import Path
 from shared.envs.backends import columns_per_env, validate_env_config
-from shared.envs.pettingzoo_backend import not_zero_sum_game
+from shared.envs.pettingzoo_backend import not_copyable_game, not_zero_sum_game
 from shared.config.endpoints import port_free, tcp_offsets
 from shared.algos import registry
 from shared.algos.hparams import PQNConfig
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
-from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, POOLS, WANDB_MODES
+from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, POOLS, SCRIPTED, WANDB_MODES
 from shared.config.topology import SAMPLER_SEED_STRIDE, topology
 
 
@@ -240,10 +240,25 @@ def _check_placement(exp: Experiment) -> None:
 
 def _check_selfplay(exp: Experiment, check_env: bool) -> None:
     """A pool of past versions needs a two-player zero-sum game (``not_zero_sum_game``: the rule)
-    and a feed-forward agent (the opponent's copies keep no recurrent state)."""
+    and a feed-forward agent (the opponent's copies keep no recurrent state); scripted players
+    need a pool, known names, shares that add up to at most 1, the learner's seat trained alone
+    and, for the heuristic, a game whose state it can copy."""
     sp = exp.selfplay
+    if sp.scripted and not sp.on:
+        raise ConfigError(f"selfplay.scripted = {sp.scripted!r}: scripted players stand in for pool versions; "
+                          "set selfplay.pool too")
     if not sp.on:
         return
+    for name, share in sp.scripted.items():
+        if name not in SCRIPTED:
+            raise ConfigError(f"selfplay.scripted: {name!r} is unknown; give some of {', '.join(SCRIPTED)}")
+        if not (math.isfinite(share) and share > 0):
+            raise ConfigError(f"selfplay.scripted.{name} = {share}: a share of the games, > 0")
+    if sum(sp.scripted.values()) > 1:
+        raise ConfigError(f"selfplay.scripted = {sp.scripted!r}: the shares add up to more than 1")
+    if sp.scripted and sp.train_both_seats:
+        raise ConfigError("selfplay.train_both_seats = true with selfplay.scripted: a scripted move has no "
+                          "behaviour probability to train the opponent's seat on; train the learner's seat only")
     if sp.pool not in POOLS:
         raise ConfigError(f"selfplay.pool = {sp.pool!r}: allowed: {', '.join(POOLS)}, or empty (off)")
     for name, value in (("selfplay.size", sp.size), ("selfplay.snapshot_every", sp.snapshot_every)):
@@ -256,6 +271,9 @@ def _check_selfplay(exp: Experiment, check_env: bool) -> None:
     if why is not None:
         raise ConfigError(f"selfplay.pool = {sp.pool!r}: needs a two-player zero-sum turn-based game; "
                           f"env.id = {exp.env.id!r} {why}")
+    why = not_copyable_game(exp.env) if check_env and "heuristic" in sp.scripted else None
+    if why is not None:
+        raise ConfigError(f"selfplay.scripted: {why}")
 
 
 def _check_eval(exp: Experiment) -> None:

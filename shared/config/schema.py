@@ -346,6 +346,12 @@ class SelfPlayConfig:
     """Also train on the opponent seat's moves (acted by the drawn past version: off-policy data,
     its behaviour log-probabilities and values are the snapshot's); for symmetric games whose two
     seats one shared policy plays. False: the opponent's columns are masked out of every loss."""
+    scripted: dict[str, float] = field(default_factory=dict)
+    """Scripted players among the opponents: the share of the learner seat's games each player of
+    SCRIPTED plays in place of a pool version, drawn as a game starts (e.g. ``{ heuristic = 0.125 }``;
+    the other games draw from the pool). A policy that only meets its own past versions is never
+    punished for what they all let pass: the heuristic takes every win left on the board and
+    blocks every threat (docs/benchmarks.md, "Connect Four: what the self-play policy misses")."""
 
     @property
     def on(self) -> bool:
@@ -355,7 +361,9 @@ class SelfPlayConfig:
 
 POOLS = ("latest", "uniform", "prioritised")
 """How ``selfplay.pool`` draws the opponent's version."""
-OPPONENTS = ("random", "heuristic", "latest")
+SCRIPTED = ("random", "heuristic")
+"""The scripted players (``shared.envs.players.PLAYERS``)."""
+OPPONENTS = (*SCRIPTED, "latest")
 """The opponents a policy plays two-player games against (services/evaluator/matches.py):
 ``eval.opponents``, ``rlpipe evaluate --opponent``."""
 WANDB_MODES = ("online", "offline", "disabled")

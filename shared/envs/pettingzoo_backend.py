@@ -254,6 +254,22 @@ def check_two_player_game(cfg: EnvConfig, what: str) -> None:
         raise ValueError(f"{what}: needs a two-player turn-based PettingZoo game; env.id = {cfg.id!r} {why}")
 
 
+def not_copyable_game(cfg: EnvConfig) -> str | None:
+    """Why the heuristic player cannot look ahead in ``cfg``'s game (``players.copy_game`` fails on
+    its first position), or None where it can."""
+    from shared.envs.players import NotCopyable, copy_game
+
+    raw, _ = _make_raw(cfg, check_common(cfg)[0])
+    try:
+        raw.reset(seed=0)
+        copy_game(raw)
+    except NotCopyable as e:
+        return str(e)
+    finally:
+        raw.close()
+    return None
+
+
 ZERO_SUM_GAMES = 4
 ZERO_SUM_MOVES = 2000
 """The random games (and the most moves over them) ``not_zero_sum_game`` plays."""
