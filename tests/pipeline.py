@@ -26,10 +26,32 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "deploy" / "configs"
 
 
+PORT_SPAN = 8
+"""Ports from a ``free_port`` that are free: a run's base port and the offsets its sockets bind."""
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port (and the PORT_SPAN - 1 after it) free now, from 20000 up to the kernel's ephemeral
+    range, a slice of it each xdist worker. Not ``bind(0)``: that hands out an ephemeral port,
+    which any process's outgoing connection can take between this check and a service's bind, and
+    keep for that connection's life (Ray's connections did: an action-server failed its bind 20
+    times). Below 20000 are Ray's worker ports."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = (low - 20000) // max(workers, 1)
+    rng = np.random.default_rng()
+    for _ in range(200):
+        base = 20000 + worker * width + int(rng.integers(0, width - PORT_SPAN))
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + PORT_SPAN):
+                    s = stack.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {PORT_SPAN} free ports in a row between 20000 and {low}")
 
 
 # Every process the tests start (`rlpipe` commands, and supervisord with its services) imports
