@@ -35,7 +35,8 @@ from shared.config.topology import topology
 from shared.agents.actor import Actor
 from services.sampler.opponent import opponent_columns
 from shared.config import loading
-from shared.config.schema import ConfigError
+from shared.config.schema import SCRIPTED, ConfigError
+from shared.envs.players import PLAYERS
 from shared.launch import api
 from shared.transport.params import ModuleState, field_name
 from shared.runtime.files import read_csv
@@ -180,6 +181,12 @@ def open_cells(board: np.ndarray, me: int) -> set[int]:
     cells = board.reshape(9, 2)
     return {a for line in LINES if cells[list(line), me].sum() == 2 and not cells[list(line), 1 - me].any()
             for a in line if not cells[a, me]}
+
+
+def test_the_configs_scripted_names_are_the_players_that_exist():
+    """schema.SCRIPTED (what the config layer accepts, without importing PettingZoo) names exactly
+    the players of shared.envs.players, which the samplers look the names up in."""
+    assert set(SCRIPTED) == set(PLAYERS)
 
 
 def test_scripted_players_hold_their_share_of_the_games_and_play_their_moves(tmp_path):

@@ -45,11 +45,13 @@ def opponent_columns(env_base: int, envs: int) -> np.ndarray:
 def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed,
                      stack: Callable | None = None) -> "Opponent":
     """The opponent seat of ``sampler`` in run ``run_dir`` (a pipeline sampler or serial mode's)."""
+    # Board j -> (its env group, its env in the group), once: the group's env object is looked up
+    # at each move, as a recreated env replaces it.
+    where = [(g, k) for g, cols in enumerate(sampler.groups) for k in range((cols.stop - cols.start) // 2)]
 
     def game_of(board: int):
-        column = 2 * board
-        g = next(i for i, cols in enumerate(sampler.groups) if cols.start <= column < cols.stop)
-        return sampler.envs[g].game((column - sampler.groups[g].start) // 2)
+        g, k = where[board]
+        return sampler.envs[g].game(k)
 
     return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
                     opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, seed, stack,
@@ -111,17 +113,19 @@ class Opponent:
         copy_of = self.copy_of[boards]  # a view: a draw here is the board's for ``_copy_for`` too
         player_of = self.player_of[boards]
         starting = np.flatnonzero(slot.first[c])
-        if starting.size and self.players:
-            player_of[starting] = np.searchsorted(self.shares, self.rng.random(starting.size), side="right")
-            player_of[player_of >= len(self.players)] = -1  # beyond the shares: the pool's
-            copy_of[starting[player_of[starting] >= 0]] = -1
-            starting = starting[player_of[starting] < 0]
+        if self.players:
+            if starting.size:
+                drawn = np.searchsorted(self.shares, self.rng.random(starting.size), side="right")
+                scripted = drawn < len(self.players)  # beyond the shares: the pool's
+                player_of[starting] = np.where(scripted, drawn, -1)
+                copy_of[starting[scripted]] = -1
+                starting = starting[~scripted]
+            for board in np.flatnonzero(player_of >= 0):
+                self._scripted_move(slot, c[board], boards.start + board, self.players[player_of[board]])
         if starting.size and self.pool:
             copy_of[starting] = -1  # their games ended: their copies may take another version
             for board in starting:
                 copy_of[board] = self._copy_for(draw(self.cfg.pool, self.pool, self.scores, self.rng))
-        for board in np.flatnonzero(player_of >= 0):
-            self._scripted_move(slot, c[board], boards.start + board, self.players[player_of[board]])
         versioned = copy_of >= 0
         if self.stacked is None:
             for held in np.unique(copy_of[versioned]):
