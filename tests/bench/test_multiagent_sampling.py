@@ -67,10 +67,11 @@ def test_a_sampler_steps_the_agents_of_a_parallel_env_near_as_fast_as_single_age
 POOL_VERSIONS, POOL_SEGMENTS, POOL_WARMUP = 8, 10, 3
 
 
-def pool_steps_per_s(tmp_path, pool: str, stacked: bool) -> float:
+def pool_steps_per_s(tmp_path, pool: str, stacked: bool, scripted: str = "") -> float:
     """Env steps/s of connect_four_pool_ppo's sampler (64 columns, 32 boards, horizon 32, local
     inference, one torch thread) whose opponent seat draws from a pool of 8 versions by ``pool``,
-    its copies acting in one stacked pass or each on its own boards: the serial-mode parts in this
+    its copies acting in one stacked pass or each on its own boards, ``scripted`` the
+    ``selfplay.scripted`` table (empty: none): the serial-mode parts in this
     process (``Sampler``, ``LocalActions``, ``Opponent``), POOL_SEGMENTS segments after
     POOL_WARMUP, so sampling alone is timed."""
     import numpy as np
@@ -92,7 +93,8 @@ def pool_steps_per_s(tmp_path, pool: str, stacked: bool) -> float:
 
     torch.set_num_threads(1)
     tmp_path.mkdir(parents=True)
-    exp = loading.load(CONFIGS / "connect_four_pool_ppo.toml", [f"selfplay.pool='{pool}'", "sampler.ring=2"])
+    exp = loading.load(CONFIGS / "connect_four_pool_ppo.toml", [f"selfplay.pool='{pool}'", "sampler.ring=2",
+                                                                 *([f"selfplay.scripted={scripted}"] if scripted else [])])
     probe = env_probe(exp)
     current, past = make_agent(exp, probe), make_agent(exp, probe)
     files = PoolFiles(tmp_path, POOL_VERSIONS)
@@ -129,10 +131,12 @@ def pool_steps_per_s(tmp_path, pool: str, stacked: bool) -> float:
 def test_a_sampler_against_a_pool_of_versions_to_one_against_the_latest(tmp_path):
     """What a pool of past versions costs a Connect Four sampler against ``latest`` (one version in
     play), its opponent's copies acting each in its own forward pass or all in one stacked pass
-    (shared/agents/stacked.py): medians of 3 alternating rounds, ratios to ``latest`` measured in
-    this run."""
+    (shared/agents/stacked.py), and with the heuristic holding a quarter of the games
+    (``selfplay.scripted``, its lookahead in the sampler's loop): medians of 3 alternating rounds,
+    ratios to ``latest`` measured in this run."""
     setups = {"latest": ("latest", True), "uniform, a pass a copy": ("uniform", False),
-              "uniform, stacked": ("uniform", True)}
+              "uniform, stacked": ("uniform", True),
+              "uniform, stacked, heuristic 25%": ("uniform", True, "{ heuristic = 0.25 }")}
     rates = {name: [] for name in setups}
     for i in range(3):
         for name in setups if i % 2 == 0 else reversed(setups):  # none always runs first
