@@ -26,7 +26,8 @@ from pettingzoo.classic import connect_four_v3, tictactoe_v3
 from services.evaluator import matches
 from shared.runtime import runfiles
 from shared.config import loading
-from shared.envs.players import NotCopyable, copy_game, heuristic_move, legal_moves, random_move, tactics
+from shared.envs.players import (NotCopyable, copy_game, copied_tactics, heuristic_move, legal_moves, random_move,
+                                 tactics)
 from shared.launch import api
 from shared.launch.artefacts import terminal_game
 from shared.launch.artefacts.terminal_game import board_text
@@ -84,6 +85,27 @@ def test_tactics_finds_the_wins_at_once_and_the_moves_that_leave_none_to_the_opp
                                                                                        safe, must_block):
     t = tactics(position(module, moves))
     assert (t.winning, t.safe, t.must_block) == (winning, safe, must_block)
+
+
+def test_connect_fours_tactics_off_the_board_are_those_of_its_copies_in_every_kind_of_position():
+    """The board's two moves of lookahead (``FAST_TACTICS``) against stepping copies of the env, on
+    every position of games between the heuristic and either player: the same moves, wins and safe
+    moves in the same order (so the heuristic draws the same move from the same generator), in
+    positions with a win, a block to make, every move lost, nothing at stake and a drawing last move."""
+    env, rng = connect_four_v3.env(), np.random.default_rng(0)
+    kinds = {"win": 0, "block": 0, "lost": 0, "quiet": 0, "last move": 0}
+    for i in range(30):
+        env.reset(seed=i)
+        players = (heuristic_move, heuristic_move if i % 2 else random_move)
+        while not all(env.terminations.values()):
+            board, copied = tactics(env), copied_tactics(env)
+            assert (board.moves.tolist(), board.winning, board.safe) == \
+                (copied.moves.tolist(), copied.winning, copied.safe), env.unwrapped.board
+            kinds["win" if board.winning else "block" if board.must_block else "quiet" if board.safe else "lost"] += 1
+            kinds["last move"] += env.unwrapped.board.count(0) == 1
+            env.step(players[env.possible_agents.index(env.agent_selection)](env, rng))
+    env.close()
+    assert min(kinds.values()) > 0, kinds
 
 
 @pytest.mark.parametrize("module", [tictactoe_v3, connect_four_v3])

@@ -5,7 +5,10 @@ measured against (``rlpipe evaluate RUN --opponent random|heuristic``).
 
 A player is ``move(env, rng) -> action`` for the agent whose turn it is (``env.agent_selection``)
 in a game that is not over. The heuristic knows no game's rules: it tries each legal move on a
-copy of the env (``copy_game``), so it plays any such game whose state can be copied.
+copy of the env (``copy_game``), so it plays any such game whose state can be copied. For
+Connect Four, where a self-play sampler asks it for many moves a second, the same two moves of
+lookahead are read off the board instead (``FAST_TACTICS``): the same answer, ~4.5 ms a move
+on a copy, a fraction of that on the board.
 """
 
 from __future__ import annotations
@@ -112,8 +115,15 @@ class Tactics(NamedTuple):
 
 
 def tactics(env: AECEnv) -> Tactics:
-    """The position of the agent to move in ``env``, two moves ahead on copies of it
-    (``copy_game``; NotCopyable for a game it cannot copy)."""
+    """The position of the agent to move in ``env``, two moves ahead: on the board for a game
+    of ``FAST_TACTICS``, else on copies of the env (``copy_game``; NotCopyable for a game it
+    cannot copy)."""
+    fast = FAST_TACTICS.get(_game_name(env))
+    return fast(env) if fast is not None else copied_tactics(env)
+
+
+def copied_tactics(env: AECEnv) -> Tactics:
+    """``tactics`` of any game whose state can be copied, by stepping copies of ``env``."""
     me = env.agent_selection
     moves = legal_moves(env)
     after = {int(a): _after(env, int(a), check=i == 0) for i, a in enumerate(moves)}
@@ -127,6 +137,66 @@ def tactics(env: AECEnv) -> Tactics:
         if not any(_won(_after(game, int(b)), them) for b in legal_moves(game)):
             safe.append(a)
     return Tactics(moves, winning, safe)
+
+
+_C4_ROWS, _C4_COLS = 6, 7
+_C4_DIRECTIONS = ((0, 1), (1, 0), (1, 1), (1, -1))
+
+
+def _c4_line_of_four(board: np.ndarray, row: int, col: int) -> bool:
+    """Whether the piece at (row, col) is in a line of four of its own (the only line a move can
+    make: the game ends at the first)."""
+    piece = board[row, col]
+    for dr, dc in _C4_DIRECTIONS:
+        n = 1
+        for sign in (1, -1):
+            r, c = row + sign * dr, col + sign * dc
+            while 0 <= r < _C4_ROWS and 0 <= c < _C4_COLS and board[r, c] == piece:
+                n += 1
+                r, c = r + sign * dr, c + sign * dc
+        if n >= 4:
+            return True
+    return False
+
+
+def _c4_drop(board: np.ndarray, col: int, piece: int) -> tuple[int, bool]:
+    """Drops ``piece`` into ``col`` (row 0 is the top, as PettingZoo's board): (its row, whether
+    it makes four)."""
+    row = int(np.flatnonzero(board[:, col] == 0)[-1])
+    board[row, col] = piece
+    return row, _c4_line_of_four(board, row, col)
+
+
+def _connect_four_tactics(env: AECEnv) -> Tactics:
+    """``copied_tactics`` of PettingZoo's connect_four_v3 from its board (``raw_env.board``: 42
+    cells row by row from the top, 0 empty, 1 and 2 the first and second agent's pieces): the same
+    moves, wins and safe moves in the same order (tests/test_two_player_games.py compares them)."""
+    game = env.unwrapped
+    board = np.array(game.board, dtype=np.int8).reshape(_C4_ROWS, _C4_COLS)
+    me = game.agents.index(env.agent_selection) + 1
+    moves = legal_moves(env)
+    winning, safe = [], []
+    for a in moves:
+        row, won = _c4_drop(board, int(a), me)
+        board[row, a] = 0
+        if won:
+            winning.append(int(a))
+    for a in () if winning else moves:
+        row, _ = _c4_drop(board, int(a), me)
+        if not any(_c4_reply_wins(board, int(b), 3 - me) for b in np.flatnonzero(board[0] == 0)):
+            safe.append(int(a))  # with the board full (a draw) there is no reply: safe too
+        board[row, a] = 0
+    return Tactics(moves, winning, safe)
+
+
+def _c4_reply_wins(board: np.ndarray, col: int, piece: int) -> bool:
+    row, won = _c4_drop(board, col, piece)
+    board[row, col] = 0
+    return won
+
+
+FAST_TACTICS: dict[str, Callable[[AECEnv], Tactics]] = {"connect_four_v3": _connect_four_tactics}
+"""``tactics`` read off the board, by the game's ``metadata["name"]``."""
 
 
 def heuristic_move(env: AECEnv, rng: np.random.Generator) -> int:
