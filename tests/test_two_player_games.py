@@ -26,6 +26,8 @@ from pettingzoo.classic import connect_four_v3, tictactoe_v3
 from services.evaluator import matches
 from shared.runtime import runfiles
 from shared.config import loading
+from shared.agents.config import ModelConfig
+from shared.agents.models import make_encoder
 from shared.envs.players import (NotCopyable, copy_game, copied_tactics, heuristic_move, legal_moves, random_move,
                                  tactics)
 from shared.launch import api
@@ -114,6 +116,20 @@ def test_without_a_win_or_a_threat_the_heuristic_moves_at_random(module):
     moves = {heuristic_move(env, np.random.default_rng(seed)) for seed in range(30)}
     assert len(moves) > 3 and moves <= set(legal_moves(env).tolist())
     env.close()
+
+
+def test_the_board_cnn_sees_a_line_of_four_from_each_of_its_cells():
+    """``model.encoder = "board_cnn"`` on Connect Four's board: 32 features a cell, and a corner
+    cell's features depend on the 4x4 cells of every line of four through it, on nothing further."""
+    obs = position(connect_four_v3, []).observe("player_0")["observation"]  # [6, 7, 2]: own discs, the other's
+    encoder, width = make_encoder(obs, ModelConfig(encoder="board_cnn", hidden_sizes=()))
+    assert width == 32 * 6 * 7
+    board = torch.tensor(np.random.default_rng(0).integers(0, 2, (1, 6, 7, 2)), dtype=torch.float32,
+                         requires_grad=True)
+    features = encoder(board).reshape(32, 6, 7)
+    features[:, 0, 0].sum().backward()
+    seen = board.grad[0].abs().sum(-1) > 0
+    assert seen[:4, :4].all() and not seen[4:].any() and not seen[:, 4:].any(), seen
 
 
 def games(module, players, n: int, seed: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from shared.data.namedarraytuple import namedarraytuple
 from shared.runtime.plugins import is_reference
 
 ACTIVATIONS = ("tanh", "relu")
-ENCODERS = ("auto", "mlp", "nature_cnn", "minatar_cnn")
+ENCODERS = ("auto", "mlp", "nature_cnn", "minatar_cnn", "board_cnn")
 
 AgentInfo = namedarraytuple("AgentInfo", ["log_prob", "value"])
 """Per env and step: log-prob of the sampled action and V(obs) under the behaviour policy."""
@@ -52,7 +52,9 @@ class ModelConfig:
     encoder: str = "auto"
     """auto (Nature CNN for 3-D uint8 image leaves of at least 36x36, flatten otherwise) | mlp | nature_cnn
     | minatar_cnn (the MinAtar paper's 16-filter 3x3 conv on [H, W, C] maps; with hidden_sizes = [128]
-    and activation = "relu" it is Young & Tian's network), or ``"module:attribute"`` naming your own
+    and activation = "relu" it is Young & Tian's network) | board_cnn (three 3x3 conv layers of 32
+    filters, same padding, on [H, W, C] boards: a unit sees 7x7 cells, a line of four at Connect
+    Four), or ``"module:attribute"`` naming your own
     encoder (``shared.agents.models.CustomEncoder``)."""
     layer_norm: bool = False
     """A LayerNorm after each linear layer of the MLP trunk, before its activation (PQN's

@@ -339,6 +339,33 @@ class MinAtarCNN(nn.Module):
         return torch.relu(self.conv(x)).flatten(1)
 
 
+class BoardCNN(nn.Module):
+    """Three 3x3 conv layers of 32 filters, stride 1, same padding, relu each, flattened: a unit
+    of the last layer sees 7x7 cells, a whole line of four on a Connect Four board, where
+    ``MinAtarCNN``'s one layer sees 3x3 (docs/benchmarks.md, "Probe: a deeper board network").
+    Input [N, H, W, C] channels last, multiplied by ``scale``; output [N, 32 H W]."""
+
+    FILTERS, LAYERS = 32, 3
+
+    def __init__(self, image_shape: tuple[int, ...], scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+        h, w, c = image_shape
+        layers: list[nn.Module] = []
+        for i in range(self.LAYERS):
+            layers += [init_layer(nn.Conv2d(c if i == 0 else self.FILTERS, self.FILTERS, 3, padding=1)), nn.ReLU()]
+        self.conv = nn.Sequential(*layers, nn.Flatten())
+        self.out_dim = self.FILTERS * h * w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 3, 1, 2).float()
+        return self.conv(x if self.scale == 1.0 else x * self.scale)
+
+
+CNN_ENCODERS = ("nature_cnn", "minatar_cnn", "board_cnn")
+"""The encoders that put every 3-D leaf through a CNN (``auto`` only large uint8 images)."""
+
+
 class _Flatten(nn.Module):
     """One non-image leaf [N, ...] -> float32 [N, prod(shape)], multiplied by ``scale``."""
 
@@ -442,11 +469,11 @@ def _under(path: str, tops: tuple[str, ...]) -> bool:
 
 
 def _is_image(arr: np.ndarray, encoder: str) -> bool:
-    """Whether a leaf goes through a CNN: every 3-D leaf for "nature_cnn" and "minatar_cnn";
-    for "auto" only uint8 images big enough for the Nature CNN (smaller ones are flattened)."""
+    """Whether a leaf goes through a CNN: every 3-D leaf for the ``CNN_ENCODERS``; for "auto"
+    only uint8 images big enough for the Nature CNN (smaller ones are flattened)."""
     if encoder == "mlp" or arr.ndim != 3:
         return False
-    if encoder in ("nature_cnn", "minatar_cnn"):
+    if encoder in CNN_ENCODERS:
         return True
     _, h, w = _chw(arr.shape, _channels_last(arr.shape))
     return arr.dtype == np.uint8 and min(h, w) >= NatureCNN.MIN_SIDE
@@ -506,9 +533,10 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
     namedarraytuple of them. The module maps a torch tree with leading dims [*L] to
     float32 features [*L, out_dim]. Floats (and ints, bools) are flattened as is, uint8
     leaves scaled by ``cfg.uint8_scale``; image leaves ([H, W, C] or [C, H, W], see ``ModelConfig.encoder``)
-    go through a ``NatureCNN`` first, or with ``encoder = "minatar_cnn"`` ([H, W, C] leaves) a
-    ``MinAtarCNN``. With ``hidden_sizes=()`` out_dim is the width of the concatenation (512 per
-    Nature CNN leaf, as in CleanRL's Atari agents; 16 (H - 2) (W - 2) per MinAtar CNN leaf).
+    go through a ``NatureCNN`` first, or with ``encoder = "minatar_cnn"`` or ``"board_cnn"``
+    ([H, W, C] leaves) a ``MinAtarCNN`` or ``BoardCNN``. With ``hidden_sizes=()`` out_dim is the
+    width of the concatenation (512 per Nature CNN leaf, as in CleanRL's Atari agents; 16 (H - 2)
+    (W - 2) per MinAtar CNN leaf, 32 H W per board CNN leaf).
     ``cfg.encoder`` may name the user's own encoder as ``module:attribute`` (``CustomEncoder``).
 
     ``obs_space``, the env's gymnasium observation space, tells which leaves are Discrete or
@@ -546,14 +574,14 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
         if categories is not None:
             parts.append(OneHot(*categories))
         elif _is_image(arr, cfg.encoder):
-            shape = tuple(arr.shape)
-            parts.append(MinAtarCNN(shape, cfg.uint8_scale if arr.dtype == np.uint8 else 1.0)
-                         if cfg.encoder == "minatar_cnn" else NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
+            shape, scale = tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0
+            parts.append(MinAtarCNN(shape, scale) if cfg.encoder == "minatar_cnn" else BoardCNN(shape, scale)
+                         if cfg.encoder == "board_cnn" else NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
         else:
             parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
     if not parts:
         raise ValueError("make_encoder: obs_example has no array leaves")
-    if cfg.encoder in ("nature_cnn", "minatar_cnn") and not any(isinstance(p, (NatureCNN, MinAtarCNN)) for p in parts):
+    if cfg.encoder in CNN_ENCODERS and not any(isinstance(p, (NatureCNN, MinAtarCNN, BoardCNN)) for p in parts):
         raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
     trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm, norm=norm)
