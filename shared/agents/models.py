@@ -342,7 +342,8 @@ class MinAtarCNN(nn.Module):
 class BoardCNN(nn.Module):
     """Three 3x3 conv layers of 32 filters, stride 1, same padding, relu each, flattened: a unit
     of the last layer sees 7x7 cells, a whole line of four on a Connect Four board, where
-    ``MinAtarCNN``'s one layer sees 3x3 (docs/benchmarks.md, "Probe: a deeper board network").
+    ``MinAtarCNN``'s one layer sees 3x3 (docs/benchmarks.md, "Connect Four: what the self-play policy
+    misses", its probe of a deeper board network).
     Input [N, H, W, C] channels last, multiplied by ``scale``; output [N, 32 H W]."""
 
     FILTERS, LAYERS = 32, 3
