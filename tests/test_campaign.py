@@ -160,6 +160,22 @@ def test_results_group_seeds_of_one_config_with_median_spread_and_greedy_returns
     assert results.rows(dirs, "none published")[0]["reference"] == "none published"
 
 
+def test_ppo_on_v_trace_advantages_is_its_own_row_named_appo(tmp_path):
+    from shared.launch import api
+
+    dirs = []
+    for advantages in ("gae", "vtrace"):
+        exp = api.experiment(CONFIGS / "cartpole_ppo.toml", [f"run.runs_dir='{tmp_path}'", f"algo.advantages='{advantages}'"])
+        d = rundirs.make_run_dir(exp)
+        (d / "result.json").write_text(json.dumps({"reason": "budget", "env_steps": 1000, "updates": 1,
+                                                   "mean_return": 100.0, "wall_s": 10.0}))
+        dirs.append(d)
+    rows = results.rows(dirs)
+    assert [r["algorithm"] for r in rows] == ["ppo", "APPO (PPO, V-trace advantages)"]
+    assert [line.split(" | ")[0] for line in results.markdown(rows).splitlines()[2:]] == \
+        ["| PPO", "| APPO (PPO, V-trace advantages)"]
+
+
 def test_results_of_a_two_player_game_show_each_opponents_win_rates_not_only_the_last_evaluation(tmp_path):
     """`rlpipe evaluate --opponent heuristic`, then `--opponent random`, then a plain evaluation:
     eval.json holds the last one alone, the row each opponent's latest games from eval.csv."""

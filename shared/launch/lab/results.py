@@ -82,7 +82,7 @@ def _row(label: str, dirs: list[Path], configs: dict[Path, dict], reference: str
     greedy = [evaluation.latest(d) for d in dirs]
     algo, env = first["algo.name"], first["env.id"]
     return {
-        "variant": label, "algorithm": algo, "env": env, "config": config_name(dirs[0], metas[0]),
+        "variant": label, "algorithm": _algorithm_label(algo, first), "env": env, "config": config_name(dirs[0], metas[0]),
         "seeds": [configs[d]["run.seed"] for d in dirs], "runs": [d.name for d in dirs],
         "reasons": [s["reason"] for s in summaries],
         "env_steps": [None if _number(s["env_steps"]) is None else int(_number(s["env_steps"])) for s in summaries],
@@ -96,6 +96,14 @@ def _row(label: str, dirs: list[Path], configs: dict[Path, dict], reference: str
         "reference": reference if reference is not None else REFERENCES.get((algo, env)),
         "command": reproduce(dirs, [configs[d]["run.seed"] for d in dirs], metas),
     }
+
+
+def _algorithm_label(algo: str, config: dict) -> str:
+    """The algorithm as a row names it: PPO on V-trace advantages is APPO (Sample Factory's name),
+    A2C on them IMPALA's loss without its optimizer, so each gets its own name beside the plain one."""
+    if config.get("algo.advantages") != "vtrace" or algo not in ("ppo", "a2c"):
+        return algo
+    return "APPO (PPO, V-trace advantages)" if algo == "ppo" else "A2C (V-trace advantages)"
 
 
 def config_name(run_dir: Path, meta: dict) -> str:
