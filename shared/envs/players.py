@@ -7,8 +7,8 @@ A player is ``move(env, rng) -> action`` for the agent whose turn it is (``env.a
 in a game that is not over. The heuristic knows no game's rules: it tries each legal move on a
 copy of the env (``copy_game``), so it plays any such game whose state can be copied. For
 Connect Four, where a self-play sampler asks it for many moves a second, the same two moves of
-lookahead are read off the board instead (``FAST_TACTICS``): the same answer, ~4.5 ms a move
-on a copy, a fraction of that on the board.
+lookahead are read off the board instead (``FAST_TACTICS``): the same answer in ~0.25 ms a
+position here, against ~3.7 ms on copies.
 """
 
 from __future__ import annotations
@@ -167,6 +167,12 @@ def _c4_drop(board: np.ndarray, col: int, piece: int) -> tuple[int, bool]:
     return row, _c4_line_of_four(board, row, col)
 
 
+def _c4_reply_wins(board: np.ndarray, col: int, piece: int) -> bool:
+    row, won = _c4_drop(board, col, piece)
+    board[row, col] = 0
+    return won
+
+
 def _connect_four_tactics(env: AECEnv) -> Tactics:
     """``copied_tactics`` of PettingZoo's connect_four_v3 from its board (``raw_env.board``: 42
     cells row by row from the top, 0 empty, 1 and 2 the first and second agent's pieces): the same
@@ -187,12 +193,6 @@ def _connect_four_tactics(env: AECEnv) -> Tactics:
             safe.append(int(a))  # with the board full (a draw) there is no reply: safe too
         board[row, a] = 0
     return Tactics(moves, winning, safe)
-
-
-def _c4_reply_wins(board: np.ndarray, col: int, piece: int) -> bool:
-    row, won = _c4_drop(board, col, piece)
-    board[row, col] = 0
-    return won
 
 
 FAST_TACTICS: dict[str, Callable[[AECEnv], Tactics]] = {"connect_four_v3": _connect_four_tactics}
