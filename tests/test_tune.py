@@ -157,9 +157,11 @@ def test_a_tune_prunes_or_finishes_every_trial_each_a_run_stopped_clean(tuned):
         if t.state == optuna.trial.TrialState.COMPLETE:
             assert t.user_attrs["reason"] == "budget" and result["env_steps"] >= BUDGET
             assert t.value == result["mean_return"]  # --metric final: the learner's mean return at the end
-        else:  # stopped at the checkpoint where it fell below the median, long before its budget
+        else:  # stopped at a checkpoint before its budget where it fell below the median, before its end
             assert t.user_attrs["reason"] == "pruned" and result is None
-            assert int(rundirs.read_progress(run_dir)[-1]["env_steps"]) < BUDGET
+            # (a progress row can pass the last checkpoint and the budget at once on a loaded machine:
+            # the checkpoint it was pruned at is what is before the budget, not the run's last row)
+            assert max(t.intermediate_values) < BUDGET, t.intermediate_values
     assert any(t.state == optuna.trial.TrialState.PRUNED for t in trials)
     lines = (tune_dir / tune.SUMMARY).read_text().splitlines()
     assert lines[0] == "| trial | state | value | algo.lr | algo.epochs | reason | env_steps | wall_s | run |"
