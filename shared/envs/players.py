@@ -7,7 +7,7 @@ A player is ``move(env, rng) -> action`` for the agent whose turn it is (``env.a
 in a game that is not over. The heuristic knows no game's rules: it tries each legal move on a
 copy of the env (``copy_game``), so it plays any such game whose state can be copied. For
 Connect Four, where a self-play sampler asks it for many moves a second, the same two moves of
-lookahead are read off the board instead (``FAST_TACTICS``): the same answer in ~0.25 ms a
+lookahead are read off the board instead (``FAST_TACTICS``): the same answer in ~0.1 ms a
 position here, against ~3.7 ms on copies.
 """
 
@@ -143,15 +143,14 @@ _C4_ROWS, _C4_COLS = 6, 7
 _C4_DIRECTIONS = ((0, 1), (1, 0), (1, 1), (1, -1))
 
 
-def _c4_line_of_four(board: np.ndarray, row: int, col: int) -> bool:
-    """Whether the piece at (row, col) is in a line of four of its own (the only line a move can
-    make: the game ends at the first)."""
-    piece = board[row, col]
+def _c4_wins_at(board: list[list[int]], row: int, col: int, piece: int) -> bool:
+    """Whether ``piece`` dropped at (row, col) makes a line of four through that cell (the only
+    line a move can make: the game ends at the first); the board is not changed."""
     for dr, dc in _C4_DIRECTIONS:
         n = 1
         for sign in (1, -1):
             r, c = row + sign * dr, col + sign * dc
-            while 0 <= r < _C4_ROWS and 0 <= c < _C4_COLS and board[r, c] == piece:
+            while 0 <= r < _C4_ROWS and 0 <= c < _C4_COLS and board[r][c] == piece:
                 n += 1
                 r, c = r + sign * dr, c + sign * dc
         if n >= 4:
@@ -159,39 +158,25 @@ def _c4_line_of_four(board: np.ndarray, row: int, col: int) -> bool:
     return False
 
 
-def _c4_drop(board: np.ndarray, col: int, piece: int) -> tuple[int, bool]:
-    """Drops ``piece`` into ``col`` (row 0 is the top, as PettingZoo's board): (its row, whether
-    it makes four)."""
-    row = int(np.flatnonzero(board[:, col] == 0)[-1])
-    board[row, col] = piece
-    return row, _c4_line_of_four(board, row, col)
-
-
-def _c4_reply_wins(board: np.ndarray, col: int, piece: int) -> bool:
-    row, won = _c4_drop(board, col, piece)
-    board[row, col] = 0
-    return won
-
-
 def _connect_four_tactics(env: AECEnv) -> Tactics:
     """``copied_tactics`` of PettingZoo's connect_four_v3 from its board (``raw_env.board``: 42
     cells row by row from the top, 0 empty, 1 and 2 the first and second agent's pieces): the same
-    moves, wins and safe moves in the same order (tests/test_two_player_games.py compares them)."""
+    moves, wins and safe moves in the same order (tests/test_two_player_games.py compares them).
+    Plain lists, not numpy: each lookup is one cell, where numpy's per-element cost dominates."""
     game = env.unwrapped
-    board = np.array(game.board, dtype=np.int8).reshape(_C4_ROWS, _C4_COLS)
+    board = [game.board[r * _C4_COLS:(r + 1) * _C4_COLS] for r in range(_C4_ROWS)]
+    # The row a disc dropped into each column lands in (-1: the column is full); row 0 is the top.
+    landing = [max((r for r in range(_C4_ROWS) if board[r][c] == 0), default=-1) for c in range(_C4_COLS)]
     me = game.agents.index(env.agent_selection) + 1
     moves = legal_moves(env)
-    winning, safe = [], []
-    for a in moves:
-        row, won = _c4_drop(board, int(a), me)
-        board[row, a] = 0
-        if won:
-            winning.append(int(a))
-    for a in () if winning else moves:
-        row, _ = _c4_drop(board, int(a), me)
-        if not any(_c4_reply_wins(board, int(b), 3 - me) for b in np.flatnonzero(board[0] == 0)):
-            safe.append(int(a))  # with the board full (a draw) there is no reply: safe too
-        board[row, a] = 0
+    winning = [int(a) for a in moves if _c4_wins_at(board, landing[a], a, me)]
+    safe = []
+    for a in () if winning else moves.tolist():
+        row = landing[a]
+        board[row][a], landing[a] = me, row - 1
+        if not any(landing[b] >= 0 and _c4_wins_at(board, landing[b], b, 3 - me) for b in range(_C4_COLS)):
+            safe.append(a)  # with the board full (a draw) there is no reply: safe too
+        board[row][a], landing[a] = 0, row
     return Tactics(moves, winning, safe)
 
 
