@@ -333,10 +333,13 @@ class MinAtarCNN(nn.Module):
         self.out_dim = self.FILTERS * (h - 2) * (w - 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.permute(0, 3, 1, 2).float()
-        if self.scale != 1.0:
-            x = x * self.scale
-        return torch.relu(self.conv(x)).flatten(1)
+        return torch.relu(self.conv(_channels_first(x, self.scale))).flatten(1)
+
+
+def _channels_first(maps: torch.Tensor, scale: float) -> torch.Tensor:
+    """[N, H, W, C] maps -> float [N, C, H, W], multiplied by ``scale`` (the map CNNs' input)."""
+    x = maps.permute(0, 3, 1, 2).float()
+    return x if scale == 1.0 else x * scale
 
 
 class BoardCNN(nn.Module):
@@ -359,11 +362,12 @@ class BoardCNN(nn.Module):
         self.out_dim = self.FILTERS * h * w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.permute(0, 3, 1, 2).float()
-        return self.conv(x if self.scale == 1.0 else x * self.scale)
+        return self.conv(_channels_first(x, self.scale))
 
 
-CNN_ENCODERS = ("nature_cnn", "minatar_cnn", "board_cnn")
+MAP_CNNS = {"minatar_cnn": MinAtarCNN, "board_cnn": BoardCNN}
+"""The CNNs of channels-last [H, W, C] maps by ``model.encoder`` name; ``nature_cnn`` is the other."""
+CNN_ENCODERS = ("nature_cnn", *MAP_CNNS)
 """The encoders that put every 3-D leaf through a CNN (``auto`` only large uint8 images)."""
 
 
@@ -575,14 +579,16 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
         if categories is not None:
             parts.append(OneHot(*categories))
         elif _is_image(arr, cfg.encoder):
-            shape, scale = tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0
-            parts.append(MinAtarCNN(shape, scale) if cfg.encoder == "minatar_cnn" else BoardCNN(shape, scale)
-                         if cfg.encoder == "board_cnn" else NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
+            shape = tuple(arr.shape)
+            if cfg.encoder in MAP_CNNS:
+                parts.append(MAP_CNNS[cfg.encoder](shape, cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
+            else:
+                parts.append(NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
         else:
             parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
     if not parts:
         raise ValueError("make_encoder: obs_example has no array leaves")
-    if cfg.encoder in CNN_ENCODERS and not any(isinstance(p, (NatureCNN, MinAtarCNN, BoardCNN)) for p in parts):
+    if cfg.encoder in CNN_ENCODERS and not any(isinstance(p, (NatureCNN, *MAP_CNNS.values())) for p in parts):
         raise ValueError(f"ModelConfig.encoder='{cfg.encoder}' needs a 3-D image leaf in the observation")
     in_dim = sum(p.out_dim for p in parts)
     trunk = MLP(in_dim, tuple(cfg.hidden_sizes), cfg.activation, layer_norm=cfg.layer_norm, norm=norm)
