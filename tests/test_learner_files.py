@@ -1,6 +1,6 @@
 """The learner's files: the previous checkpoint is kept and used when the latest cannot be
 loaded, a lock in the run directory keeps a second learner of the run from starting, and
-acting.json appears only once the parameters are published."""
+acting.json appears only once the parameters are published; the row at a run's end repeats no row."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from shared.runtime.runfiles import ACTING_FILE
 from shared.config import loading as config
 from shared.transport import shm
 from services.build import env_probe, make_agent, make_algo
+from shared.launch import rundirs
 from shared.runtime.process import lock_service
 from shared.runtime.runfiles import RUN_CONFIG
 from tests.pipeline import CONFIGS, REPO
@@ -54,6 +55,18 @@ def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path, cap
     for k, v in second.agent.state_dict().items():
         assert torch.equal(v, kept[k]), k
     assert any("cannot resume from" in r.getMessage() and "latest.pt" in r.getMessage() for r in caplog.records)
+
+
+def test_the_rows_end_follows_the_last_row_only_with_something_counted_since(tmp_path):
+    """The run's end forces a row; when the periodic row fell on the run's last update, a second
+    row would repeat it (two rows of one env-step count: pool_elo.csv's versions twice at it)."""
+    learner = make_learner(tmp_path)
+    assert learner.maybe_report(force=True) is not None  # this incarnation's first row
+    assert learner.maybe_report(force=True) is None
+    learner.progress.record_update({}, lag=0.0)
+    assert learner.maybe_report(force=True)["updates"] == 1
+    learner.write_result("budget")
+    assert [int(r["updates"]) for r in rundirs.read_progress(tmp_path)] == [0, 1]
 
 
 def test_a_good_latest_checkpoint_is_used_and_none_at_all_starts_fresh(tmp_path):

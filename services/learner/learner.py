@@ -200,7 +200,12 @@ class Learner:
     # ------------------------------------------------------------ reporting and checkpoints
 
     def maybe_report(self, force: bool = False) -> dict | None:
+        """A progress row every ``log_interval_s``; ``force`` (the run's end): now, unless this
+        incarnation's last row already holds every env step and update (the periodic row can fall
+        on the run's last update: a second row would repeat it)."""
         if not force and time.monotonic() - self.t_progress < self.log_interval_s:
+            return None
+        if force and self.progress.row_is_current():
             return None
         was = self.clock.to("report")
         try:

@@ -159,6 +159,10 @@ class Progress:
                          "elo": round(s["elo"], 1), "games": int(games), "score": round(score, 3)})
         return rows
 
+    def row_is_current(self) -> bool:
+        """Whether this incarnation has written a row and nothing was counted since."""
+        return bool(self.recent) and (self.env_steps, self.updates) == (self.steps_at_row, self.updates_at_row)
+
     def eta_s(self, now: float) -> float:
         """Seconds until the env-step budget at the env-step rate since the last ETA_ROWS rows of this
         incarnation, or until the wall budget if that comes first; NaN at its first row (the
