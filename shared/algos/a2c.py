@@ -16,9 +16,10 @@ from shared.algos.gae import explained_variance, pg_targets, real_steps
 from shared.algos.hparams import A2CConfig
 from shared.algos.optim import gradient_step, optimizer, ranks, set_lr
 from shared.algos.update import Update
+from shared.algos.value_norm import CheckpointedState, ValueNorm
 
 
-class A2C:
+class A2C(CheckpointedState):
     """A2C on a ``PgAgent``: ``update(batch, progress)`` takes one optimizer step."""
 
     def __init__(self, agent: nn.Module, cfg: A2CConfig = A2CConfig()) -> None:
@@ -26,6 +27,7 @@ class A2C:
         self.cfg = cfg
         self.optimizer = optimizer(cfg.optimizer, agent.parameters(), lr=cfg.lr, eps=cfg.optimizer_eps,
                                    rmsprop_alpha=cfg.rmsprop_alpha)
+        self.value_norm = ValueNorm(agent.device) if cfg.value_norm else None
 
     def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One A2C step on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
@@ -38,7 +40,7 @@ class A2C:
         """
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
-        data = pg_targets(self.agent, batch, cfg)
+        data = pg_targets(self.agent, batch, cfg, self.value_norm)
         log_prob, entropy, value = self.agent.evaluate(data.observation, data.action, data.memory, data.reset)
         data, log_prob, entropy, value = real_steps(data, log_prob, entropy, value)  # no failed env step
         advantage = data.advantage
@@ -63,10 +65,3 @@ class A2C:
         stats["lr"] = lr
         stats["explained_variance"] = explained_variance(data.old_value, data.returns)
         return Update(stats)
-
-    def state_dict(self) -> dict:
-        """Optimizer state, for checkpoints (the agent's parameters are saved separately)."""
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])

@@ -7,6 +7,7 @@ import torch
 
 from shared.agents.memory import sequence_reset
 from shared.algos.hparams import PgTargetsConfig
+from shared.algos.value_norm import ValueNorm
 from shared.algos.vtrace import vtrace
 from shared.data.batches import OnPolicyBatch
 from shared.data.namedarraytuple import map_leaves, namedarraytuple
@@ -76,10 +77,11 @@ def recursion_ends(samples) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batch_advantages(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig
+def batch_advantages(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig, value_norm: ValueNorm | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Advantages, value targets and the V(s_t) used, all [T, B], on ``agent``'s device:
-    GAE(lambda) or V-trace as ``cfg.advantages`` says.
+    GAE(lambda) or V-trace as ``cfg.advantages`` says. With ``value_norm`` the value net's
+    outputs are normalised values, taken back to returns with its statistics first.
 
     V(s_t) and the bootstrap V(s_T) come from the current value net (``recompute_values``:
     ``agent.segment_values``, one pass over the segments; a recurrent agent runs them as
@@ -100,6 +102,8 @@ def batch_advantages(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig
     value, bootstrap, final = agent.segment_values(s, batch.bootstrap_observation, cut, cfg.recompute_values)
     if not cfg.recompute_values:
         value, bootstrap = s.agent_info.value, batch.bootstrap_value
+    if value_norm is not None:
+        value, bootstrap, final = (value_norm.denormalize(v.float()) for v in (value, bootstrap, final))
     value = value.float()
     next_value = torch.cat([value[1:], bootstrap[None].float()], dim=0)
     next_value[cut] = final.float()
@@ -126,16 +130,23 @@ def current_log_prob(agent, samples) -> torch.Tensor:
     return agent.evaluate(flat, action)[0].float().reshape(T, B)
 
 
-def pg_targets(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig) -> PgTargets:
+def pg_targets(agent, batch: OnPolicyBatch, cfg: PgTargetsConfig, value_norm: ValueNorm | None = None) -> PgTargets:
     """Move ``batch`` to the agent's device, compute its targets (``batch_advantages``) and
     flatten [T, B] to [T*B] (a recurrent agent's batch stays [T, B]: see ``PgTargets``).
 
     ``old_value`` is the V(s_t) the advantages were computed with (see ``batch_advantages``).
+    With ``value_norm``, ``old_value`` and ``returns`` are in the value net's units: the V(s_t)
+    normalised as the net gave them, the returns by the statistics once they have taken in this
+    batch's real steps' returns (``shared/algos/value_norm.py``); the advantages stay returns'.
     """
     device = agent.device
     batch = map_leaves(lambda x: x.to(device, non_blocking=True), batch)
-    advantage, returns, value = batch_advantages(agent, batch, cfg)
+    advantage, returns, value = batch_advantages(agent, batch, cfg, value_norm)
     s = batch.samples
+    if value_norm is not None:
+        value = value_norm.normalize(value)
+        value_norm.update(returns[~s.failed])
+        returns = value_norm.normalize(returns)
     T, B = s.reward.shape
     recurrent = "memory" in s.agent_info
     targets = PgTargets(

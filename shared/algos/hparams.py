@@ -30,6 +30,10 @@ class PgTargetsConfig:
     0 = TD(0)): GAE's lambda, or with V-trace the lambda of the traces c_t = lambda min(c_bar, pi/mu)."""
     reward_scale: float = 1.0
     """Rewards are multiplied by this before the targets (the value net learns scaled returns)."""
+    value_norm: bool = False
+    """The value net learns the returns normalised by their running mean and standard deviation
+    over the run (MAPPO's ValueNorm, ``shared/algos/value_norm.py``): returns of any size without
+    choosing ``reward_scale`` for them (both may be set: the rewards are scaled first)."""
     recompute_values: bool = True
     """Targets from the current value net's V(s_t) instead of the stale behaviour values."""
     advantages: str = "gae"

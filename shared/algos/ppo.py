@@ -17,15 +17,17 @@ from shared.algos.gae import explained_variance, pg_targets, real_steps
 from shared.algos.hparams import PPOConfig
 from shared.algos.optim import adam, average_over_ranks, gradient_step, set_lr
 from shared.algos.update import Update
+from shared.algos.value_norm import CheckpointedState, ValueNorm
 
 
-class PPO:
+class PPO(CheckpointedState):
     """PPO on a ``PgAgent``: ``update(batch, progress)`` runs epochs x minibatches Adam steps."""
 
     def __init__(self, agent: nn.Module, cfg: PPOConfig = PPOConfig()) -> None:
         self.agent = agent
         self.cfg = cfg
         self.optimizer = adam(agent.parameters(), lr=cfg.lr, eps=cfg.adam_eps)
+        self.value_norm = ValueNorm(agent.device) if cfg.value_norm else None
 
     def update(self, batch: OnPolicyBatch, progress: float) -> Update:
         """One PPO update on a [T, B] batch; ``progress`` in [0, 1] is the run's fraction done.
@@ -38,7 +40,7 @@ class PPO:
         cfg = self.cfg
         lr = set_lr(self.optimizer, cfg.lr, progress, cfg.anneal_lr)
         clip = cfg.clip_eps * (1.0 - progress) if cfg.anneal_clip else cfg.clip_eps
-        data = pg_targets(self.agent, batch, cfg)
+        data = pg_targets(self.agent, batch, cfg, self.value_norm)
         # Minibatches split the rows: transitions [T*B] feed-forward, whole env sequences (the
         # columns of [T, B]) for a recurrent agent, which replays each from its stored state.
         recurrent = data.memory is not None
@@ -101,10 +103,3 @@ class PPO:
     @staticmethod
     def _approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
         return ((log_ratio.exp() - 1.0) - log_ratio).mean()
-
-    def state_dict(self) -> dict:
-        """Optimizer state, for checkpoints (the agent's parameters are saved separately)."""
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
