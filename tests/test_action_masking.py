@@ -290,7 +290,7 @@ def test_evaluation_episodes_play_no_illegal_action(config):
     probe = make_env_group(exp.env, 1, 0)
     agent = make_agent(exp, probe)
     probe.close()
-    returns = play(exp, agent, episodes=32, envs=8)
+    returns = play(exp, agent, episodes=32, envs=8).returns
     assert len(returns) == 32 and returns.min() >= 0, returns
 
 

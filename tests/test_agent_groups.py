@@ -403,13 +403,33 @@ def test_two_groups_that_must_act_differently_learn_to_in_serial_mode(tmp_path):
     from services.evaluator.episodes import load_agent, play
 
     agent, _ = load_agent(exp, Path(result["run_dir"]))
-    assert (play(exp, agent, episodes=6, envs=6) == 8).all()  # rlpipe evaluate's greedy episodes: every point
+    assert (play(exp, agent, episodes=6, envs=6).returns == 8).all()  # rlpipe evaluate's greedy episodes: every point
     group = make_env_group(exp.env, 3, 0)
     buf = Buffers(group)
     group.reset(buf.obs)
     group.close()
     action, _ = agent.step(torchify(buf.obs), EVALUATE)
     assert action.tolist() == [0, 0, 1]
+
+
+def test_evaluate_gives_each_groups_return_from_its_agents_episodes():
+    """A player that always takes action 0 earns every point as a left agent, none as the right
+    one: `rlpipe evaluate`'s return per group (eval.json's ``group_returns``) keeps them apart,
+    where the mean over all agents (16 / 3) would hide both."""
+    from services.evaluator.episodes import by_group, play
+
+    class ActionZero:
+        def step(self, obs, ctx):
+            return torch.zeros(len(ctx.first), dtype=torch.int64), None
+
+    exp = loading.load(CONFIG, TWO_KINDS)
+    played = play(exp, ActionZero(), episodes=12, envs=6)
+    assert sorted(played.returns.tolist()) == [0.0] * 4 + [8.0] * 8
+    assert by_group(exp, played) == {"group_returns": {"left": {"mean_return": 8.0, "episodes": 8},
+                                                       "right": {"mean_return": 0.0, "episodes": 4}}}
+    spread = loading.load(CONFIGS / "simple_spread_ppo.toml")
+    played = play(spread, ActionZero(), episodes=3, envs=3)
+    assert played.group is None and by_group(spread, played) == {}
 
 
 EXPORTS = {

@@ -176,6 +176,23 @@ def test_ppo_on_v_trace_advantages_is_its_own_row_named_appo(tmp_path):
         ["| PPO", "| APPO (PPO, V-trace advantages)"]
 
 
+def test_results_show_a_grouped_runs_greedy_return_per_agent_group(tmp_path):
+    """Agent groups that want opposite things: the row's greedy cell names each group's return
+    (`rlpipe evaluate`'s ``group_returns``) beside the mean over all agents."""
+    from shared.launch import api
+
+    exp = api.experiment(CONFIGS / "simple_adversary_groups_ppo.toml", [f"run.runs_dir='{tmp_path}'"])
+    d = rundirs.make_run_dir(exp)
+    (d / "result.json").write_text(json.dumps({"reason": "budget", "env_steps": 1000, "updates": 1,
+                                               "mean_return": -5.0, "wall_s": 10.0}))
+    evaluation.record(d, {"policy_version": 3, "env_steps": 900, "episodes": 30, "mean_return": -2.0, "std_return": 4.0,
+                          "min_return": 0, "max_return": 0, "eval_s": 1, "wall_time": 0, "video": "",
+                          "group_returns": {"adversaries": {"mean_return": -12.25, "episodes": 10},
+                                            "good": {"mean_return": 3.125, "episodes": 20}}})
+    cells = results.markdown(results.rows([d])).splitlines()[2].split(" | ")
+    assert cells[5] == ("-2 ± 4 (30 episodes at 900 env steps; adversaries -12.25; good 3.125) (± over episodes)")
+
+
 def test_results_of_a_two_player_game_show_each_opponents_win_rates_not_only_the_last_evaluation(tmp_path):
     """`rlpipe evaluate --opponent heuristic`, then `--opponent random`, then a plain evaluation:
     eval.json holds the last one alone, the row each opponent's latest games from eval.csv."""

@@ -141,7 +141,7 @@ def test_evaluator_reports_rising_returns_and_survives_kill9(runs):
     # the rise is measured against the untrained agent (version 0) on the same seeds, whose
     # greedy play lasts 10-120 steps depending on its initial weights.
     exp = loading.load(run.dir / RUN_CONFIG)
-    untrained = play(exp, untrained_agent(exp), exp.eval.episodes, exp.eval.envs).mean()
+    untrained = play(exp, untrained_agent(exp), exp.eval.episodes, exp.eval.envs).returns.mean()
     assert final > 300 and final - untrained > 200 and final >= first, (untrained, first, final)
     assert int(last["env_steps"]) == result["env_steps"] and int(last["episodes"]) == 8
     cost = (cpu_seconds(pid) - cpu_restart) / (time.monotonic() - t_restart)

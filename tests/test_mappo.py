@@ -109,7 +109,7 @@ def test_mappo_trains_in_serial_mode_and_its_policy_acts_and_exports_without_the
     assert all(v and np.isfinite(v).all() for v in losses.values()), losses
 
     agent, _ = load_agent(exp, run_dir)
-    assert np.isfinite(play(exp, agent, episodes=3, envs=3)).all()  # rlpipe evaluate's episodes
+    assert np.isfinite(play(exp, agent, episodes=3, envs=3).returns).all()  # rlpipe evaluate's episodes
     probe = make_env_group(exp.env, 3, 0)
     buf = Buffers(probe)
     probe.reset(buf.obs)

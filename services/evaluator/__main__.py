@@ -15,7 +15,7 @@ import os
 import time
 
 from services.evaluator import matches
-from services.evaluator.episodes import CannotRender, match, play, record_episode, summary
+from services.evaluator.episodes import CannotRender, by_group, match, play, record_episode, summary
 from shared.runtime import evaluation
 from services.evaluator.reports import Reports
 from shared.runtime import metrics as metrics_mod
@@ -78,7 +78,7 @@ def run(exp, run_dir, instance: int) -> None:
             if params.version > evaluated:
                 version, env_steps = params.version, params.env_steps
                 try:
-                    returns = play(exp, agent, cfg.episodes, cfg.envs)
+                    played = play(exp, agent, cfg.episodes, cfg.envs)
                     games = []
                     for opponent in opponents:
                         t_match = time.monotonic()
@@ -88,7 +88,7 @@ def run(exp, run_dir, instance: int) -> None:
                     heartbeat.sleep(evaluation_failed(failures, e, version, m))
                     continue
                 failures.reset()
-                result = summary(returns, version, env_steps)
+                result = {**summary(played.returns, version, env_steps), **by_group(exp, played)}
                 result["video"] = ""
                 if video:
                     try:

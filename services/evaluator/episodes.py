@@ -14,7 +14,7 @@ import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -27,6 +27,7 @@ from shared.config.schema import Experiment
 from shared.config.topology import topology
 from shared.envs.backends import columns_per_env, make_env_group
 from shared.envs.group import EnvGroup, EpisodeTracker, make_env
+from shared.envs.pettingzoo_backend import GROUP_KEY
 from services.build import env_probe, make_agent, step_buffers
 from shared.data.namedarraytuple import numpify, torchify
 from shared.runtime import heartbeat
@@ -39,29 +40,56 @@ class CannotRender(ValueError):
     """The env cannot render RGB frames, so no video can be recorded of it."""
 
 
-def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make: MakeEnv | None = None) -> np.ndarray:
-    """Returns [episodes] (float64) of ``episodes`` greedy episodes of ``agent``, played in
-    ``min(envs, episodes)`` envs side by side on the held-out seeds: on the run's env backend,
-    or gymnasium envs built by ``make`` when given."""
+class Episodes(NamedTuple):
+    """Greedy episodes' returns [n] (float64) and, in an env with agent groups (``env.groups``),
+    the group index of each episode's agent [n] (None without groups)."""
+
+    returns: np.ndarray
+    group: np.ndarray | None
+
+
+def play(exp: Experiment, agent: torch.nn.Module, episodes: int, envs: int, make: MakeEnv | None = None) -> Episodes:
+    """``episodes`` greedy episodes of ``agent``, played in ``min(envs, episodes)`` envs side by
+    side on the held-out seeds: on the run's env backend, or gymnasium envs built by ``make``
+    when given."""
     per_env = columns_per_env(exp.env)  # a multi-agent env's agents each play an episode
     n = -(-max(1, min(envs, episodes)) // per_env) * per_env
     seed = topology(exp).eval_seed
-    group = make_env_group(exp.env, n, seed) if make is None else EnvGroup(exp.env, n, seed, make=make)
+    env_group = make_env_group(exp.env, n, seed) if make is None else EnvGroup(exp.env, n, seed, make=make)
     try:
-        slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, group, n)
+        slot, final_obs, reward, terminated, truncated, first = step_buffers(exp, env_group, n)
+        column_group = getattr(slot.observation, GROUP_KEY) if exp.env.groups else None  # fixed per column
         returns: list[float] = []
-        group.reset(slot.observation)
+        groups: list[int] = []
+        env_group.reset(slot.observation)
         while len(returns) < episodes:
             heartbeat.beat()
             with torch.inference_mode():
                 action, _ = agent.step(torchify(slot.observation), replace(EVALUATE, first=first, reward=reward))
             slot.action[:] = numpify(action)
-            ended = group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
+            ended = env_group.step(slot.action, slot.observation, reward, terminated, truncated, final_obs)
             np.logical_or(terminated, truncated, out=first)
-            returns.extend(ret for _, ret, _ in ended)
+            for column, ret, _ in ended:
+                returns.append(ret)
+                if column_group is not None:
+                    groups.append(int(column_group[column]))
     finally:
-        group.close()
-    return np.array(returns[:episodes], np.float64)
+        env_group.close()
+    return Episodes(np.array(returns[:episodes], np.float64),
+                    None if column_group is None else np.array(groups[:episodes]))
+
+
+def by_group(exp: Experiment, played: Episodes) -> dict:
+    """``group_returns``: each agent group's mean return and episodes, in ``env.groups``' order
+    (a group's agents may want opposite things, so the mean over all says little); {} without groups."""
+    if played.group is None:
+        return {}
+    out = {}
+    for k, name in enumerate(exp.env.groups):
+        mine = played.returns[played.group == k]
+        if len(mine):
+            out[name] = {"mean_return": float(mine.mean()), "episodes": len(mine)}
+    return {"group_returns": out}
 
 
 def summary(returns: np.ndarray, policy_version: int, env_steps: int) -> dict:
@@ -117,7 +145,7 @@ def record_episode(exp: Experiment, agent: torch.nn.Module, path: Path) -> float
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         folder = Path(tmp) / "video"  # one RecordVideo makes (it warns of one that exists)
-        (ret,) = play(on_gymnasium(exp), agent, 1, 1, recording(folder))
+        (ret,) = play(on_gymnasium(exp), agent, 1, 1, recording(folder)).returns
         (recorded,) = folder.glob("*.mp4")
         os.replace(recorded, path)  # whole or not at all, for W&B's reader in the learner
     return float(ret)
@@ -166,10 +194,10 @@ def evaluate(exp: Experiment, run_dir: Path, episodes: int, video: Path | None =
     if opponent is not None:
         return match(exp, agent, opponent, episodes, state["version"], state["env_steps"], tactics=tactics)
     if video is None:
-        returns = play(exp, agent, episodes, exp.eval.envs)
+        played = play(exp, agent, episodes, exp.eval.envs)
     else:
-        returns = play(on_gymnasium(exp), agent, episodes, 1, recording(Path(video)))
-    return summary(returns, state["version"], state["env_steps"])
+        played = play(on_gymnasium(exp), agent, episodes, 1, recording(Path(video)))
+    return {**summary(played.returns, state["version"], state["env_steps"]), **by_group(exp, played)}
 
 
 def on_gymnasium(exp: Experiment) -> Experiment:

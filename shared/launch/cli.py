@@ -420,6 +420,8 @@ def _evaluate(args) -> int:
           f"(min {result['min_return']:.1f}, max {result['max_return']:.1f})")
     if args.opponent:
         print(matches.describe(result))
+    for name, group in result.get("group_returns", {}).items():
+        print(f"  group {name}: return {group['mean_return']:.1f} over {group['episodes']} agent-episodes")
     if runs.status(run_dir) != "running":  # a live run's evaluator owns its evaluation files
         evaluation.record(run_dir, {**result, "wall_time": round(time.time(), 3),
                                     "eval_s": round(time.monotonic() - t0, 3), "video": ""})

@@ -88,7 +88,8 @@ def _row(label: str, dirs: list[Path], configs: dict[Path, dict], reference: str
         "env_steps": [None if _number(s["env_steps"]) is None else int(_number(s["env_steps"])) for s in summaries],
         "final_returns": [stats.final_return(s) for s in summaries],
         "greedy_returns": [None if g is None else {k: g[k] for k in ("mean_return", "std_return", "episodes",
-                                                                       "env_steps")} for g in greedy],
+                                                                       "env_steps", "group_returns") if k in g}
+                           for g in greedy],
         "matches": [evaluation.matches(d) for d in dirs],
         "wall_s": [_number(s["wall_s"]) for s in summaries],
         "created": [m.get("created") for m in metas], "commits": _unique(m.get("commit") for m in metas),
@@ -164,7 +165,7 @@ def _cells(r: dict) -> dict:
     final += f"; ended: {', '.join(_unique(r['reasons'])) or 'not yet'}"
     greedy = [g for g in r["greedy_returns"] if g is not None]
     greedy_text = "; ".join(f"{_fmt(g['mean_return'])} ± {_fmt(g['std_return'])} ({g['episodes']} episodes at "
-                            f"{g['env_steps']:,} env steps)" for g in greedy)
+                            f"{g['env_steps']:,} env steps{_group_text(g)})" for g in greedy)
     if greedy:
         greedy_text += " (± over episodes)"
     if any(r["matches"]):  # a two-player game's evaluations say more as win rates
@@ -185,6 +186,12 @@ def _cells(r: dict) -> dict:
         "reproduce": f"`{r['command']}`" if r["command"] else "—",
     }
     return {k: v.replace("|", "\\|") for k, v in cells.items()}  # a | inside a cell would end it
+
+
+def _group_text(greedy: dict) -> str:
+    """An evaluation's mean return per agent group (``episodes.by_group``), where the env has groups."""
+    groups = greedy.get("group_returns") or {}
+    return "".join(f"; {name} {_fmt(g['mean_return'])}" for name, g in groups.items())
 
 
 def _match_text(r: dict) -> str:
