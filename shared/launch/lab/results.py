@@ -49,6 +49,9 @@ REFERENCES = {
         "MAPPO ≈ −120 at 20M world steps (60M of ours), in its units = 3 × ours − 75 − 2 × colliding "
         "pair-steps, i.e. ≈ −15 of ours with no collision (marlbenchmark/on-policy `train_mpe_spread.sh`, "
         "as its issues #49 and #112 report it; local_ratio 0)",
+    ("ppo", "pettingzoo:mpe2.simple_adversary_v3"):
+        "none in returns (MADDPG, Lowe et al. 2017, gives its physical deception as success rates); "
+        "each group's greedy return beside the other's",
 }
 MINATAR_PAPER = {"Breakout": ("DQN ~10", "~17.5 (AC(λ))"), "SpaceInvaders": ("DQN ~43", "~185 (AC(λ))"),
                  "Asterix": ("DQN ~17", None), "Freeway": ("DQN ~50", None), "Seaquest": ("DQN ~20", None)}
