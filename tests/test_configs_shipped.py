@@ -24,6 +24,16 @@ def test_the_connect_four_pool_config_is_connect_four_ppo_with_a_pool():
     assert replace(pool, selfplay=plain.selfplay, run=replace(pool.run, name=plain.run.name)) == plain
 
 
+def test_the_connect_four_board_config_is_the_pool_config_with_the_measured_settings():
+    """connect_four_board_ppo.toml is the pool config with the settings of its measured row
+    (docs/benchmarks.md), and must stay so."""
+    board = config.load(CONFIGS / "connect_four_board_ppo.toml")
+    measured = config.load(CONFIGS / "connect_four_pool_ppo.toml", [
+        "run.name='connect_four_board_ppo'", "run.max_env_steps=9000000", "selfplay.scripted={ heuristic = 0.25 }",
+        "model.encoder='board_cnn'", "agent.shared_encoder=true"])
+    assert board == measured
+
+
 def test_the_mappo_config_is_simple_spread_ppo_with_a_centralised_value():
     mappo, plain = (config.load(CONFIGS / f"{name}.toml") for name in ("simple_spread_mappo", "simple_spread_ppo"))
     assert mappo.env.global_state and not plain.env.global_state
