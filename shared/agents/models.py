@@ -575,17 +575,15 @@ def make_encoder(obs_example, cfg: ModelConfig, obs_space=None,
         if _under(path, skip):
             continue
         arr = np.asarray(leaf)
-        shapes.append(tuple(arr.shape))
+        shape, scale = tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0
+        shapes.append(shape)
         if categories is not None:
             parts.append(OneHot(*categories))
         elif _is_image(arr, cfg.encoder):
-            shape = tuple(arr.shape)
-            if cfg.encoder in MAP_CNNS:
-                parts.append(MAP_CNNS[cfg.encoder](shape, cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
-            else:
-                parts.append(NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
+            map_cnn = MAP_CNNS.get(cfg.encoder)
+            parts.append(map_cnn(shape, scale) if map_cnn else NatureCNN(shape, _channels_last(shape), cfg.uint8_scale))
         else:
-            parts.append(_Flatten(tuple(arr.shape), cfg.uint8_scale if arr.dtype == np.uint8 else 1.0))
+            parts.append(_Flatten(shape, scale))
     if not parts:
         raise ValueError("make_encoder: obs_example has no array leaves")
     if cfg.encoder in CNN_ENCODERS and not any(isinstance(p, (NatureCNN, *MAP_CNNS.values())) for p in parts):

@@ -33,13 +33,19 @@ class ValueNorm:
     def __init__(self, device: torch.device) -> None:
         # float64: 1 - BETA is 1e-5, below float32's resolution near 1 for the debiasing term.
         self.moments = torch.zeros(3, dtype=torch.float64, device=device)  # mean, mean of squares, debiasing term
+        self._derive()
 
-    def mean_std(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The debiased mean and standard deviation (0 and 0.1 before the first update)."""
+    def _derive(self) -> None:
+        """The debiased mean and standard deviation from the moments, once a change of them (a batch
+        normalises and denormalises five tensors with them)."""
         mean, mean_sq, debias = self.moments
         debias = debias.clamp(min=1e-5)
         mean, mean_sq = mean / debias, mean_sq / debias
-        return mean.float(), (mean_sq - mean * mean).clamp(min=MIN_VAR).sqrt().float()
+        self.mean, self.std = mean.float(), (mean_sq - mean * mean).clamp(min=MIN_VAR).sqrt().float()
+
+    def mean_std(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The debiased mean and standard deviation (0 and 0.1 before the first update)."""
+        return self.mean, self.std
 
     def update(self, returns: torch.Tensor) -> None:
         """Take in one update's value targets (its real steps)."""
@@ -47,20 +53,20 @@ class ValueNorm:
                              torch.ones((), dtype=torch.float64, device=returns.device)])
         average_over_ranks([batch])
         self.moments.mul_(BETA).add_(batch, alpha=1.0 - BETA)
+        self._derive()
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        mean, std = self.mean_std()
-        return (x - mean) / std
+        return (x - self.mean) / self.std
 
     def denormalize(self, x: torch.Tensor) -> torch.Tensor:
-        mean, std = self.mean_std()
-        return x * std + mean
+        return x * self.std + self.mean
 
     def state_dict(self) -> dict:
         return {"moments": self.moments.clone()}
 
     def load_state_dict(self, state: dict) -> None:
         self.moments.copy_(state["moments"])
+        self._derive()
 
 
 class CheckpointedState:
