@@ -145,14 +145,16 @@ def test_learner_step_vs_plain_eager_torch(config_file, plain):
     assert ratio > 0
 
 
-@pytest.mark.parametrize("config_file, overrides", [
-    ("pendulum_sac.toml", ("model.hidden_sizes=[256, 256]", "algo.batch_size=256")),
-    ("minatar_breakout_dqn.toml", ()),
-], ids=["sac_256x256_batch256", "minatar_dqn_cnn"])
-def test_bf16_autocast_and_threads_vs_the_same_runs_fp32(config_file, overrides):
-    """The learner options of issue 38's MuJoCo and MinAtar rows: ``learner.autocast = "bf16"``
-    and ``learner.threads = 2`` against one-thread fp32, alternating rounds in one process
-    (ratios < 1: faster). bf16 pays where the CPU has bf16 instructions (avx512_bf16, AMX)."""
+@pytest.mark.parametrize("config_file, overrides, calls", [
+    ("pendulum_sac.toml", ("model.hidden_sizes=[256, 256]", "algo.batch_size=256"), 30),
+    ("minatar_breakout_dqn.toml", (), 30),
+    ("connect_four_board_ppo.toml", (), 3),  # a call: a PPO update of 2,048 rows, 16 gradient steps
+], ids=["sac_256x256_batch256", "minatar_dqn_cnn", "connect_four_board_ppo"])
+def test_bf16_autocast_and_threads_vs_the_same_runs_fp32(config_file, overrides, calls):
+    """The learner options of issue 38's MuJoCo and MinAtar rows and of issue 39's learner-bound
+    Connect Four run: ``learner.autocast = "bf16"`` and ``learner.threads = 2`` against one-thread
+    fp32, alternating rounds in one process (ratios < 1: faster). bf16 pays where the CPU has bf16
+    instructions (avx512_bf16, AMX)."""
     variants = {"fp32": ("off", 1), "bf16": ("bf16", 1), "fp32, 2 threads": ("off", 2), "bf16, 2 threads": ("bf16", 2)}
     trains = {name: rlpipe_learner(config_file, overrides=(*overrides, f"learner.autocast='{autocast}'"))[0]
               for name, (autocast, _) in variants.items()}
@@ -160,10 +162,10 @@ def test_bf16_autocast_and_threads_vs_the_same_runs_fp32(config_file, overrides)
     for _ in range(ROUNDS):
         for name, (_, threads) in variants.items():
             torch.set_num_threads(threads)
-            times[name].append(per_step_ms(trains[name], 1, 30))
+            times[name].append(per_step_ms(trains[name], 1, calls))
     torch.set_num_threads(1)
     base = statistics.median(times["fp32"])
-    print(f"\n{config_file} {' '.join(overrides)}: fp32 one thread {base:.2f} ms an update; " + "; ".join(
+    print(f"\n{config_file} {' '.join(overrides)}: fp32 one thread {base:.2f} ms a learner call; " + "; ".join(
         f"{name} {statistics.median(t):.2f} ms ({statistics.median(t) / base:.2f}x)" for name, t in times.items()
         if name != "fp32"))
     assert base > 0
