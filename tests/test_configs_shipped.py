@@ -29,7 +29,7 @@ def test_the_connect_four_board_config_is_the_pool_config_with_the_measured_sett
     (docs/benchmarks.md), and must stay so."""
     board = config.load(CONFIGS / "connect_four_board_ppo.toml")
     measured = config.load(CONFIGS / "connect_four_pool_ppo.toml", [
-        "run.name='connect_four_board_ppo'", "run.max_env_steps=9000000", "selfplay.scripted={ heuristic = 0.25 }",
+        "run.name='connect_four_board_ppo'", "run.max_env_steps=9000000", "selfplay.scripted={ heuristic = 0.5 }",
         "model.encoder='board_cnn'", "agent.shared_encoder=true"])
     assert board == measured
 
