@@ -86,6 +86,7 @@ class Learner:
         self.bf16 = exp.learner.autocast == "bf16"
         self.pending_algo_state: dict | None = None  # a checkpoint's, for an algorithm attached later
         self.max_policy_lag, self.max_env_steps = exp.replay.max_policy_lag, exp.run.max_env_steps
+        self.max_wall_s = exp.run.max_wall_s if exp.run.schedule_by == "budget" else math.inf
         self.log_interval_s, self.checkpoint_interval_s = exp.run.log_interval_s, exp.learner.checkpoint_interval_s
         self.run_dir = run_dir
         self.leads = group is None or group.rank == 0  # publishes, reports, checkpoints
@@ -119,6 +120,12 @@ class Learner:
     def env_steps(self, value: int) -> None:
         self.progress.env_steps = value
 
+    def fraction_done(self) -> float:
+        """The run's fraction done that the algorithm's schedules follow (``run.schedule_by``): env
+        steps of the budget, or the nearer of that and the wall-clock's (``max_wall_s`` is inf
+        unless the config schedules by budget)."""
+        return min(1.0, max(self.env_steps / self.max_env_steps, self.progress.wall_s() / self.max_wall_s))
+
     # ------------------------------------------------------------ training
 
     def train(self, slot, meta: dict):
@@ -137,7 +144,7 @@ class Learner:
         # Autocast casts only the ops on its lists (matmuls, convolutions) to bf16: the fp32
         # parameters get fp32 gradients through the casts, and the optimizer's step is no such op.
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            update: Update = self.algo.update(batch, min(1.0, self.env_steps / self.max_env_steps))
+            update: Update = self.algo.update(batch, self.fraction_done())
         skipped, taken = optim.skipped_steps() - skipped, optim.taken_steps() - taken
         if skipped:
             self._count_skipped(skipped)

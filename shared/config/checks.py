@@ -16,7 +16,8 @@ from shared.algos import registry
 from shared.algos.hparams import PQNConfig
 from shared.replay.selectors import WEIGHT_NORMS
 from shared.runtime.plugins import is_reference, load_attribute
-from shared.config.schema import AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, POOLS, SCRIPTED, WANDB_MODES
+from shared.config.schema import (AUTOCAST, ConfigError, Experiment, INFERENCE, OPPONENTS, POOLS, SCHEDULE_BY, SCRIPTED,
+                                  WANDB_MODES)
 from shared.config.topology import SAMPLER_SEED_STRIDE, topology
 
 
@@ -44,6 +45,11 @@ def check(exp: Experiment, check_ports: bool, check_env: bool = True) -> None:
             raise ConfigError(f"{name}.count = {section.count}: above {name}.max_count = {section.max_count}")
     if exp.learner.autocast not in AUTOCAST:
         raise ConfigError(f"learner.autocast = {exp.learner.autocast!r}: allowed: {', '.join(AUTOCAST)}")
+    if exp.run.schedule_by not in SCHEDULE_BY:
+        raise ConfigError(f"run.schedule_by = {exp.run.schedule_by!r}: allowed: {', '.join(SCHEDULE_BY)}")
+    if exp.run.schedule_by == "budget" and exp.learner.count > 1:
+        raise ConfigError(f"run.schedule_by = 'budget' with learner.count = {exp.learner.count}: each rank's clock "
+                          "would anneal its optimizer's rate apart from the others'; use 'env_steps'")
     if exp.sampler.inference not in INFERENCE:
         raise ConfigError(f"sampler.inference = {exp.sampler.inference!r}: allowed: {', '.join(INFERENCE)}")
     if exp.sampler.alternating and exp.sampler.envs < 2 and exp.sampler.inference != "local":

@@ -47,6 +47,13 @@ class RunConfig:
     """Step budget: the run ends when this many env steps were sampled."""
     max_wall_s: float = 1800.0
     """Wall-clock budget in seconds (a safety net for tests and unattended runs)."""
+    schedule_by: str = "env_steps"
+    """What the algorithm's schedules (the annealed learning rates) count as the run's fraction
+    done: ``env_steps``, env steps of ``max_env_steps`` (the same steps give the same schedule on
+    any machine), or ``budget``, whichever of ``max_env_steps`` and ``max_wall_s`` is nearer its
+    end, so that a run bounded by wall-clock ("within 30 minutes") anneals fully by its end on a
+    machine of any speed; the schedule then depends on the machine. One learner rank only (each
+    rank's clock would give its optimizer another rate)."""
     log_interval_s: float = 2.0
     """Seconds between progress rows (terminal and progress.csv)."""
     max_skipped_updates: int = 100
@@ -371,6 +378,8 @@ WANDB_MODES = ("online", "offline", "disabled")
 INFERENCE = ("auto", "local", "server")
 AUTOCAST = ("off", "bf16")
 """What ``learner.autocast`` may be."""
+SCHEDULE_BY = ("env_steps", "budget")
+"""What ``run.schedule_by`` may be."""
 
 
 @dataclass(frozen=True)
