@@ -86,7 +86,8 @@ class Learner:
         self.bf16 = exp.learner.autocast == "bf16"
         self.pending_algo_state: dict | None = None  # a checkpoint's, for an algorithm attached later
         self.max_policy_lag, self.max_env_steps = exp.replay.max_policy_lag, exp.run.max_env_steps
-        self.max_wall_s = exp.run.max_wall_s if exp.run.schedule_by == "budget" else math.inf
+        # The wall-clock the schedules anneal over (run.schedule_by): inf, so that it never leads, unless by budget.
+        self.schedule_wall_s = exp.run.max_wall_s if exp.run.schedule_by == "budget" else math.inf
         self.log_interval_s, self.checkpoint_interval_s = exp.run.log_interval_s, exp.learner.checkpoint_interval_s
         self.run_dir = run_dir
         self.leads = group is None or group.rank == 0  # publishes, reports, checkpoints
@@ -122,9 +123,8 @@ class Learner:
 
     def fraction_done(self) -> float:
         """The run's fraction done that the algorithm's schedules follow (``run.schedule_by``): env
-        steps of the budget, or the nearer of that and the wall-clock's (``max_wall_s`` is inf
-        unless the config schedules by budget)."""
-        return min(1.0, max(self.env_steps / self.max_env_steps, self.progress.wall_s() / self.max_wall_s))
+        steps of the budget, or the nearer of that and the wall-clock's."""
+        return min(1.0, max(self.env_steps / self.max_env_steps, self.progress.wall_s() / self.schedule_wall_s))
 
     # ------------------------------------------------------------ training
 
