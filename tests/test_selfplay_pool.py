@@ -59,6 +59,7 @@ POOL = ["selfplay.pool='uniform'", "selfplay.snapshot_every=10"]
     (["selfplay.pool=''", "selfplay.scripted={ heuristic = 0.5 }"], "set selfplay.pool too"),
     (["selfplay.scripted={ best = 0.5 }"], "'best' is unknown; give some of random, heuristic"),
     (["selfplay.scripted={ heuristic = 0 }"], "selfplay.scripted.heuristic = 0.0: a share of the games"),
+    (["selfplay.second_seat_share=1.5"], "selfplay.second_seat_share = 1.5: a share of the boards, from 0 to 1"),
     (["selfplay.scripted={ heuristic = 0.75, random = 0.5 }"], "the shares add up to more than 1"),
     (["selfplay.scripted={ heuristic = 0.5 }", "selfplay.train_both_seats=true"], "train the learner's seat only"),
     (["env.id='pettingzoo:tests.uncopyable_game_for_tests'", "selfplay.scripted={ heuristic = 0.5 }"],
@@ -110,6 +111,16 @@ def test_draws_follow_the_rule_and_elo_moves_towards_the_winner():
 def test_opponent_columns_give_the_learner_first_seat_on_even_boards():
     assert opponent_columns(0, 8).tolist() == [False, True, True, False] * 2
     assert opponent_columns(8, 4).tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("share, second", [(0.75, 24), (0.625, 20), (1.0, 32), (0.0, 0)])
+def test_opponent_columns_give_the_learner_the_second_seat_on_its_share_of_the_boards(share, second):
+    """32 boards over two samplers of 32 columns: one opponent column a board, the learner second
+    (the opponent in the board's first column) on ``share`` of them, spread evenly."""
+    mask = np.concatenate([opponent_columns(base, 32, share) for base in (0, 32)]).reshape(32, 2)
+    assert (mask.sum(1) == 1).all()
+    assert mask[:, 0].sum() == second
+    assert abs(mask[:16, 0].sum() - second / 2) <= 1  # each sampler's half of the boards has its share
 
 
 class Announced:

@@ -1,8 +1,10 @@
 """The opponent seat of self-play against a pool of past versions (``[selfplay]``,
 ``shared.transport.pool``), in a sampler (local or server inference) or in serial mode.
 
-Board b of the run (global columns 2b, 2b + 1) gives the learner seat ``b % 2`` and the
-opponent the other, so the learner plays first on half the boards and second on the rest.
+Board b of the run (global columns 2b, 2b + 1) gives the learner one seat and the opponent the
+other: the learner plays second on a ``selfplay.second_seat_share`` of the boards, spread evenly
+(board b where ``floor((b + 1) s) > floor(b s)``: at 0.5 the odd boards, so the learner plays first
+on half the boards and second on the rest).
 
 A board's opponent is drawn when its game starts and holds until that game ends, so every move
 of a game is one version's and the game's outcome scores that version. The versions in play act
@@ -36,10 +38,13 @@ from shared.envs.players import PLAYERS
 from shared.transport.pool import PoolFiles, draw
 
 
-def opponent_columns(env_base: int, envs: int) -> np.ndarray:
-    """bool [envs]: which of a sampler's columns (global ``env_base ..``) the opponent holds."""
+def opponent_columns(env_base: int, envs: int, second_seat_share: float = 0.5) -> np.ndarray:
+    """bool [envs]: which of a sampler's columns (global ``env_base ..``) the opponent holds, where
+    the learner is second on a ``second_seat_share`` of the run's boards."""
     cols = env_base + np.arange(envs)
-    return cols % 2 != (cols // 2) % 2
+    board = cols // 2
+    learner_second = np.floor((board + 1) * second_seat_share) > np.floor(board * second_seat_share)
+    return cols % 2 != learner_second
 
 
 def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed,
@@ -54,7 +59,7 @@ def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed
         return sampler.envs[g].game(k)
 
     return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
-                    opponent_columns(sampler.env_base, exp.sampler.envs), exp.sampler.horizon, seed, stack,
+                    opponent_columns(sampler.env_base, exp.sampler.envs, exp.selfplay.second_seat_share), exp.sampler.horizon, seed, stack,
                     game_of if exp.selfplay.scripted else None)
 
 

@@ -267,6 +267,8 @@ def _check_selfplay(exp: Experiment, check_env: bool) -> None:
                           "behaviour probability to train the opponent's seat on; train the learner's seat only")
     if sp.pool not in POOLS:
         raise ConfigError(f"selfplay.pool = {sp.pool!r}: allowed: {', '.join(POOLS)}, or empty (off)")
+    if not 0 <= sp.second_seat_share <= 1:
+        raise ConfigError(f"selfplay.second_seat_share = {sp.second_seat_share}: a share of the boards, from 0 to 1")
     for name, value in (("selfplay.size", sp.size), ("selfplay.snapshot_every", sp.snapshot_every)):
         if value < 1:
             raise ConfigError(f"{name} = {value}: must be >= 1")

@@ -353,6 +353,10 @@ class SelfPlayConfig:
     """Also train on the opponent seat's moves (acted by the drawn past version: off-policy data,
     its behaviour log-probabilities and values are the snapshot's); for symmetric games whose two
     seats one shared policy plays. False: the opponent's columns are masked out of every loss."""
+    second_seat_share: float = 0.5
+    """The share of the boards on which the learner's seat is the second player (spread evenly
+    over the run's boards; 0.5: every other board). Above 0.5 where moving second is the harder
+    side to learn (Connect Four's first player wins with perfect play)."""
     scripted: dict[str, float] = field(default_factory=dict)
     """Scripted players among the opponents: the share of the learner seat's games each player of
     SCRIPTED plays in place of a pool version, drawn as a game starts (e.g. ``{ heuristic = 0.125 }``;
