@@ -47,6 +47,16 @@ from shared.runtime.metrics import PHASES, Phases
 from shared.runtime.runfiles import RESULT
 
 log = logging.getLogger(__name__)
+
+
+def cpu_emulates_bf16() -> bool:
+    """Whether this x86 CPU lacks bf16 instructions, so that bf16 matrix products run emulated
+    (docs/benchmarks.md, "Learner step"); False where torch cannot tell (an older torch without
+    ``torch.cpu.get_capabilities``, or not x86)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    return caps.get("architecture") == "x86_64" and not (caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
 RESULT_TRIES = 120
 """Seconds the learner tries to write its result on a full disk before it gives up (exit 1)."""
 # While no batch comes, the current version is re-announced this often: a PUB message sent
@@ -84,6 +94,10 @@ class Learner:
         ``algo``: None to ``attach`` it later (after ``resume``), once version 0 is out."""
         self.agent, self.algo, self.device, self.m, self.group = agent, algo, device, metrics, group
         self.bf16 = exp.learner.autocast == "bf16"
+        if self.bf16 and device.type == "cpu" and cpu_emulates_bf16():
+            log.warning("learner.autocast = bf16 on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16): "
+                        "torch emulates its bf16 products, many times slower than fp32 (SAC's update 15x on an "
+                        "AVX2 EPYC); set learner.autocast = off here")
         self.pending_algo_state: dict | None = None  # a checkpoint's, for an algorithm attached later
         self.max_policy_lag, self.max_env_steps = exp.replay.max_policy_lag, exp.run.max_env_steps
         # The wall-clock the schedules anneal over (run.schedule_by): inf, so that it never leads, unless by budget.
