@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
+
+import pytest
 
 from shared.config import loading
 from shared.launch import provenance, rundirs
@@ -24,3 +28,20 @@ def test_a_new_run_directory_records_its_commit_host_and_command(tmp_path, monke
 def test_a_directory_outside_git_or_without_meta_reads_as_unknown(tmp_path):
     assert provenance.commit(tmp_path) == "unknown"
     assert provenance.read(tmp_path) == {}
+
+
+def test_the_cpu_names_its_model_cores_and_widest_vector_instructions():
+    """Two hosts named "AMD EPYC" differed by AVX-512 with bf16 against AVX2 (bf16 0.64x against 15x
+    fp32's time): the row's hardware says which, from /proc/cpuinfo's first processor."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("needs /proc/cpuinfo")
+    first = {key.strip(): value for key, value in (line.split(":", 1) for line in
+                                                   cpuinfo.read_text().split("\n\n")[0].splitlines() if ":" in line)}
+    if "model name" not in first:
+        pytest.skip("no model name in /proc/cpuinfo (not x86)")
+    flags = set(first.get("flags", "").split())
+    widest = next((name for flag, name in provenance.VECTOR_ISA if flag in flags), None)
+    name = " ".join(first["model name"].split())
+    cores = len(os.sched_getaffinity(0))
+    assert provenance.cpu() == f"{name} ({cores} cores{', ' + widest if widest else ''})"

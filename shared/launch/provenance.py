@@ -33,17 +33,26 @@ def commit(repo: Path = REPO) -> str:
     return head + ("+dirty" if dirty else "")
 
 
+VECTOR_ISA = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 with bf16"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+"""(/proc/cpuinfo flag, what ``cpu`` calls it), widest first."""
+
+
 def cpu() -> str:
-    """This host's CPU model and the cores this process may use, e.g. ``Intel Xeon ... (2 cores)``."""
-    model = platform.processor() or platform.machine()
+    """This host's CPU model, the cores this process may use and its widest vector instructions,
+    e.g. ``AMD EPYC (2 cores, AVX2)``: two hosts of one model name ran a bf16 update in 0.64x and
+    15x fp32's time, and the suite in 15 and 25 minutes (docs/benchmarks.md), so the name alone
+    does not say what ran."""
+    info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = " ".join(line.partition(":")[2].split())
-                break
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value)  # the first processor's
     except OSError:
         pass
-    return f"{model} ({len(os.sched_getaffinity(0))} cores)"
+    model = " ".join(info["model name"].split()) if "model name" in info else platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    isa = next((name for flag, name in VECTOR_ISA if flag in flags), None)
+    return f"{model} ({len(os.sched_getaffinity(0))} cores{', ' + isa if isa else ''})"
 
 
 def gpu() -> str:
