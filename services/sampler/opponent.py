@@ -58,9 +58,9 @@ def sampler_opponent(exp, run_dir, sampler, make_copy: Callable[[], tuple], seed
         g, k = where[board]
         return sampler.envs[g].game(k)
 
-    return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy,
-                    opponent_columns(sampler.env_base, exp.sampler.envs, exp.selfplay.second_seat_share), exp.sampler.horizon, seed, stack,
-                    game_of if exp.selfplay.scripted else None)
+    mask = opponent_columns(sampler.env_base, exp.sampler.envs, exp.selfplay.second_seat_share)
+    return Opponent(exp.selfplay, PoolFiles(run_dir, exp.selfplay.size), make_copy, mask, exp.sampler.horizon, seed,
+                    stack, game_of if exp.selfplay.scripted else None)
 
 
 class Opponent:
