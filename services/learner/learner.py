@@ -96,8 +96,8 @@ class Learner:
         self.bf16 = exp.learner.autocast == "bf16"
         if self.bf16 and device.type == "cpu" and cpu_emulates_bf16():
             log.warning("learner.autocast = bf16 on a CPU without bf16 instructions (no avx512_bf16 or amx_bf16): "
-                        "torch emulates its bf16 products, many times slower than fp32 (SAC's update 15x on an "
-                        "AVX2 EPYC); set learner.autocast = off here")
+                        "torch emulates its bf16 products, many times slower than fp32 "
+                        '(docs/benchmarks.md, "Learner step"); set learner.autocast = off here')
         self.pending_algo_state: dict | None = None  # a checkpoint's, for an algorithm attached later
         self.max_policy_lag, self.max_env_steps = exp.replay.max_policy_lag, exp.run.max_env_steps
         # The wall-clock the schedules anneal over (run.schedule_by): inf, so that it never leads, unless by budget.

@@ -39,9 +39,8 @@ VECTOR_ISA = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 with bf16"), ("avx51
 
 def cpu() -> str:
     """This host's CPU model, the cores this process may use and its widest vector instructions,
-    e.g. ``AMD EPYC (2 cores, AVX2)``: two hosts of one model name ran a bf16 update in 0.64x and
-    15x fp32's time, and the suite in 15 and 25 minutes (docs/benchmarks.md), so the name alone
-    does not say what ran."""
+    e.g. ``AMD EPYC (2 cores, AVX2)``: hosts of one model name differ in them, and bf16's speed
+    with them (docs/benchmarks.md, "Hardware"), so the name alone does not say what ran."""
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
