@@ -41,6 +41,9 @@ REFERENCES = {
     ("sac", "HalfCheetah-v5"): "9,535 ± 100 at 1M, HalfCheetah-v3 (rl-baselines3-zoo); none at 100k",
     ("sac", "Hopper-v5"): "2,326 ± 1,130 at 1M, Hopper-v3 (rl-baselines3-zoo); none at 100k",
     ("sac", "Walker2d-v5"): "3,863 ± 254 at 1M, Walker2d-v3 (rl-baselines3-zoo); none at 100k",
+    ("td3", "HalfCheetah-v5"): "9,656 ± 970 at 1M, HalfCheetah-v3 (rl-baselines3-zoo); none below 1M",
+    ("td3", "Hopper-v5"): "3,606 ± 4 at 1M, Hopper-v3 (rl-baselines3-zoo); none below 1M",
+    ("td3", "Walker2d-v5"): "4,718 ± 46 at 1M, Walker2d-v3 (rl-baselines3-zoo); none below 1M",
     **{("crossq", f"{env}-v5"): "none tabulated (the CrossQ paper, Bhatt et al. 2024, gives curves); "
        "beside the SAC row of the same env, steps and samplers" for env in ("HalfCheetah", "Hopper", "Walker2d")},
     # MAPPO's Spread counts world steps (3 of our agent-steps each) and sums the three agents'
